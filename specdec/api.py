@@ -1,0 +1,197 @@
+"""The Python API: load a target and a drafter, then generate text or stream it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from specdec.drafters import Drafter, ModelDrafter, NgramDrafter, PromptLookupDrafter
+from specdec.engine import AdaptiveGamma, FixedGamma, decode
+from specdec.errors import SpecDecError
+from specdec.ngram import KatzTrigram
+from specdec.runtime import CausalLM, check_same_vocabulary, load_model, tokenizer_fingerprint
+from specdec.sampling import RandomStreams
+from specdec.types import GenerationStats, SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]  # generated ids, prompt excluded, stop token excluded
+    finish_reason: str  # "length", "stop" (EOS or a stop string)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
+
+
+class Stream:
+    """Iterate for text deltas; afterwards `.result` holds the whole GenerationResult."""
+
+    def __init__(self, deltas: Iterator[str]):
+        self._deltas = deltas
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        self.result = yield from self._deltas
+
+
+class SpeculativeDecoder:
+    """A target model plus an optional drafter; with no drafter it decodes plainly (γ = 0).
+
+    gamma: draft length per iteration, or "auto" for the adaptive policy.
+    """
+
+    def __init__(self, target: CausalLM, drafter: Drafter | None = None, gamma: int | str = 4):
+        self.target, self.drafter = target, drafter
+        if isinstance(drafter, ModelDrafter):
+            check_same_vocabulary(target.tokenizer, drafter.model.tokenizer, f"draft model ({drafter.model.path})")
+        if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
+            raise SpecDecError(f"gamma must be a positive integer or 'auto', got {gamma!r}")
+        self.gamma = gamma
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    def generate(self, prompt: str | Sequence[int], **options) -> GenerationResult:
+        """Options as for `stream`. Returns text, tokens and stats."""
+        stream = self.stream(prompt, **options)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 128,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+    ) -> Stream:
+        """Text deltas as they are committed. Temperature 0 is greedy; a seed makes sampling repeatable."""
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        prompt_ids = self._prompt_ids(prompt)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise SpecDecError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise SpecDecError("stop strings must be non-empty strings")
+        return Stream(self._deltas(prompt_ids, sampling, max_new_tokens, seed, stop))
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise SpecDecError("the prompt is empty")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = [int(i) for i in prompt]
+            if any(not 0 <= i < self.target.vocab_size for i in ids):
+                raise SpecDecError(f"prompt token ids must be in [0, {self.target.vocab_size})")
+        if not ids:
+            raise SpecDecError("the prompt is empty")
+        limit = self.target.max_length
+        if isinstance(self.drafter, ModelDrafter):
+            limit = min(limit, self.drafter.model.max_length)
+        if len(ids) >= limit:
+            raise SpecDecError(f"the prompt has {len(ids)} tokens; the context holds {limit}, leaving no room to generate")
+        return ids
+
+    def _stop_tokens(self) -> frozenset[int]:
+        ids = {self.tokenizer.eos_token_id}
+        configured = getattr(getattr(self.target.model, "generation_config", None), "eos_token_id", None)
+        ids.update(configured if isinstance(configured, list) else [configured])
+        return frozenset(i for i in ids if i is not None)
+
+    def _deltas(self, prompt_ids, sampling, max_new_tokens, seed, stop) -> Iterator[str]:
+        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        gamma_policy = AdaptiveGamma() if self.gamma == "auto" else FixedGamma(self.gamma)
+        started = time.perf_counter()
+        steps = decode(
+            self.target, self.drafter, prompt_ids, sampling, max_new_tokens,
+            gamma_policy, RandomStreams(seed), stats, self._stop_tokens(),
+        )
+        tokens: list[int] = []
+        text = ""
+        emitted = 0  # characters of text already yielded
+        finish_reason = "length"
+        for step in steps:
+            tokens += step.tokens
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            cut = _first_stop(text, stop, max(0, emitted - max(map(len, stop), default=0)))
+            if cut is not None:
+                text, finish_reason = text[:cut], "stop"
+                tokens = _tokens_covering(self.tokenizer, tokens, cut)
+            elif step.finish_reason:
+                finish_reason = step.finish_reason
+            safe = len(text) if (cut is not None or step.finish_reason) else _safe_length(text, stop)
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+            if cut is not None:
+                break
+        steps.close()
+        stats.generated_tokens = len(tokens)
+        stats.total_seconds = time.perf_counter() - started
+        return GenerationResult(text=text, tokens=tokens, finish_reason=finish_reason, stats=stats)
+
+
+def _first_stop(text: str, stop: list[str], start: int) -> int | None:
+    hits = [i for i in (text.find(s, start) for s in stop) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _safe_length(text: str, stop: list[str]) -> int:
+    """How much of text can be shown now: not a half-decoded character, not a possible stop-string start."""
+    end = len(text.rstrip("\ufffd"))
+    for s in stop:
+        for k in range(min(len(s) - 1, end), 0, -1):
+            if text[:end].endswith(s[:k]):
+                end -= k
+                break
+    return end
+
+
+def _tokens_covering(tokenizer, tokens: list[int], chars: int) -> list[int]:
+    """The shortest prefix of tokens whose text reaches `chars` characters (the stop string's start)."""
+    for n in range(len(tokens) + 1):
+        if len(tokenizer.decode(tokens[:n], skip_special_tokens=True)) >= chars:
+            return tokens[:n]
+    return tokens
+
+
+def load(
+    target: str,
+    draft: str | None = None,
+    ngram: str | None = None,
+    prompt_lookup: bool = False,
+    gamma: int | str = 4,
+    device: str | None = None,
+    dtype: str | None = None,
+    ngram_stochastic: bool = True,
+) -> SpeculativeDecoder:
+    """Load a target checkpoint and at most one drafter; no drafter means plain decoding."""
+    if sum([draft is not None, ngram is not None, bool(prompt_lookup)]) > 1:
+        raise SpecDecError("choose at most one drafter: a draft model, an n-gram file or prompt lookup")
+    target_model = load_model(target, device=device, dtype=dtype)
+    drafter: Drafter | None = None
+    if draft is not None:
+        drafter = ModelDrafter(load_model(draft, device=device or str(target_model.device), dtype=dtype))
+    elif ngram is not None:
+        drafter = NgramDrafter(load_ngram(ngram, target_model), stochastic=ngram_stochastic)
+    elif prompt_lookup:
+        drafter = PromptLookupDrafter()
+    return SpeculativeDecoder(target_model, drafter, gamma)
+
+
+def load_ngram(path: str, target: CausalLM) -> KatzTrigram:
+    model = KatzTrigram.load(path)
+    expected = tokenizer_fingerprint(target.tokenizer)
+    if model.fingerprint and model.fingerprint != expected:
+        raise SpecDecError(f"{path} was built with another tokenizer than the target's (fingerprint {model.fingerprint} vs {expected})")
+    if model.vocab_size != target.vocab_size:
+        raise SpecDecError(f"{path} covers {model.vocab_size} tokens; the target's tokenizer has {target.vocab_size}")
+    return model

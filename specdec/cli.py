@@ -1,0 +1,123 @@
+"""The `specdec` command: parse, call the library, print. No logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdec.errors import SpecDecError
+
+
+def _gamma(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        gamma = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}") from None
+    if gamma < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
+    return gamma
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for local Hugging Face checkpoints.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text from a prompt", description="Stream a continuation of PROMPT, then a one-line stats summary (on stderr).")
+    gen.add_argument("prompt")
+    gen.add_argument("--target", required=True, help="target checkpoint directory")
+    drafter = gen.add_mutually_exclusive_group()
+    drafter.add_argument("--draft", help="draft checkpoint directory (same tokenizer as the target)")
+    drafter.add_argument("--ngram", help="n-gram model file from `specdec ngram build`")
+    drafter.add_argument("--prompt-lookup", action="store_true", help="draft by matching the context's last tokens earlier in the context")
+    gen.add_argument("--ngram-top1", action="store_true", help="with --ngram: propose the top token instead of sampling")
+    gen.add_argument("--gamma", type=_gamma, default=4, help="draft tokens per iteration, or 'auto' (default 4)")
+    gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    gen.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), float16")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    gen.set_defaults(run=run_generate)
+
+    ngram = commands.add_parser("ngram", help="n-gram drafter tools").add_subparsers(dest="ngram_command", required=True)
+    build = ngram.add_parser("build", help="build a Katz-backoff trigram over a tokenizer's ids from text files")
+    build.add_argument("files", nargs="+")
+    build.add_argument("--tokenizer", required=True, help="directory with the target's tokenizer files")
+    build.add_argument("-o", "--output", required=True, help="output file (.safetensors)")
+    build.set_defaults(run=run_ngram_build)
+    return parser
+
+
+def run_generate(args) -> None:
+    import specdec
+
+    decoder = specdec.load(
+        args.target, draft=args.draft, ngram=args.ngram, prompt_lookup=args.prompt_lookup,
+        gamma=args.gamma, device=args.device, dtype=args.dtype, ngram_stochastic=not args.ngram_top1,
+    )
+    stream = decoder.stream(
+        args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+    )
+    if args.json:
+        for _ in stream:
+            pass
+        print(json.dumps(stream.result.to_dict()))
+        return
+    for delta in stream:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print(format_stats(stream.result.stats, decoder), file=sys.stderr)
+
+
+def format_stats(stats, decoder) -> str:
+    parts = [f"{stats.generated_tokens} tokens", f"{stats.total_seconds:.2f} s", f"{stats.tokens_per_second or 0:.1f} tok/s"]
+    parts.append(f"{stats.target_forwards} target forwards")
+    if decoder.drafter is not None:
+        rate = stats.acceptance_rate
+        parts += [
+            f"drafter {decoder.drafter.name}, gamma {decoder.gamma}",
+            f"{stats.draft_forwards} draft forwards",
+            f"acceptance {rate:.1%}" if rate is not None else "acceptance n/a",
+        ]
+    parts.append(f"{stats.tokens_per_target_forward or 0:.2f} tokens/target forward")
+    return "[specdec] " + " · ".join(parts)
+
+
+def run_ngram_build(args) -> None:
+    from transformers import AutoTokenizer
+
+    from specdec.ngram import build_from_files
+    from specdec.runtime import tokenizer_fingerprint
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True, trust_remote_code=False)
+    except Exception as error:
+        raise SpecDecError(f"could not load a tokenizer from {args.tokenizer}: {error}") from error
+    model = build_from_files(args.files, tokenizer, fingerprint=tokenizer_fingerprint(tokenizer))
+    model.save(args.output)
+    print(f"wrote {args.output} (vocabulary {model.vocab_size})", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except SpecDecError as error:
+        print(f"specdec: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("specdec: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

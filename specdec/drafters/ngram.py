@@ -1,0 +1,42 @@
+"""The Katz-backoff trigram as a drafter: a full distribution (stochastic) or its top token."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from specdec.ngram import KatzTrigram
+from specdec.sampling import probs_from_logits, sample
+from specdec.types import Draft, SamplingParams
+
+
+class NgramDrafter:
+    """stochastic=True samples from the n-gram's distribution after the target's sampling transform
+    (so q is exact); stochastic=False proposes the top token (point mass). Greedy mode is always top-1.
+    """
+
+    forwards = 0
+
+    def __init__(self, model: KatzTrigram, stochastic: bool = True):
+        self.model = model
+        self.stochastic = stochastic
+        self.name = "ngram" if stochastic else "ngram-top1"
+
+    def reset(self) -> None:
+        pass
+
+    def propose(
+        self, context: Sequence[int], max_tokens: int, sampling: SamplingParams, rng: torch.Generator
+    ) -> Draft:
+        context = list(context[-2:])  # a trigram looks at two tokens
+        tokens, probs = [], []
+        for _ in range(max_tokens):
+            if sampling.greedy or not self.stochastic:
+                token = self.model.top_token(context)
+            else:
+                probs.append(probs_from_logits(self.model.log_probs(context), sampling))
+                token = sample(probs[-1], rng)
+            tokens.append(token)
+            context = [context[-1], token]
+        return Draft(tokens=torch.tensor(tokens, dtype=torch.long), probs=torch.stack(probs) if probs else None)

@@ -1,0 +1,127 @@
+"""One loop: propose -> verify -> commit/rollback. Plain decoding is the same loop with no drafts."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from specdec.drafters.base import Drafter, empty_draft
+from specdec.runtime import CausalLM
+from specdec.sampling import RandomStreams, probs_from_logits
+from specdec.types import Draft, GenerationStats, SamplingParams
+from specdec.verify import verify_chain, verify_greedy
+
+
+class FixedGamma:
+    """Always draft `gamma` tokens."""
+
+    def __init__(self, gamma: int):
+        if gamma < 0:
+            raise ValueError("gamma must be >= 0")
+        self.gamma = gamma
+
+    def update(self, drafted: int, accepted: int) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return str(self.gamma)
+
+
+class AdaptiveGamma:
+    """Grow after a fully accepted draft, shrink after a rejection in its first half."""
+
+    def __init__(self, start: int = 4, low: int = 1, high: int = 16):
+        if not 1 <= low <= start <= high:
+            raise ValueError("need 1 <= low <= start <= high")
+        self.gamma, self.low, self.high = start, low, high
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:  # the drafter had nothing to say: no evidence about gamma
+            return
+        if accepted == drafted:
+            self.gamma = min(self.high, self.gamma + 1)
+        elif accepted < drafted / 2:
+            self.gamma = max(self.low, self.gamma - 1)
+
+    def __repr__(self) -> str:
+        return "auto"
+
+
+@dataclass
+class StepResult:
+    """The tokens one iteration committed, and why generation ended there (None: it goes on)."""
+
+    tokens: list[int]
+    finish_reason: str | None = None
+
+
+def decode(
+    target: CausalLM,
+    drafter: Drafter | None,
+    prompt: Sequence[int],
+    sampling: SamplingParams,
+    max_new_tokens: int,
+    gamma_policy,
+    streams: RandomStreams,
+    stats: GenerationStats,
+    stop_tokens: frozenset[int] = frozenset(),
+) -> Iterator[StepResult]:
+    """Yield what each iteration commits; the last yield carries a finish reason.
+
+    Invariant at the top of every iteration: the target cache holds context[:-1]; the last
+    committed token is fed together with the next draft, so accepted tokens are never recomputed.
+    """
+    context = list(prompt)
+    room = min(max_new_tokens, target.max_length - len(context))
+    target.reset()
+    if drafter is not None:
+        drafter.reset()
+    started = time.perf_counter()
+    if len(context) > 1:  # the prefill is not counted in target_forwards: those are per iteration
+        target.forward(context[:-1])
+    stats.prefill_seconds = time.perf_counter() - started
+    generated = 0
+    while generated < room:
+        # 1. draft; γ never asks for more than the room left (the verify adds one token itself)
+        gamma = min(gamma_policy.gamma, room - generated - 1) if drafter is not None else 0
+        tick = time.perf_counter()
+        draft = drafter.propose(context, gamma, sampling, streams.draft) if gamma > 0 else empty_draft()
+        tock = time.perf_counter()
+        # 2. one target forward scores the last committed token and every draft token
+        logits = target.forward([context[-1]] + draft.tokens.tolist())  # [len(draft) + 1, vocab]
+        result = _verify(draft, logits, sampling, streams)
+        # 3. roll back the rejected drafts: the cache keeps context[:-1] + last + accepted
+        target.truncate(len(context) + result.accepted)
+        stats.target_forwards += 1
+        stats.draft_forwards = drafter.forwards if drafter is not None else 0
+        stats.draft_seconds += tock - tick
+        stats.verify_seconds += time.perf_counter() - tock
+        stats.record(len(draft), result.accepted, gamma)
+        gamma_policy.update(len(draft), result.accepted)
+        # 4. commit, cutting at a stop token or at the length limit
+        step = _commit(result.tokens, room - generated, stop_tokens)
+        context += step.tokens
+        generated += len(step.tokens)
+        if step.finish_reason is None and generated >= room:
+            step.finish_reason = "length"
+        yield step
+        if step.finish_reason:
+            return
+    yield StepResult([], "length")
+
+
+def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, streams: RandomStreams):
+    if sampling.greedy:
+        return verify_greedy(draft.tokens, logits)
+    target_probs = probs_from_logits(logits, sampling)  # [len(draft) + 1, vocab]
+    return verify_chain(draft.tokens, draft.probs, target_probs, streams.accept, streams.recover)
+
+
+def _commit(tokens: list[int], room: int, stop_tokens: frozenset[int]) -> StepResult:
+    for i, token in enumerate(tokens[:room]):
+        if token in stop_tokens:  # EOS inside accepted tokens ends generation there (pitfall 7)
+            return StepResult(tokens[:i], "stop")
+    return StepResult(tokens[:room])

@@ -1,0 +1,8 @@
+"""The one error type users see: bad input, bad checkpoints, incompatible models."""
+
+
+class SpecDecError(ValueError):
+    """A problem the user can fix; its message says what and where.
+
+    The CLI prints the message and exits non-zero; the server answers 4xx.
+    """

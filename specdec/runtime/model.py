@@ -1,0 +1,174 @@
+"""A local Hugging Face causal LM with a KV cache that only its caller moves.
+
+`CausalLM.forward` feeds new tokens at explicit positions, optionally under an attention mask over
+cached + new tokens; `truncate` and `keep` edit the cache. That is everything the engine needs, so
+tree attention or another runtime can slot in behind the same four methods.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from specdec.errors import SpecDecError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+class CausalLM:
+    """One model, one sequence, one KV cache.
+
+    Invariant: the cache holds exactly `cache_len` entries, entry i for the token fed at the i-th
+    slot; logits come back restricted to the tokenizer's real vocabulary (padding rows dropped).
+    """
+
+    def __init__(self, model, tokenizer, path: str = ""):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.path = path
+        self.vocab_size = len(tokenizer)
+        rows = model.get_output_embeddings().weight.shape[0]
+        if rows < self.vocab_size:
+            raise SpecDecError(
+                f"{path}: the model has {rows} output rows but its tokenizer has {self.vocab_size} tokens"
+            )
+        self.max_length = _context_length(model.config)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self._cache = DynamicCache(config=model.config)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def cache_len(self) -> int:
+        return self._cache.get_seq_length()
+
+    def reset(self) -> None:
+        self._cache = DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor | list[int],  # [n]
+        positions: torch.Tensor | None = None,  # [n]; default: cache_len, cache_len + 1, ...
+        attention_mask: torch.Tensor | None = None,  # [n, cache_len + n] bool, True = may attend; default causal
+    ) -> torch.Tensor:
+        """Append the new tokens to the cache and return their next-token logits: [n, vocab] on the CPU."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        n, start = tokens.numel(), self.cache_len
+        if positions is None:
+            positions = torch.arange(start, start + n)
+        if int(positions.max()) >= self.max_length:
+            raise SpecDecError(f"position {int(positions.max())} is beyond the model's context of {self.max_length}")
+        mask = None
+        if attention_mask is not None:
+            if attention_mask.shape != (n, start + n):
+                raise ValueError(f"attention_mask must be [{n}, {start + n}], got {list(attention_mask.shape)}")
+            mask = attention_mask.to(self.device)[None, None]
+        out = self.model(
+            input_ids=tokens.to(self.device)[None],
+            position_ids=positions.to(self.device)[None],
+            attention_mask=mask,
+            past_key_values=self._cache,
+            use_cache=True,
+        )
+        logits = out.logits[0, :, : self.vocab_size]
+        return logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32).cpu()
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` cache entries."""
+        if not 0 <= length <= self.cache_len:
+            raise ValueError(f"cannot truncate a cache of {self.cache_len} entries to {length}")
+        self._edit(lambda t: t[..., :length, :])
+
+    def keep(self, indices: torch.Tensor | list[int]) -> None:
+        """Keep the chosen cache entries, in the given order (tree compaction)."""
+        index = torch.as_tensor(indices, dtype=torch.long, device=self.device)
+        self._edit(lambda t: t.index_select(-2, index))
+
+    def _edit(self, cut) -> None:
+        for layer in self._cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys, layer.values = cut(layer.keys), cut(layer.values)
+
+    def cache_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(keys, values) per layer, [batch, heads, cache_len, head_dim]: for tests and tools."""
+        return [(layer.keys, layer.values) for layer in self._cache.layers]
+
+
+def _context_length(config) -> int:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """float32 on CPU unless asked; bfloat16 on CUDA unless asked."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise SpecDecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(path: str | os.PathLike, device: str | None = None, dtype: str | torch.dtype | None = None) -> CausalLM:
+    """Load a local checkpoint directory: config.json, *.safetensors, tokenizer files.
+
+    Never downloads, never runs remote code, never unpickles: `.bin` weights are refused.
+    """
+    path = Path(path)
+    device = device or default_device()
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecDecError(f"device {device!r} was asked for but this torch build sees no CUDA device")
+    _check_checkpoint_dir(path)
+    torch_dtype = resolve_dtype(dtype, device)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            config=config,
+            dtype=torch_dtype,
+            use_safetensors=True,
+            local_files_only=True,
+            trust_remote_code=False,
+        ).to(device)
+    except SpecDecError:
+        raise
+    except Exception as error:  # a corrupt or incomplete checkpoint: say which and why
+        raise SpecDecError(f"could not load the model in {path}: {type(error).__name__}: {error}") from error
+    return CausalLM(model, tokenizer, str(path))
+
+
+def _check_checkpoint_dir(path: Path) -> None:
+    if not path.is_dir():
+        raise SpecDecError(f"model directory not found: {path}")
+    if not (path / "config.json").is_file():
+        raise SpecDecError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
+    try:
+        json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise SpecDecError(f"{path / 'config.json'} is not valid JSON: {error}") from error
+    if not any(path.glob("*.safetensors")):
+        pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        hint = f" (found {', '.join(pickled)}: pickled weights are never loaded; convert them to safetensors)" if pickled else ""
+        raise SpecDecError(f"{path} has no .safetensors weights{hint}")
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")):
+        raise SpecDecError(f"{path} has no tokenizer files (tokenizer.json or tokenizer_config.json)")

@@ -1,0 +1,64 @@
+"""Pure functions: logits -> sampling distribution, and draws from an explicit generator.
+
+The same transform must be applied to the target's and the drafter's logits at every position
+(DESIGN pitfall 2), so there is exactly one function that does it: `probs_from_logits`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specdec.types import SamplingParams
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (nucleus); returns float32 (or float64 for float64 input).
+
+    logits: [..., vocab]. Not for greedy mode: temperature 0 is argmax, decided by the caller.
+    """
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logits = logits.to(dtype) / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        probs = _nucleus(probs, params.top_p)
+    return probs
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p; renormalise."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    drop_sorted = mass_before >= top_p  # the most likely token always stays
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    probs = probs.masked_fill(drop, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from probs: [vocab] (need not be normalised, must have positive mass)."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def uniform(generator: torch.Generator) -> float:
+    """u ~ U[0, 1)."""
+    return float(torch.rand((), generator=generator, dtype=torch.float64))
+
+
+class RandomStreams:
+    """Independent, reproducible generators for the three kinds of randomness (DESIGN pitfall 6).
+
+    draft: sampling draft tokens; accept: acceptance uniforms; recover: recovered and bonus tokens.
+    Never the global RNG: the same seed gives the same output.
+    """
+
+    def __init__(self, seed: int | None):
+        root = np.random.SeedSequence(seed)
+        draft, accept, recover = (int(s.generate_state(1, np.uint64)[0] >> 1) for s in root.spawn(3))
+        self.seed = root.entropy
+        self.draft = torch.Generator().manual_seed(draft)
+        self.accept = torch.Generator().manual_seed(accept)
+        self.recover = torch.Generator().manual_seed(recover)

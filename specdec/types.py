@@ -1,0 +1,131 @@
+"""Plain data passed between the drafters, the verifiers and the engine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.errors import SpecDecError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen. temperature 0 is greedy (argmax), its own deterministic mode."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+    def __post_init__(self):
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SpecDecError(f"temperature must be >= 0, got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SpecDecError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if not (0 < self.top_p <= 1):
+            raise SpecDecError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Draft:
+    """What a drafter proposes: only new tokens, never the prefix.
+
+    probs[i] is the exact distribution tokens[i] was sampled from, after the same sampling
+    transform as the target's; None means point-mass (deterministic) drafts.
+    """
+
+    tokens: torch.Tensor  # [n] int64
+    probs: torch.Tensor | None = None  # [n, vocab] float
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+
+@dataclass
+class VerifyResult:
+    """accepted: how many draft tokens were kept (0..n).
+
+    tokens: the accepted draft tokens followed by exactly one more — the recovered token after a
+    rejection, or the bonus token when every draft was accepted. Always accepted + 1 long.
+    """
+
+    accepted: int
+    tokens: list[int]
+
+
+@dataclass
+class GenerationStats:
+    """What happened during one generation; formatting lives elsewhere."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    target_forwards: int = 0  # one per iteration; the prompt's prefill is not counted
+    draft_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    iterations: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)  # accepted count per iteration
+    gammas: list[int] = field(default_factory=list)  # draft length asked for per iteration
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    def record(self, drafted: int, accepted: int, gamma: int) -> None:
+        self.iterations += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.accepted_lengths.append(accepted)
+        self.gammas.append(gamma)
+        grow = drafted - len(self.drafted_by_position)
+        if grow > 0:
+            self.drafted_by_position += [0] * grow
+            self.accepted_by_position += [0] * grow
+        for i in range(drafted):
+            self.drafted_by_position[i] += 1
+            self.accepted_by_position[i] += i < accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    @property
+    def tokens_per_target_forward(self) -> float | None:
+        return self.generated_tokens / self.target_forwards if self.target_forwards else None
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        # end to end, prefill included: what the user waits for
+        return self.generated_tokens / self.total_seconds if self.total_seconds > 0 else None
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "target_forwards": self.target_forwards,
+            "draft_forwards": self.draft_forwards,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "iterations": self.iterations,
+            "acceptance_rate": self.acceptance_rate,
+            "acceptance_by_position": self.acceptance_by_position,
+            "accepted_lengths": self.accepted_lengths,
+            "gammas": self.gammas,
+            "tokens_per_target_forward": self.tokens_per_target_forward,
+            "tokens_per_second": self.tokens_per_second,
+            "prefill_seconds": self.prefill_seconds,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "total_seconds": self.total_seconds,
+        }

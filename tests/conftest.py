@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny saved checkpoints of four architectures, loaded through the real loader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec
+from tiny import save_tiny_model
+
+ARCHS = ["llama", "qwen2", "gpt2", "neox"]
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    """Target-sized and draft-sized checkpoints per architecture, all sharing one tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    dirs = {}
+    for seed, arch in enumerate(ARCHS):
+        dirs[arch] = str(save_tiny_model(root / arch, arch, seed=seed))
+        dirs[f"{arch}-draft"] = str(save_tiny_model(root / f"{arch}-draft", arch, seed=100 + seed, layers=1))
+    dirs["llama-eos"] = str(save_tiny_model(root / "llama-eos", "llama", seed=24, logit_scale=3.0, with_eos=True))  # greedy EOS after 12 tokens
+    dirs["llama-padded"] = str(save_tiny_model(root / "llama-padded", "llama", seed=8, vocab_rows=24, layers=1))
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def load64():
+    """Load a checkpoint in float64 on the CPU (exact comparisons), cached per directory."""
+    cache = {}
+
+    def load(directory: str) -> specdec.CausalLM:
+        if directory not in cache:
+            cache[directory] = specdec.load_model(directory, device="cpu", dtype="float64")
+        return cache[directory]
+
+    return load
+
+
+def reference_greedy(model: specdec.CausalLM, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """No cache at all: the whole sequence through the model for every token, argmax each time."""
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            logits = model.model(torch.tensor([tokens])).logits[0, -1, : model.vocab_size]
+            tokens.append(int(logits.argmax()))
+    return tokens[len(prompt):]

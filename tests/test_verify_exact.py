@@ -1,0 +1,216 @@
+"""Exact losslessness of one speculative iteration, by enumeration (no sampling).
+
+The real `verify_chain` runs once per branch of its randomness: every acceptance comparison and
+every recovered/bonus draw is a branch point, weighted by its exact probability. The uniform it
+draws is symbolic, so the weight of "accept" is read off the comparison the code itself makes.
+Every iteration's output, completed to γ + 1 tokens by the target, must have the target's joint
+distribution to 1e-9.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+import specdec.verify as verify_module
+from specdec.verify import verify_chain
+
+
+class SymbolicUniform:
+    """u ~ U[0, 1) scaled by a positive factor; a comparison asks the enumerator which branch to take."""
+
+    def __init__(self, enumerator, scale=1.0):
+        self.enumerator, self.scale = enumerator, scale
+
+    def __mul__(self, factor):
+        assert factor > 0, "the verifier scales u by a draft probability, which must be positive"
+        return SymbolicUniform(self.enumerator, self.scale * float(factor))
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, divisor):
+        return self * (1.0 / float(divisor))
+
+    def _below(self, threshold) -> float:  # P(scale * u < threshold)
+        return float(np.clip(float(threshold) / self.scale, 0.0, 1.0))
+
+    def __lt__(self, t):
+        return self.enumerator.branch([(True, self._below(t)), (False, 1 - self._below(t))])
+
+    def __ge__(self, t):
+        return not self.__lt__(t)
+
+    def __le__(self, t):  # P(u == t) = 0, so <= and < split the same way
+        return self.__lt__(t)
+
+    def __gt__(self, t):
+        return not self.__lt__(t)
+
+
+class Enumerator:
+    """Depth-first over every branch of the code's randomness; collects (outcome, probability)."""
+
+    def __init__(self):
+        self.script: list[int] = []
+        self.position = 0
+        self.weight = 1.0
+        self.pending: list[list[int]] = []
+
+    def branch(self, options):  # options: [(value, probability)]
+        if self.position == len(self.script):  # first time here: take option 0, queue the others
+            self.pending += [self.script + [i] for i in range(1, len(options))]
+            self.script.append(0)
+        value, probability = options[self.script[self.position]]
+        self.position += 1
+        self.weight *= probability
+        return value
+
+    def run(self, function):
+        self.pending = [[]]
+        while self.pending:
+            self.script, self.position, self.weight = self.pending.pop(), 0, 1.0
+            outcome = function()
+            if self.weight > 0:
+                yield outcome, self.weight
+
+
+@pytest.fixture
+def enumerator(monkeypatch):
+    enumerator = Enumerator()
+    monkeypatch.setattr(verify_module, "uniform", lambda rng: SymbolicUniform(enumerator))
+
+    def sample(probs, rng):
+        probs = probs / probs.sum()
+        return enumerator.branch([(token, float(p)) for token, p in enumerate(probs)])
+
+    monkeypatch.setattr(verify_module, "sample", sample)
+    return enumerator
+
+
+class Conditional:
+    """A random next-token table over histories: table(history) -> float64 [vocab]."""
+
+    def __init__(self, vocab, seed, shape=None):
+        self.vocab, self.seed, self.shape, self.rows = vocab, seed, shape, {}
+
+    def __call__(self, history: tuple[int, ...]) -> torch.Tensor:
+        if history not in self.rows:
+            rng = np.random.default_rng([self.seed, len(history), *history])
+            row = rng.dirichlet(np.full(self.vocab, 0.7))
+            if self.shape is not None:
+                row = self.shape(row, rng)
+            self.rows[history] = torch.tensor(row / row.sum(), dtype=torch.float64)
+        return self.rows[history]
+
+
+def zero_some(row, rng):
+    """q with zeros where p may be positive."""
+    row = row * (rng.random(row.size) < 0.5)
+    if row.sum() == 0:
+        row[rng.integers(row.size)] = 1.0
+    return row
+
+
+def low_half(row, rng):
+    row = row.copy(); row[len(row) // 2 :] = 0
+    return row
+
+
+def high_half(row, rng):
+    row = row.copy(); row[: len(row) // 2] = 0
+    return row
+
+
+def target_joint(target: Conditional, length: int) -> dict[tuple, float]:
+    joint = {}
+    for seq in itertools.product(range(target.vocab), repeat=length):
+        prob = 1.0
+        for i, token in enumerate(seq):
+            prob *= float(target(seq[:i])[token])
+        joint[seq] = prob
+    return joint
+
+
+def iteration_joint(enumerator, target, draft, gamma, point_mass) -> dict[tuple, float]:
+    """Joint of one iteration's output completed by the target to gamma + 1 tokens."""
+    vocab = target.vocab
+    joint: dict[tuple, float] = {}
+    drafts = itertools.product(range(vocab), repeat=gamma)
+    for xs in drafts:
+        if point_mass:  # deterministic drafter: the argmax of its table, probability 1
+            if any(xs[i] != int(draft(xs[:i]).argmax()) for i in range(gamma)):
+                continue
+            draft_weight, draft_probs = 1.0, None
+        else:
+            draft_weight = float(np.prod([float(draft(xs[:i])[xs[i]]) for i in range(gamma)]))
+            if draft_weight == 0:
+                continue
+            draft_probs = torch.stack([draft(xs[:i]) for i in range(gamma)])
+        target_probs = torch.stack([target(xs[:i]) for i in range(gamma + 1)])
+        tokens = torch.tensor(xs, dtype=torch.long)
+        for result, weight in enumerator.run(lambda: verify_chain(tokens, draft_probs, target_probs, None, None)):
+            assert len(result.tokens) == result.accepted + 1
+            assert tuple(result.tokens[: result.accepted]) == xs[: result.accepted]
+            for tail, tail_weight in completions(target, tuple(result.tokens), gamma + 1):
+                joint[tail] = joint.get(tail, 0.0) + draft_weight * weight * tail_weight
+    return joint
+
+
+def completions(target, prefix: tuple, length: int):
+    """Every way the target continues prefix to `length` tokens, with its probability."""
+    if len(prefix) == length:
+        yield prefix, 1.0
+        return
+    for token, p in enumerate(target(prefix).tolist()):
+        if p > 0:
+            for seq, weight in completions(target, prefix + (token,), length):
+                yield seq, p * weight
+
+
+CASES = {
+    "random p and q": dict(draft_shape=None),
+    "p equals q": dict(draft_shape="same"),
+    "disjoint supports": dict(draft_shape=high_half, target_shape=low_half),
+    "q zero where p > 0": dict(draft_shape=zero_some),
+    "point-mass q": dict(draft_shape=None, point_mass=True),
+}
+
+
+@pytest.mark.parametrize("vocab,gamma", [(4, 1), (5, 2), (3, 3), (8, 1), (6, 2)])
+@pytest.mark.parametrize("case", list(CASES))
+def test_chain_iteration_keeps_target_distribution(enumerator, case, vocab, gamma):
+    spec = CASES[case]
+    target = Conditional(vocab, seed=vocab * 10 + gamma, shape=spec.get("target_shape"))
+    draft = target if spec["draft_shape"] == "same" else Conditional(vocab, seed=999 + vocab, shape=spec["draft_shape"])
+    got = iteration_joint(enumerator, target, draft, gamma, spec.get("point_mass", False))
+    want = target_joint(target, gamma + 1)
+    assert abs(sum(got.values()) - 1) < 1e-9
+    worst = max(abs(got.get(seq, 0.0) - p) for seq, p in want.items())
+    assert worst < 1e-9, f"largest deviation from the target's joint: {worst:.3g}"
+    assert set(got) <= {seq for seq, p in want.items() if p > 0}
+
+
+def test_enumeration_catches_a_wrong_residual(enumerator, monkeypatch):
+    """The harness can fail: sampling the recovery from p instead of norm(max(0, p - q)) is caught."""
+    monkeypatch.setattr(verify_module, "residual", lambda target_probs, draft_probs, token: target_probs)
+    target, draft = Conditional(4, seed=1), Conditional(4, seed=2)
+    got = iteration_joint(enumerator, target, draft, 2, point_mass=False)
+    want = target_joint(target, 3)
+    assert max(abs(got.get(seq, 0.0) - p) for seq, p in want.items()) > 1e-3
+
+
+def test_residual_without_mass_falls_back_to_target():
+    target_probs = torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64)
+    rest = verify_module.residual(target_probs, target_probs.clone(), token=0)
+    assert torch.isfinite(rest).all() and torch.allclose(rest, target_probs)
+
+
+def test_greedy_verification_keeps_the_agreeing_prefix():
+    logits = torch.tensor([[0, 5, 1], [9, 0, 0], [0, 0, 3], [1, 0, 0]], dtype=torch.float64)
+    result = verify_module.verify_greedy(torch.tensor([1, 0, 1]), logits)
+    assert (result.accepted, result.tokens) == (2, [1, 0, 2])
+    result = verify_module.verify_greedy(torch.tensor([1, 0, 2]), logits)
+    assert (result.accepted, result.tokens) == (3, [1, 0, 2, 0])

@@ -1,0 +1,66 @@
+"""Tiny random Hugging Face checkpoints, saved with save_pretrained and loaded by the real loader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+CHARS = "abcdefghijklm n"  # 15 characters + <eos> = a 16-token vocabulary
+EOS_TEXT = "<|endoftext|>"  # the name several tokenizer classes insist on
+VOCAB = {EOS_TEXT: 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
+EOS = 0
+
+
+def make_tokenizer(with_eos: bool = True) -> PreTrainedTokenizerFast:
+    """Character-level: BPE over single characters with no merges.
+
+    with_eos=False: id 0 is an ordinary token, so generations run to their length limit.
+    """
+    backend = Tokenizer(models.BPE(vocab=dict(VOCAB), merges=[], unk_token=None))
+    backend.decoder = decoders.Fuse()
+    if not with_eos:
+        return PreTrainedTokenizerFast(tokenizer_object=backend)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TEXT, pad_token=EOS_TEXT)
+
+
+def make_config(arch: str, vocab_size: int, layers: int = 2, hidden: int = 32, with_eos: bool = True):
+    eos = EOS if with_eos else None
+    common = dict(vocab_size=vocab_size, bos_token_id=None, eos_token_id=eos, pad_token_id=eos)
+    if arch == "llama":
+        return LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **common)
+    if arch == "qwen2":
+        return Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **common)
+    if arch == "gpt2":
+        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=64, **common)
+    if arch == "neox":
+        return GPTNeoXConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                             num_attention_heads=4, max_position_embeddings=64, **common)
+    raise ValueError(arch)
+
+
+def save_tiny_model(directory: Path, arch: str, seed: int, vocab_rows: int = len(VOCAB),
+                    logit_scale: float = 8.0, layers: int = 2, with_eos: bool = False) -> Path:
+    """Random weights; logit_scale sharpens (>1) or flattens the output distributions.
+
+    vocab_rows > len(VOCAB) pads the embeddings, as real checkpoints of one family do.
+    """
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_config(arch, vocab_rows, layers=layers, with_eos=with_eos))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(logit_scale)
+    model.generation_config.eos_token_id = EOS if with_eos else None
+    model.save_pretrained(directory)
+    make_tokenizer(with_eos).save_pretrained(directory)
+    return directory
