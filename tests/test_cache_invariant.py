@@ -1,0 +1,61 @@
+"""After every iteration both KV caches equal a fresh prefill of the committed text (pitfall 5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec
+from conftest import ARCHS
+from specdec.engine import AdaptiveGamma, FixedGamma, decode
+from specdec.sampling import RandomStreams
+from specdec.types import GenerationStats, SamplingParams
+
+
+def assert_cache_is_fresh_prefill(model: specdec.CausalLM, tokens: list[int], reference: specdec.CausalLM):
+    assert model.cache_len == len(tokens)
+    reference.reset()
+    if tokens:
+        reference.forward(tokens)
+    for (keys, values), (fresh_keys, fresh_values) in zip(model.cache_tensors(), reference.cache_tensors()):
+        torch.testing.assert_close(keys, fresh_keys, rtol=0, atol=1e-10)
+        torch.testing.assert_close(values, fresh_values, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_caches_track_committed_text(arch, temperature, model_dirs):
+    load = lambda key: specdec.load_model(model_dirs[key], device="cpu", dtype="float64")
+    target, draft = load(arch), load(f"{arch}-draft")
+    fresh_target, fresh_draft = load(arch), load(f"{arch}-draft")
+    drafter = specdec.ModelDrafter(draft)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    stats = GenerationStats()
+    policy = AdaptiveGamma(start=3) if temperature else FixedGamma(3)
+    steps = decode(target, drafter, prompt, SamplingParams(temperature=temperature), 48, policy, RandomStreams(0), stats)
+    context = list(prompt)
+    for step in steps:
+        context += step.tokens
+        if step.finish_reason:
+            break
+        assert_cache_is_fresh_prefill(target, context[:-1], fresh_target)
+        # the draft cache still holds the last proposal; its sync (the start of every propose)
+        # cuts it back to the committed text, never recomputing an accepted token
+        pending = drafter.sync(context)
+        assert drafter._cached + pending == context and pending
+        assert len(pending) <= 2, "at most the last accepted draft token and the bonus are pending"
+        assert_cache_is_fresh_prefill(draft, drafter._cached, fresh_draft)
+    assert stats.iterations >= 10
+    if temperature:  # greedy runs of two random models are all-or-nothing; sampling mixes both
+        assert 0 < stats.accepted < stats.drafted, "the run should include acceptances and rejections"
+
+
+def test_keep_selects_cache_entries(model_dirs):
+    model = specdec.load_model(model_dirs["llama"], device="cpu", dtype="float64")
+    reference = specdec.load_model(model_dirs["llama"], device="cpu", dtype="float64")
+    model.forward([1, 2, 3, 4, 5, 6])
+    model.keep([0, 1, 2, 4])  # drop token 4 at slot 3 and the last; the kept entries keep their positions
+    reference.forward([1, 2, 3, 4, 5, 6])
+    for (keys, _), (ref_keys, _) in zip(model.cache_tensors(), reference.cache_tensors()):
+        torch.testing.assert_close(keys, ref_keys[..., [0, 1, 2, 4], :], rtol=0, atol=0)
+    assert model.cache_len == 4
