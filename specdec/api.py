@@ -77,6 +77,8 @@ class SpeculativeDecoder:
         prompt_ids = self._prompt_ids(prompt)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise SpecDecError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise SpecDecError(f"seed must be a non-negative integer, got {seed!r}")
         stop = [stop] if isinstance(stop, str) else list(stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise SpecDecError("stop strings must be non-empty strings")
@@ -92,7 +94,7 @@ class SpeculativeDecoder:
             if any(not 0 <= i < self.target.vocab_size for i in ids):
                 raise SpecDecError(f"prompt token ids must be in [0, {self.target.vocab_size})")
         if not ids:
-            raise SpecDecError("the prompt is empty")
+            raise SpecDecError("the prompt is empty" if not len(prompt) else "the prompt encodes to no tokens (the tokenizer knows none of its characters)")
         limit = self.target.max_length
         if isinstance(self.drafter, ModelDrafter):
             limit = min(limit, self.drafter.model.max_length)

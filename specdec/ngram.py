@@ -250,6 +250,8 @@ class KatzTrigram:
             "fingerprint": self.fingerprint,
             "discount_k": str(DISCOUNT_K),
         }
+        if not path.parent.is_dir():
+            raise SpecDecError(f"cannot write n-gram model to {path}: folder {path.parent} does not exist")
         tmp = path.with_name(path.name + ".tmp")
         try:
             save_file(self._arrays, str(tmp), metadata=meta)

@@ -10,6 +10,8 @@ from tiny import save_tiny_model
 
 ARCHS = ["llama", "qwen2", "gpt2", "neox"]
 
+torch.set_num_threads(1)  # tiny models: threads only add overhead and contention on a 2-core machine
+
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, str]:

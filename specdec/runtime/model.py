@@ -142,19 +142,23 @@ def load_model(path: str | os.PathLike, device: str | None = None, dtype: str | 
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-        model = AutoModelForCausalLM.from_pretrained(
+        model, info = AutoModelForCausalLM.from_pretrained(
             path,
             config=config,
             dtype=torch_dtype,
             use_safetensors=True,
             local_files_only=True,
             trust_remote_code=False,
-        ).to(device)
-    except SpecDecError:
-        raise
+            output_loading_info=True,
+        )
     except Exception as error:  # a corrupt or incomplete checkpoint: say which and why
-        raise SpecDecError(f"could not load the model in {path}: {type(error).__name__}: {error}") from error
-    return CausalLM(model, tokenizer, str(path))
+        message = " ".join(str(error).split())  # one line, whatever the library printed
+        raise SpecDecError(f"could not load the model in {path}: {type(error).__name__}: {message}") from error
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:  # transformers would fill them with random values and only log it
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise SpecDecError(f"{path}: the safetensors files lack weights {', '.join(missing[:3])}{more}")
+    return CausalLM(model.to(device), tokenizer, str(path))
 
 
 def _check_checkpoint_dir(path: Path) -> None:

@@ -1,0 +1,390 @@
+"""The `specdec` command: in-process through specdec.cli.main (fast), plus real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+import specdec
+from specdec.cli import main
+from tiny import VOCAB
+
+STATS_KEYS = {
+    "target_forwards": int,
+    "draft_forwards": int,
+    "drafted": int,
+    "accepted": int,
+    "generated_tokens": int,
+    "prompt_tokens": int,
+}
+FLOAT_OR_NONE_KEYS = ["acceptance_rate", "tokens_per_target_forward", "tokens_per_second"]
+EXACT = ["--device", "cpu", "--dtype", "float64"]  # deterministic comparisons on any machine
+PROMPT = "hi ej"  # the tiny llama continues it with varied, partly repetitive text
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def cli_json(capsys, *argv) -> dict:
+    code, out, err = cli(capsys, *argv, "--json")
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, out  # exactly one JSON object, nothing else on stdout
+    return json.loads(lines[0])
+
+
+def argparse_exit(capsys, *argv) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as info:
+        main([str(a) for a in argv])
+    return info.value.code, capsys.readouterr().err
+
+
+def error_line(err: str) -> str:
+    """The one 'specdec: error: ...' line, which must also be the last line of stderr."""
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("specdec: error: ")]
+    assert len(lines) == 1, err
+    assert err.rstrip().splitlines()[-1] == lines[0], err
+    return lines[0]
+
+
+def save_char_tokenizer(directory: Path, vocab: dict[str, int]) -> None:
+    backend = Tokenizer(models.BPE(vocab=dict(vocab), merges=[], unk_token=None))
+    backend.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(directory)
+
+
+def check_stats(result: dict, prompt_tokens: int | None = None) -> dict:
+    """Types and consistency of the --json output."""
+    assert set(result) >= {"text", "tokens", "stats"}
+    assert isinstance(result["text"], str)
+    assert isinstance(result["tokens"], list) and all(isinstance(t, int) and 0 <= t < len(VOCAB) for t in result["tokens"])
+    stats = result["stats"]
+    for key, kind in STATS_KEYS.items():
+        assert isinstance(stats[key], kind) and not isinstance(stats[key], bool), key
+        assert stats[key] >= 0, key
+    for key in FLOAT_OR_NONE_KEYS:
+        assert key in stats
+        assert stats[key] is None or (isinstance(stats[key], (int, float)) and math.isfinite(stats[key])), key
+    if prompt_tokens is not None:
+        assert stats["prompt_tokens"] == prompt_tokens
+    assert len(result["tokens"]) == stats["generated_tokens"]
+    assert stats["accepted"] <= stats["drafted"]
+    if stats["drafted"]:
+        assert stats["acceptance_rate"] == pytest.approx(stats["accepted"] / stats["drafted"])
+        assert 0 <= stats["acceptance_rate"] <= 1
+    else:
+        assert stats["acceptance_rate"] is None
+    if stats["target_forwards"]:
+        assert stats["tokens_per_target_forward"] == pytest.approx(stats["generated_tokens"] / stats["target_forwards"])
+        # each target forward commits the accepted drafts plus exactly one more token
+        assert stats["generated_tokens"] <= stats["target_forwards"] + stats["accepted"]
+    assert stats["tokens_per_second"] is None or stats["tokens_per_second"] > 0
+    return stats
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def text_files(tmp_path_factory) -> list[Path]:
+    root = tmp_path_factory.mktemp("corpus")
+    texts = ["abcdefghijklm n" * 8, "abc abc abc abcabc defdef ghi jkl m n" * 4, "mlkjihgfedcba n" * 3]
+    paths = []
+    for i, text in enumerate(texts):
+        paths.append(root / f"text{i}.txt")
+        paths[-1].write_text(text, encoding="utf-8")
+    return paths
+
+
+@pytest.fixture(scope="module")
+def ngram_file(model_dirs, text_files, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ngram") / "trigram.safetensors"
+    assert main(["ngram", "build", *map(str, text_files), "--tokenizer", model_dirs["llama"], "-o", str(out)]) == 0
+    assert out.is_file()
+    return out
+
+
+@pytest.fixture(scope="module")
+def swapped_dir(model_dirs, tmp_path_factory) -> Path:
+    """The llama draft checkpoint, but its tokenizer has 'a' and 'b' swapped."""
+    directory = tmp_path_factory.mktemp("swapped") / "draft"
+    shutil.copytree(model_dirs["llama-draft"], directory)
+    vocab = dict(VOCAB)
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    save_char_tokenizer(directory, vocab)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def broken_dirs(model_dirs, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("broken")
+    dirs = {}
+    for name in ("badjson", "pickled", "truncated", "notokenizer", "noconfig"):
+        dirs[name] = root / name
+        shutil.copytree(model_dirs["llama"], dirs[name])
+    (dirs["badjson"] / "config.json").write_text("{oops")
+    (dirs["noconfig"] / "config.json").unlink()
+    (dirs["pickled"] / "model.safetensors").rename(dirs["pickled"] / "pytorch_model.bin")
+    data = (dirs["truncated"] / "model.safetensors").read_bytes()
+    (dirs["truncated"] / "model.safetensors").write_bytes(data[: len(data) // 3])
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (dirs["notokenizer"] / name).unlink(missing_ok=True)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(model_dirs) -> dict:
+    """Reference: plain greedy decoding through the library, float64 on the CPU."""
+    decoder = specdec.load(model_dirs["llama"], device="cpu", dtype="float64")
+    return decoder.generate(PROMPT, max_new_tokens=16, temperature=0).to_dict()
+
+
+# ----------------------------------------------------------------------------- generate
+
+
+def test_generate_streams_text_and_a_stats_line(model_dirs, capsys):
+    args = ["generate", "abc", "--target", model_dirs["llama"], "--temperature", "0", "--max-new-tokens", "8"]
+    code, out, err = cli(capsys, *args)
+    assert code == 0, err
+    assert out.endswith("\n") and out.strip()
+    stats_lines = [line for line in err.splitlines() if line.startswith("[specdec]")]
+    assert len(stats_lines) == 1, err
+    assert re.search(r"\b8 tokens\b", stats_lines[0]) and "target forwards" in stats_lines[0]
+    assert "drafter" not in stats_lines[0]  # plain decoding names no drafter
+    # the streamed text is the same as the --json text of the same run
+    result = cli_json(capsys, *args)
+    assert out == result["text"] + "\n"
+    assert len(result["tokens"]) == 8
+
+
+def test_json_plain_decoding(model_dirs, capsys, plain_greedy):
+    result = cli_json(capsys, "generate", PROMPT, "--target", model_dirs["llama"], "--temperature", "0",
+                      "--max-new-tokens", "16", *EXACT)
+    stats = check_stats(result, prompt_tokens=len(PROMPT))
+    assert stats["generated_tokens"] == 16
+    assert stats["draft_forwards"] == 0 and stats["drafted"] == 0 and stats["accepted"] == 0
+    assert stats["acceptance_rate"] is None
+    assert stats["target_forwards"] == 16 and stats["tokens_per_target_forward"] == 1.0
+    assert result["text"] == plain_greedy["text"] and result["tokens"] == plain_greedy["tokens"]
+
+
+@pytest.mark.parametrize(
+    "drafter",
+    ["draft", "draft-auto", "draft-gamma1", "padded-draft", "self-draft", "prompt-lookup", "prompt-lookup-auto",
+     "ngram", "ngram-top1"],
+)
+def test_greedy_output_does_not_depend_on_the_drafter(model_dirs, ngram_file, capsys, plain_greedy, drafter):
+    options = {
+        "draft": ["--draft", model_dirs["llama-draft"]],
+        "draft-auto": ["--draft", model_dirs["llama-draft"], "--gamma", "auto"],
+        "draft-gamma1": ["--draft", model_dirs["llama-draft"], "--gamma", "1"],
+        "padded-draft": ["--draft", model_dirs["llama-padded"], "--gamma", "3"],
+        "self-draft": ["--draft", model_dirs["llama"], "--gamma", "5"],  # every draft is accepted
+        "prompt-lookup": ["--prompt-lookup"],
+        "prompt-lookup-auto": ["--prompt-lookup", "--gamma", "auto"],
+        "ngram": ["--ngram", ngram_file],
+        "ngram-top1": ["--ngram", ngram_file, "--ngram-top1", "--gamma", "2"],
+    }[drafter]
+    result = cli_json(capsys, "generate", PROMPT, "--target", model_dirs["llama"], "--temperature", "0",
+                      "--max-new-tokens", "16", *EXACT, *options)
+    stats = check_stats(result, prompt_tokens=len(PROMPT))
+    assert result["text"] == plain_greedy["text"]
+    assert result["tokens"] == plain_greedy["tokens"]
+    assert stats["target_forwards"] <= 16
+    if "draft" in drafter:
+        assert stats["drafted"] > 0 and stats["draft_forwards"] > 0
+    else:
+        assert stats["draft_forwards"] == 0  # prompt lookup and the n-gram need no network
+    if drafter in ("ngram", "prompt-lookup"):
+        assert stats["drafted"] > 0
+    if drafter == "prompt-lookup":
+        assert stats["accepted"] > 0  # the continuation repeats itself
+    if drafter == "self-draft":
+        assert stats["accepted"] == stats["drafted"] > 0
+        assert stats["target_forwards"] < 16
+    if drafter == "draft-gamma1":
+        assert max(stats["gammas"]) <= 1
+
+
+def test_stats_line_names_the_drafter(model_dirs, capsys):
+    code, out, err = cli(capsys, "generate", "abc", "--target", model_dirs["llama"], "--draft", model_dirs["llama-draft"],
+                         "--temperature", "0", "--max-new-tokens", "8", "--gamma", "auto", "--device", "cpu")
+    assert code == 0, err
+    line = [line for line in err.splitlines() if line.startswith("[specdec]")]
+    assert len(line) == 1 and "gamma auto" in line[0] and "draft forwards" in line[0] and "acceptance" in line[0]
+
+
+def test_sampling_with_a_seed_is_repeatable(model_dirs, capsys):
+    args = ["generate", "abc", "--target", model_dirs["llama"], "--draft", model_dirs["llama-draft"],
+            "--temperature", "1", "--seed", "7", "--max-new-tokens", "12", "--top-k", "8", "--top-p", "0.9", *EXACT]
+    first, second = cli_json(capsys, *args), cli_json(capsys, *args)
+    check_stats(first)
+    assert first["tokens"] == second["tokens"] and first["text"] == second["text"]
+    assert len(first["tokens"]) == 12
+
+
+def test_stop_string(model_dirs, capsys, plain_greedy):
+    text = plain_greedy["text"]
+    stop = text[3:5]
+    result = cli_json(capsys, "generate", PROMPT, "--target", model_dirs["llama"], "--temperature", "0",
+                      "--max-new-tokens", "16", "--stop", stop, *EXACT)
+    assert result["finish_reason"] == "stop"
+    assert result["text"] == text[: text.index(stop)]
+
+
+# ----------------------------------------------------------------------------- argparse errors (exit 2)
+
+
+@pytest.mark.parametrize("gamma", ["0", "-1", "x", "1.5"])
+def test_bad_gamma_is_an_argparse_error(model_dirs, capsys, gamma):
+    code, err = argparse_exit(capsys, "generate", "abc", "--target", model_dirs["llama"], "--prompt-lookup", "--gamma", gamma)
+    assert code == 2
+    assert "--gamma" in err and "positive integer or 'auto'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "drafters",
+    [["--draft", "D", "--prompt-lookup"], ["--draft", "D", "--ngram", "N"], ["--ngram", "N", "--prompt-lookup"]],
+    ids=lambda d: "+".join(a for a in d if a.startswith("--")),
+)
+def test_two_drafters_is_an_argparse_error(model_dirs, capsys, drafters):
+    code, err = argparse_exit(capsys, "generate", "abc", "--target", model_dirs["llama"], *drafters)
+    assert code == 2 and "not allowed with argument" in err
+
+
+def test_missing_arguments(capsys):
+    assert argparse_exit(capsys)[0] == 2
+    assert argparse_exit(capsys, "generate", "abc")[0] == 2  # --target is required
+    code, err = argparse_exit(capsys, "ngram", "build", "x.txt", "--tokenizer", "t")  # -o is required
+    assert code == 2 and "-o" in err
+
+
+# ----------------------------------------------------------------------------- library errors (exit 1)
+
+
+BAD_GENERATE = {
+    "empty-prompt": (["", "--target", "{llama}"], r"the prompt is empty"),
+    "long-prompt": (["a" * 64, "--target", "{llama}"], r"the prompt has 64 tokens; the context holds 64"),
+    "negative-temperature": (["abc", "--target", "{llama}", "--temperature", "-1"], r"temperature must be >= 0"),
+    "top-p-zero": (["abc", "--target", "{llama}", "--top-p", "0"], r"top_p must be in \(0, 1\]"),
+    "top-p-above-one": (["abc", "--target", "{llama}", "--top-p", "1.01"], r"top_p must be in \(0, 1\]"),
+    "negative-top-k": (["abc", "--target", "{llama}", "--top-k", "-3"], r"top_k must be an integer >= 0"),
+    "negative-max-new-tokens": (["abc", "--target", "{llama}", "--max-new-tokens", "-1"], r"max_new_tokens must be an integer >= 0"),
+    "empty-stop": (["abc", "--target", "{llama}", "--stop", ""], r"stop strings must be non-empty"),
+    "unknown-dtype": (["abc", "--target", "{llama}", "--dtype", "int8"], r"unknown dtype 'int8'"),
+    "missing-target": (["abc", "--target", "{tmp}/nowhere"], r"model directory not found: .*nowhere"),
+    "missing-draft": (["abc", "--target", "{llama}", "--draft", "{tmp}/nodraft"], r"model directory not found: .*nodraft"),
+    "no-config": (["abc", "--target", "{noconfig}"], r"noconfig has no config\.json"),
+    "invalid-config": (["abc", "--target", "{badjson}"], r"config\.json is not valid JSON"),
+    "pickled-weights": (["abc", "--target", "{pickled}"], r"no \.safetensors weights \(found pytorch_model\.bin: pickled weights are never loaded"),
+    "truncated-weights": (["abc", "--target", "{truncated}"], r"could not load the model in .*truncated"),
+    "no-tokenizer": (["abc", "--target", "{notokenizer}"], r"has no tokenizer files"),
+    "corrupt-draft": (["abc", "--target", "{llama}", "--draft", "{truncated}"], r"could not load the model in .*truncated"),
+    "mismatched-draft": (["abc", "--target", "{llama}", "--draft", "{swapped}"],
+                         r"draft model .*tokenizer does not match the target's: token 'a' has id 1 in the target but has id 2"),
+    "missing-ngram": (["abc", "--target", "{llama}", "--ngram", "{tmp}/none.safetensors"], r"n-gram model file not found"),
+    "foreign-ngram": (["abc", "--target", "{llama}", "--ngram", "{foreign_ngram}"], r"built with another tokenizer than the target's"),
+}
+
+
+@pytest.fixture(scope="module")
+def foreign_ngram(swapped_dir, text_files, tmp_path_factory) -> Path:
+    """An n-gram file built with the swapped tokenizer: same size, another fingerprint."""
+    out = tmp_path_factory.mktemp("foreign") / "foreign.safetensors"
+    assert main(["ngram", "build", str(text_files[0]), "--tokenizer", str(swapped_dir), "-o", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("case", list(BAD_GENERATE))
+def test_bad_input_exits_1_with_the_message(model_dirs, broken_dirs, swapped_dir, foreign_ngram, tmp_path, capsys, case):
+    argv, match = BAD_GENERATE[case]
+    names = {"llama": model_dirs["llama"], "tmp": tmp_path, "swapped": swapped_dir, "foreign_ngram": foreign_ngram,
+             **broken_dirs}
+    argv = [a.format(**names) for a in argv]
+    if "--max-new-tokens" not in argv:
+        argv += ["--max-new-tokens", "4"]
+    code, out, err = cli(capsys, "generate", *argv, "--device", "cpu")
+    assert code == 1
+    assert out == ""
+    assert re.search(match, error_line(err)), err
+
+
+def test_ngram_build_reports_and_the_file_drafts(model_dirs, text_files, tmp_path, capsys):
+    out = tmp_path / "model.safetensors"
+    code, stdout, err = cli(capsys, "ngram", "build", *text_files, "--tokenizer", model_dirs["llama"], "-o", out)
+    assert code == 0, err
+    assert f"wrote {out} (vocabulary {len(VOCAB)})" in err
+    assert out.is_file()
+    model = specdec.load(model_dirs["llama"], ngram=str(out), device="cpu").drafter.model
+    assert model.vocab_size == len(VOCAB)
+    a, b = VOCAB["a"], VOCAB["b"]
+    assert model.top_token([a, b]) == VOCAB["c"]  # "abc" dominates the corpus
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("missing-text", r"text file not found: .*missing\.txt"),
+        ("missing-tokenizer", r"could not load a tokenizer from .*notok"),
+    ],
+    ids=["missing-text", "missing-tokenizer"],
+)
+def test_ngram_build_errors(model_dirs, text_files, tmp_path, capsys, case, match):
+    files = [text_files[0], tmp_path / "missing.txt"] if case == "missing-text" else text_files
+    tokenizer = tmp_path / "notok" if case == "missing-tokenizer" else model_dirs["llama"]
+    code, out, err = cli(capsys, "ngram", "build", *files, "--tokenizer", tokenizer, "-o", tmp_path / "out.safetensors")
+    assert code == 1
+    assert re.search(match, error_line(err)), err
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_ngram_build_into_a_missing_directory(model_dirs, text_files, tmp_path, capsys):
+    out = tmp_path / "no-such-dir" / "model.safetensors"
+    code, _, err = cli(capsys, "ngram", "build", text_files[0], "--tokenizer", model_dirs["llama"], "-o", out)
+    assert code == 1
+    assert re.search(r"cannot write n-gram model to .*no-such-dir", error_line(err))
+
+
+# ----------------------------------------------------------------------------- real subprocesses
+
+
+def test_python_m_specdec_subprocess(model_dirs, capsys, tmp_path):
+    """The installed module entry: a successful run and an error run, side by side to save wall time."""
+    env = dict(os.environ)
+    repo = str(Path(specdec.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [env.get("PYTHONPATH")])])
+    base = [sys.executable, "-m", "specdec", "generate", "abc", "--temperature", "0", "--max-new-tokens", "8", "--device", "cpu"]
+    ok = subprocess.Popen([*base, "--target", model_dirs["llama"]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env, cwd=tmp_path)
+    bad = subprocess.Popen([*base, "--target", str(tmp_path / "missing-model")], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    ok_out, ok_err = ok.communicate(timeout=120)
+    bad_out, bad_err = bad.communicate(timeout=120)
+
+    assert ok.returncode == 0, ok_err
+    expected = cli_json(capsys, "generate", "abc", "--target", model_dirs["llama"], "--temperature", "0",
+                        "--max-new-tokens", "8", "--device", "cpu")
+    assert ok_out == expected["text"] + "\n"
+    assert any(line.startswith("[specdec] 8 tokens") for line in ok_err.splitlines()), ok_err
+    assert "Traceback" not in ok_err
+
+    assert bad.returncode == 1
+    assert bad_out == ""
+    assert "Traceback" not in bad_err
+    lines = bad_err.strip().splitlines()
+    assert len(lines) == 1, bad_err
+    assert re.fullmatch(r"specdec: error: model directory not found: .*missing-model", lines[0])
