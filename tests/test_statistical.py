@@ -23,7 +23,7 @@ from specdec.sampling import probs_from_logits
 from specdec.types import SamplingParams
 
 ALPHA = 1e-4
-SAMPLES = 2000
+SAMPLES = 4000
 LENGTH = 3
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats: prompt lookup has drafts to offer
 SETTINGS = {
