@@ -147,14 +147,10 @@ def _first_stop(text: str, stop: list[str], start: int) -> int | None:
 
 
 def _safe_length(text: str, stop: list[str]) -> int:
-    """How much of text can be shown now: not a half-decoded character, not a possible stop-string start."""
+    """How much of text can be shown now: no half-decoded character, no possible start of a stop string."""
     end = len(text.rstrip("\ufffd"))
-    for s in stop:
-        for k in range(min(len(s) - 1, end), 0, -1):
-            if text[:end].endswith(s[:k]):
-                end -= k
-                break
-    return end
+    held = max((k for s in stop for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
+    return end - held
 
 
 def _tokens_covering(tokenizer, tokens: list[int], chars: int) -> list[int]:
