@@ -44,12 +44,13 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target: CausalLM, drafter: Drafter | None = None, gamma: int | str = 4):
-        self.target, self.drafter = target, drafter
+        check_gamma(gamma)
         if isinstance(drafter, ModelDrafter):
             check_same_vocabulary(target.tokenizer, drafter.model.tokenizer, f"draft model ({drafter.model.path})")
-        if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
-            raise SpecDecError(f"gamma must be a positive integer or 'auto', got {gamma!r}")
-        self.gamma = gamma
+        if isinstance(drafter, NgramDrafter):
+            check_ngram(drafter.model, target)
+        self.target, self.drafter, self.gamma = target, drafter, gamma
+        self._busy = False  # one generation at a time: the caches belong to it
 
     @property
     def tokenizer(self):
@@ -95,9 +96,8 @@ class SpeculativeDecoder:
                 raise SpecDecError(f"prompt token ids must be in [0, {self.target.vocab_size})")
         if not ids:
             raise SpecDecError("the prompt is empty" if not len(prompt) else "the prompt encodes to no tokens (the tokenizer knows none of its characters)")
+        # only the target's context limits the prompt: a draft model with a shorter one stops drafting
         limit = self.target.max_length
-        if isinstance(self.drafter, ModelDrafter):
-            limit = min(limit, self.drafter.model.max_length)
         if len(ids) >= limit:
             raise SpecDecError(f"the prompt has {len(ids)} tokens; the context holds {limit}, leaving no room to generate")
         return ids
@@ -109,6 +109,15 @@ class SpeculativeDecoder:
         return frozenset(i for i in ids if i is not None)
 
     def _deltas(self, prompt_ids, sampling, max_new_tokens, seed, stop) -> Iterator[str]:
+        if self._busy:
+            raise SpecDecError("this decoder is already generating; finish the other stream first")
+        self._busy = True
+        try:
+            return (yield from self._generate(prompt_ids, sampling, max_new_tokens, seed, stop))
+        finally:
+            self._busy = False
+
+    def _generate(self, prompt_ids, sampling, max_new_tokens, seed, stop) -> Iterator[str]:
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         gamma_policy = AdaptiveGamma() if self.gamma == "auto" else FixedGamma(self.gamma)
         started = time.perf_counter()
@@ -120,13 +129,14 @@ class SpeculativeDecoder:
         text = ""
         emitted = 0  # characters of text already yielded
         finish_reason = "length"
+        decode_text = _continuation_decoder(self.tokenizer, prompt_ids)
         for step in steps:
             tokens += step.tokens
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            text = decode_text(tokens)
             cut = _first_stop(text, stop, max(0, emitted - max(map(len, stop), default=0)))
             if cut is not None:
                 text, finish_reason = text[:cut], "stop"
-                tokens = _tokens_covering(self.tokenizer, tokens, cut)
+                tokens = _tokens_covering(decode_text, tokens, cut)
             elif step.finish_reason:
                 finish_reason = step.finish_reason
             safe = len(text) if (cut is not None or step.finish_reason) else _safe_length(text, stop)
@@ -153,10 +163,28 @@ def _safe_length(text: str, stop: list[str]) -> int:
     return end - held
 
 
-def _tokens_covering(tokenizer, tokens: list[int], chars: int) -> list[int]:
+def _continuation_decoder(tokenizer, prompt_ids: list[int]):
+    """Text of generated ids as it reads after the prompt.
+
+    Decoding the new ids alone loses a leading space with SentencePiece-style tokenizers, so the
+    prompt's last few ids are decoded with them and their own text is cut off again.
+    """
+    anchor = prompt_ids[-4:]
+    anchor_text = tokenizer.decode(anchor, skip_special_tokens=True)
+
+    def decode_text(tokens: list[int]) -> str:
+        text = tokenizer.decode(anchor + tokens, skip_special_tokens=True)
+        if text.startswith(anchor_text) and not anchor_text.endswith("\ufffd"):
+            return text[len(anchor_text):]
+        return tokenizer.decode(tokens, skip_special_tokens=True)
+
+    return decode_text
+
+
+def _tokens_covering(decode_text, tokens: list[int], chars: int) -> list[int]:
     """The shortest prefix of tokens whose text reaches `chars` characters (the stop string's start)."""
     for n in range(len(tokens) + 1):
-        if len(tokenizer.decode(tokens[:n], skip_special_tokens=True)) >= chars:
+        if len(decode_text(tokens[:n])) >= chars:
             return tokens[:n]
     return tokens
 
@@ -172,6 +200,7 @@ def load(
     ngram_stochastic: bool = True,
 ) -> SpeculativeDecoder:
     """Load a target checkpoint and at most one drafter; no drafter means plain decoding."""
+    check_gamma(gamma)
     if sum([draft is not None, ngram is not None, bool(prompt_lookup)]) > 1:
         raise SpecDecError("choose at most one drafter: a draft model, an n-gram file or prompt lookup")
     target_model = load_model(target, device=device, dtype=dtype)
@@ -179,17 +208,21 @@ def load(
     if draft is not None:
         drafter = ModelDrafter(load_model(draft, device=device or str(target_model.device), dtype=dtype))
     elif ngram is not None:
-        drafter = NgramDrafter(load_ngram(ngram, target_model), stochastic=ngram_stochastic)
+        drafter = NgramDrafter(KatzTrigram.load(ngram), stochastic=ngram_stochastic)
     elif prompt_lookup:
         drafter = PromptLookupDrafter()
     return SpeculativeDecoder(target_model, drafter, gamma)
 
 
-def load_ngram(path: str, target: CausalLM) -> KatzTrigram:
-    model = KatzTrigram.load(path)
+def check_gamma(gamma) -> None:
+    if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
+        raise SpecDecError(f"gamma must be a positive integer or 'auto', got {gamma!r}")
+
+
+def check_ngram(model: KatzTrigram, target: CausalLM) -> None:
+    """The n-gram must count the target's token ids: same tokenizer (when recorded), same vocabulary size."""
     expected = tokenizer_fingerprint(target.tokenizer)
     if model.fingerprint and model.fingerprint != expected:
-        raise SpecDecError(f"{path} was built with another tokenizer than the target's (fingerprint {model.fingerprint} vs {expected})")
+        raise SpecDecError(f"the n-gram model was built with another tokenizer than the target's (fingerprint {model.fingerprint} vs {expected})")
     if model.vocab_size != target.vocab_size:
-        raise SpecDecError(f"{path} covers {model.vocab_size} tokens; the target's tokenizer has {target.vocab_size}")
-    return model
+        raise SpecDecError(f"the n-gram model covers {model.vocab_size} tokens; the target's tokenizer has {target.vocab_size}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from specdec.errors import SpecDecError
@@ -51,6 +52,26 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--tokenizer", required=True, help="directory with the target's tokenizer files")
     build.add_argument("-o", "--output", required=True, help="output file (.safetensors)")
     build.set_defaults(run=run_ngram_build)
+
+    tr = commands.add_parser("train", help="train a small Llama-architecture model (or distil a draft) into a checkpoint directory",
+                             description="Train on text/code files into a Hugging Face checkpoint directory; re-running the same command resumes.")
+    tr.add_argument("files", nargs="+", help="text/code files or directories (*.py, *.txt, *.md)")
+    tr.add_argument("-o", "--output", required=True, help="checkpoint directory to write (training state in OUTPUT/checkpoint)")
+    tr.add_argument("--tokenizer", help="reuse this tokenizer directory instead of training a byte-level BPE")
+    tr.add_argument("--distill-from", help="target checkpoint: train to match its next-token distributions (KL), with its tokenizer")
+    from specdec.train import TrainConfig
+
+    defaults = TrainConfig(files=[], output="")
+    for name in ("vocab_size", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size", "context", "seq_len",
+                 "batch_size", "steps", "lr", "warmup", "weight_decay", "holdout", "eval_every", "save_every", "seed",
+                 "distill_temperature"):
+        value = getattr(defaults, name)
+        kind = float if isinstance(value, float) else int
+        tr.add_argument("--" + name.replace("_", "-"), type=kind, default=value, help=f"default {value}")
+    tr.add_argument("--device", default="cpu")
+    tr.add_argument("--bf16", action="store_true", help="bfloat16 autocast for matmuls (weights stay float32)")
+    tr.add_argument("--save-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    tr.set_defaults(run=run_train)
     return parser
 
 
@@ -106,6 +127,17 @@ def run_ngram_build(args) -> None:
     print(f"wrote {args.output} (vocabulary {model.vocab_size})", file=sys.stderr)
 
 
+def run_train(args) -> None:
+    from dataclasses import fields
+
+    from specdec.train import TrainConfig, train
+
+    config = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
+    state = train(config)
+    loss = state.history[-1]["heldout_loss"] if state.history else float("nan")
+    print(f"wrote {config.output}: {state.step} steps, {state.tokens_seen} tokens, held-out loss {loss:.3f}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -116,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("specdec: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`specdec generate ... | head`): not our error
+        sys.stdout = open(os.devnull, "w")
+        return 0
     return 0
 
 

@@ -9,6 +9,7 @@ from typing import Iterator, Sequence
 import torch
 
 from specdec.drafters.base import Drafter, empty_draft
+from specdec.errors import SpecDecError
 from specdec.runtime import CausalLM
 from specdec.sampling import RandomStreams, probs_from_logits
 from specdec.types import Draft, GenerationStats, SamplingParams
@@ -20,7 +21,7 @@ class FixedGamma:
 
     def __init__(self, gamma: int):
         if gamma < 0:
-            raise ValueError("gamma must be >= 0")
+            raise SpecDecError("gamma must be >= 0")
         self.gamma = gamma
 
     def update(self, drafted: int, accepted: int) -> None:
@@ -35,7 +36,7 @@ class AdaptiveGamma:
 
     def __init__(self, start: int = 4, low: int = 1, high: int = 16):
         if not 1 <= low <= start <= high:
-            raise ValueError("need 1 <= low <= start <= high")
+            raise SpecDecError("adaptive gamma needs 1 <= low <= start <= high")
         self.gamma, self.low, self.high = start, low, high
 
     def update(self, drafted: int, accepted: int) -> None:
@@ -89,6 +90,7 @@ def decode(
         gamma = min(gamma_policy.gamma, room - generated - 1) if drafter is not None else 0
         tick = time.perf_counter()
         draft = drafter.propose(context, gamma, sampling, streams.draft) if gamma > 0 else empty_draft()
+        _check_draft(draft, gamma, target.vocab_size, sampling)
         tock = time.perf_counter()
         # 2. one target forward scores the last committed token and every draft token
         logits = target.forward([context[-1]] + draft.tokens.tolist())  # [len(draft) + 1, vocab]
@@ -111,6 +113,14 @@ def decode(
         if step.finish_reason:
             return
     yield StepResult([], "length")
+
+
+def _check_draft(draft: Draft, gamma: int, vocab_size: int, sampling: SamplingParams) -> None:
+    """A drafter's contract, checked because a broken drafter would silently break losslessness."""
+    if len(draft) > gamma:
+        raise ValueError(f"the drafter proposed {len(draft)} tokens; at most {gamma} were asked for")
+    if draft.probs is not None and not sampling.greedy and tuple(draft.probs.shape) != (len(draft), vocab_size):
+        raise ValueError(f"draft probs must be [{len(draft)}, {vocab_size}], got {list(draft.probs.shape)}")
 
 
 def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, streams: RandomStreams):

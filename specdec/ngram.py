@@ -242,7 +242,7 @@ class KatzTrigram:
         """One .safetensors file; metadata holds format, version, vocab_size, fingerprint."""
         from safetensors.numpy import save_file
 
-        path = Path(path)
+        path = Path(path).expanduser()
         meta = {
             "format": _FORMAT,
             "format_version": _FORMAT_VERSION,
@@ -264,7 +264,7 @@ class KatzTrigram:
         """Reads a file written by `save`; SpecDecError naming the path on any problem."""
         from safetensors import safe_open
 
-        path = Path(path)
+        path = Path(path).expanduser()
         if not path.is_file():
             raise SpecDecError(f"n-gram model file not found: {path}")
         try:

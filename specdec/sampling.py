@@ -18,7 +18,8 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     logits: [..., vocab]. Not for greedy mode: temperature 0 is argmax, decided by the caller.
     """
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    logits = logits.to(dtype) / params.temperature
+    logits = logits.to(dtype)
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature  # no overflow for tiny T
     if params.top_k and params.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))

@@ -8,7 +8,9 @@ import torch
 import specdec
 from tiny import save_tiny_model
 
-ARCHS = ["llama", "qwen2", "gpt2", "neox"]
+ARCHS = ["llama", "qwen2", "gpt2", "neox", "mistral"]
+# weight noise that makes "<arch>-near" agree with its target's argmax often, but not always
+NEAR_NOISE = {"llama": 0.006, "qwen2": 0.02, "gpt2": 0.05, "neox": 0.006, "mistral": 0.006}
 
 torch.set_num_threads(1)  # tiny models: threads only add overhead and contention on a 2-core machine
 
@@ -21,6 +23,7 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     for seed, arch in enumerate(ARCHS):
         dirs[arch] = str(save_tiny_model(root / arch, arch, seed=seed))
         dirs[f"{arch}-draft"] = str(save_tiny_model(root / f"{arch}-draft", arch, seed=100 + seed, layers=1))
+        dirs[f"{arch}-near"] = str(save_tiny_model(root / f"{arch}-near", arch, seed=seed, noise=NEAR_NOISE[arch]))
     dirs["llama-eos"] = str(save_tiny_model(root / "llama-eos", "llama", seed=24, logit_scale=3.0, with_eos=True))  # greedy EOS after 12 tokens
     dirs["llama-padded"] = str(save_tiny_model(root / "llama-padded", "llama", seed=8, vocab_rows=24, layers=1))
     return dirs

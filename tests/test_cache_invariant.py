@@ -26,8 +26,8 @@ def assert_cache_is_fresh_prefill(model: specdec.CausalLM, tokens: list[int], re
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 def test_caches_track_committed_text(arch, temperature, model_dirs):
     load = lambda key: specdec.load_model(model_dirs[key], device="cpu", dtype="float64")
-    target, draft = load(arch), load(f"{arch}-draft")
-    fresh_target, fresh_draft = load(arch), load(f"{arch}-draft")
+    target, draft = load(arch), load(f"{arch}-near")  # a perturbed copy: partial acceptance even when greedy
+    fresh_target, fresh_draft = load(arch), load(f"{arch}-near")
     drafter = specdec.ModelDrafter(draft)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     stats = GenerationStats()
@@ -46,8 +46,7 @@ def test_caches_track_committed_text(arch, temperature, model_dirs):
         assert len(pending) <= 2, "at most the last accepted draft token and the bonus are pending"
         assert_cache_is_fresh_prefill(draft, drafter._cached, fresh_draft)
     assert stats.iterations >= 10
-    if temperature:  # greedy runs of two random models are all-or-nothing; sampling mixes both
-        assert 0 < stats.accepted < stats.drafted, "the run should include acceptances and rejections"
+    assert 0 < stats.accepted < stats.drafted, "the run should include acceptances and rejections"
 
 
 def test_keep_selects_cache_entries(model_dirs):

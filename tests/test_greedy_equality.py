@@ -24,6 +24,7 @@ def ngram(load64, model_dirs):
 def drafters(arch, load64, model_dirs, ngram):
     return {
         "draft-model": specdec.ModelDrafter(load64(model_dirs[f"{arch}-draft"])),
+        "near-copy": specdec.ModelDrafter(load64(model_dirs[f"{arch}-near"])),
         "draft-model-other-arch": specdec.ModelDrafter(load64(model_dirs["qwen2-draft" if arch != "qwen2" else "gpt2-draft"])),
         "prompt-lookup": specdec.PromptLookupDrafter(),
         "ngram": specdec.NgramDrafter(ngram, stochastic=True),
@@ -66,6 +67,16 @@ def test_perfect_drafter_needs_few_target_forwards(load64, model_dirs):
     assert result.tokens == want
     assert result.stats.target_forwards == NEW // 5  # every iteration: 4 accepted + 1 bonus
     assert result.stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_one_token_prompt_needs_no_prefill(load64, model_dirs, temperature):
+    target = load64(model_dirs["llama"])
+    decoder = specdec.SpeculativeDecoder(target, specdec.ModelDrafter(load64(model_dirs["llama-near"])), gamma=3)
+    result = decoder.generate([5], max_new_tokens=12, temperature=temperature, seed=0)
+    assert len(result.tokens) == 12
+    if not temperature:
+        assert result.tokens == reference_greedy(target, [5], 12)
 
 
 def test_padded_draft_embeddings_are_restricted_to_the_vocabulary(load64, model_dirs):

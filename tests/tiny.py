@@ -11,6 +11,7 @@ from transformers import (
     GPT2Config,
     GPTNeoXConfig,
     LlamaConfig,
+    MistralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
@@ -42,6 +43,9 @@ def make_config(arch: str, vocab_size: int, layers: int = 2, hidden: int = 32, w
     if arch == "qwen2":
         return Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **common)
+    if arch == "mistral":  # a sliding window shorter than the test generations
+        return MistralConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, sliding_window=8,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **common)
     if arch == "gpt2":
         return GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=64, **common)
     if arch == "neox":
@@ -51,15 +55,19 @@ def make_config(arch: str, vocab_size: int, layers: int = 2, hidden: int = 32, w
 
 
 def save_tiny_model(directory: Path, arch: str, seed: int, vocab_rows: int = len(VOCAB),
-                    logit_scale: float = 8.0, layers: int = 2, with_eos: bool = False) -> Path:
+                    logit_scale: float = 8.0, layers: int = 2, with_eos: bool = False, noise: float = 0.0) -> Path:
     """Random weights; logit_scale sharpens (>1) or flattens the output distributions.
 
     vocab_rows > len(VOCAB) pads the embeddings, as real checkpoints of one family do.
+    noise > 0 perturbs every weight: with the target's seed and size, a draft that agrees often but not always.
     """
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(make_config(arch, vocab_rows, layers=layers, with_eos=with_eos))
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(logit_scale)
+        perturb = torch.Generator().manual_seed(seed + 10_000)
+        for weight in model.parameters():
+            weight.add_(noise * torch.randn(weight.shape, generator=perturb))
     model.generation_config.eos_token_id = EOS if with_eos else None
     model.save_pretrained(directory)
     make_tokenizer(with_eos).save_pretrained(directory)

@@ -7,6 +7,7 @@ from typing import Sequence
 import torch
 
 from specdec.drafters.base import empty_draft
+from specdec.errors import SpecDecError
 from specdec.types import Draft, SamplingParams
 
 
@@ -34,7 +35,7 @@ class PromptLookupDrafter:
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
-            raise ValueError("need 1 <= min_ngram <= max_ngram")
+            raise SpecDecError("prompt lookup needs 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def reset(self) -> None:

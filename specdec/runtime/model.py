@@ -38,7 +38,7 @@ class CausalLM:
             )
         self.max_length = _context_length(model.config)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        self._cache = DynamicCache(config=model.config)
+        self.reset()
 
     @property
     def device(self) -> torch.device:
@@ -53,7 +53,9 @@ class CausalLM:
         return self._cache.get_seq_length()
 
     def reset(self) -> None:
-        self._cache = DynamicCache(config=self.model.config)
+        # Plain full layers, even for sliding-window models: the window is applied by the attention
+        # mask, and a full layer can be cut back exactly (a sliding layer's counters cannot).
+        self._cache = DynamicCache()
 
     @torch.inference_mode()
     def forward(
@@ -117,6 +119,18 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_device(device: str) -> str:
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as error:
+        raise SpecDecError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from error
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise SpecDecError(f"device {device!r} was asked for but this torch build sees no CUDA device")
+    if kind not in ("cpu", "cuda"):
+        raise SpecDecError(f"device {device!r} is not supported; use cpu, cuda or cuda:N")
+    return device
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     """float32 on CPU unless asked; bfloat16 on CUDA unless asked."""
     if dtype is None or dtype == "auto":
@@ -133,10 +147,8 @@ def load_model(path: str | os.PathLike, device: str | None = None, dtype: str | 
 
     Never downloads, never runs remote code, never unpickles: `.bin` weights are refused.
     """
-    path = Path(path)
-    device = device or default_device()
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SpecDecError(f"device {device!r} was asked for but this torch build sees no CUDA device")
+    path = Path(path).expanduser()
+    device = check_device(device or default_device())
     _check_checkpoint_dir(path)
     torch_dtype = resolve_dtype(dtype, device)
     try:
