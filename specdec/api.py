@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator, Sequence
 
 from specdec.drafters import Drafter, ModelDrafter, NgramDrafter, PromptLookupDrafter
@@ -189,8 +190,17 @@ def _tokens_covering(decode_text, tokens: list[int], chars: int) -> list[int]:
     return tokens
 
 
+DEMO_DIR = Path(__file__).parent / "demo_pair"  # target/, draft/, ngram.safetensors, MODELS.md
+
+
+def demo_dir() -> Path:
+    if not (DEMO_DIR / "target" / "config.json").is_file():
+        raise SpecDecError("no target model given and the demo pair is not installed; pass --target DIR")
+    return DEMO_DIR
+
+
 def load(
-    target: str,
+    target: str | None = None,
     draft: str | None = None,
     ngram: str | None = None,
     prompt_lookup: bool = False,
@@ -199,10 +209,18 @@ def load(
     dtype: str | None = None,
     ngram_stochastic: bool = True,
 ) -> SpeculativeDecoder:
-    """Load a target checkpoint and at most one drafter; no drafter means plain decoding."""
+    """Load a target checkpoint and at most one drafter; no drafter means plain decoding.
+
+    With no target, the demo pair shipped with specdec is used, drafting with its draft model
+    unless another drafter is chosen.
+    """
     check_gamma(gamma)
     if sum([draft is not None, ngram is not None, bool(prompt_lookup)]) > 1:
         raise SpecDecError("choose at most one drafter: a draft model, an n-gram file or prompt lookup")
+    if target is None:
+        target = demo_dir() / "target"
+        if draft is None and ngram is None and not prompt_lookup:
+            draft = demo_dir() / "draft"
     target_model = load_model(target, device=device, dtype=dtype)
     drafter: Drafter | None = None
     if draft is not None:

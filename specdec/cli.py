@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="generate text from a prompt", description="Stream a continuation of PROMPT, then a one-line stats summary (on stderr).")
     gen.add_argument("prompt")
-    gen.add_argument("--target", required=True, help="target checkpoint directory")
+    gen.add_argument("--target", help="target checkpoint directory (default: the demo pair, drafting with its draft model)")
     drafter = gen.add_mutually_exclusive_group()
     drafter.add_argument("--draft", help="draft checkpoint directory (same tokenizer as the target)")
     drafter.add_argument("--ngram", help="n-gram model file from `specdec ngram build`")

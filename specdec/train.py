@@ -246,10 +246,11 @@ def train(config: TrainConfig) -> TrainState:
 
         teacher_model = load_model(config.distill_from, device=config.device, dtype="float32")
         teacher, tokenizer = teacher_model.model, teacher_model.tokenizer
-    elif config.tokenizer:
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True, trust_remote_code=False)
+    elif config.tokenizer or (out / "tokenizer.json").exists():  # a resumed run keeps the tokenizer it trained
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or out, local_files_only=True, trust_remote_code=False)
     else:
         tokenizer = train_tokenizer(train_files, config.vocab_size)
+        tokenizer.save_pretrained(out)
     if tokenizer.eos_token_id is None:
         raise SpecDecError("the tokenizer has no EOS token to separate files with")
     train_ids = encode_files(train_files, tokenizer, config.progress)

@@ -268,9 +268,23 @@ def test_two_drafters_is_an_argparse_error(model_dirs, capsys, drafters):
 
 def test_missing_arguments(capsys):
     assert argparse_exit(capsys)[0] == 2
-    assert argparse_exit(capsys, "generate", "abc")[0] == 2  # --target is required
     code, err = argparse_exit(capsys, "ngram", "build", "x.txt", "--tokenizer", "t")  # -o is required
     assert code == 2 and "-o" in err
+
+
+def test_no_target_uses_the_demo_pair_with_its_draft(model_dirs, tmp_path, monkeypatch, capsys):
+    import specdec.api
+
+    monkeypatch.setattr(specdec.api, "DEMO_DIR", tmp_path / "demo")
+    assert main(["generate", "abc"]) == 1
+    assert "demo pair is not installed" in capsys.readouterr().err
+    shutil.copytree(model_dirs["llama"], tmp_path / "demo" / "target")
+    shutil.copytree(model_dirs["llama-near"], tmp_path / "demo" / "draft")
+    assert main(["generate", "abc", "--temperature", "0", "--max-new-tokens", "12", "--json"]) == 0
+    demo = json.loads(capsys.readouterr().out)
+    assert demo["stats"]["draft_forwards"] > 0
+    assert main(["generate", "abc", "--temperature", "0", "--max-new-tokens", "12", "--json", "--target", model_dirs["llama"]]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == demo["tokens"]
 
 
 # ----------------------------------------------------------------------------- library errors (exit 1)
