@@ -103,7 +103,9 @@ class SpeculativeDecoder:
             raise SpecDecError(f"the prompt has {len(ids)} tokens; the context holds {limit}, leaving no room to generate")
         return ids
 
-    def _stop_tokens(self) -> frozenset[int]:
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """EOS ids from the tokenizer and the generation config."""
         ids = {self.tokenizer.eos_token_id}
         configured = getattr(getattr(self.target.model, "generation_config", None), "eos_token_id", None)
         ids.update(configured if isinstance(configured, list) else [configured])
@@ -124,7 +126,7 @@ class SpeculativeDecoder:
         started = time.perf_counter()
         steps = decode(
             self.target, self.drafter, prompt_ids, sampling, max_new_tokens,
-            gamma_policy, RandomStreams(seed), stats, self._stop_tokens(),
+            gamma_policy, RandomStreams(seed), stats, self.stop_token_ids,
         )
         tokens: list[int] = []
         text = ""

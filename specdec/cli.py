@@ -53,6 +53,26 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("-o", "--output", required=True, help="output file (.safetensors)")
     build.set_defaults(run=run_ngram_build)
 
+    bench = commands.add_parser("bench", help="benchmark strategies and Hugging Face peers on the same models",
+                                description="Run plain decoding, chains at several γ, adaptive γ, prompt lookup, n-gram and Hugging Face "
+                                            "generate() (plain, assisted, prompt lookup) prompt by prompt; write JSON, Markdown and PNG plots.")
+    bench.add_argument("--target", help="target checkpoint (default: the demo pair with its draft and n-gram)")
+    bench.add_argument("--draft", help="draft checkpoint for the chain strategies and HF assisted generation")
+    bench.add_argument("--ngram", help="n-gram file for the n-gram strategy")
+    bench.add_argument("--prompts", help="prompts file (.jsonl with a \"prompt\" field, or one prompt per line); default HumanEval")
+    bench.add_argument("--limit", type=int, help="use the first N prompts")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--mode", choices=["greedy", "sampled", "both"], default="both")
+    bench.add_argument("--temperature", type=float, default=0.8, help="sampled mode (default 0.8)")
+    bench.add_argument("--top-k", type=int, default=20, help="sampled mode (default 20)")
+    bench.add_argument("--gammas", default="1,2,3,4,6,8", help="fixed γ values for the chain strategies")
+    bench.add_argument("--no-peers", action="store_true", help="skip Hugging Face generate()")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--dtype", default=None)
+    bench.add_argument("--out", default="bench-out", help="output folder (bench.json, bench.md, *.png)")
+    bench.set_defaults(run=run_bench_command)
+
     tr = commands.add_parser("train", help="train a small Llama-architecture model (or distil a draft) into a checkpoint directory",
                              description="Train on text/code files into a Hugging Face checkpoint directory; re-running the same command resumes.")
     tr.add_argument("files", nargs="+", help="text/code files or directories (*.py, *.txt, *.md)")
@@ -125,6 +145,28 @@ def run_ngram_build(args) -> None:
     model = build_from_files(args.files, tokenizer, fingerprint=tokenizer_fingerprint(tokenizer))
     model.save(args.output)
     print(f"wrote {args.output} (vocabulary {model.vocab_size})", file=sys.stderr)
+
+
+def run_bench_command(args) -> None:
+    from specdec.bench import BenchConfig, run_bench
+    from specdec.bench.report import markdown, write_report
+
+    try:
+        gammas = tuple(int(g) for g in args.gammas.split(","))
+    except ValueError:
+        raise SpecDecError(f"--gammas must be comma-separated integers, got {args.gammas!r}") from None
+    if any(g < 1 for g in gammas) or args.max_new_tokens < 1:
+        raise SpecDecError("γ values and --max-new-tokens must be >= 1")
+    config = BenchConfig(
+        target=args.target, draft=args.draft, ngram=args.ngram, prompts=args.prompts, limit=args.limit,
+        max_new_tokens=args.max_new_tokens, modes=("greedy", "sampled") if args.mode == "both" else (args.mode,),
+        temperature=args.temperature, top_k=args.top_k, gammas=gammas, peers=not args.no_peers, seed=args.seed,
+        device=args.device, dtype=args.dtype,
+    )
+    data = run_bench(config)
+    paths = write_report(data, args.out)
+    print(markdown(data))
+    print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
 
 
 def run_train(args) -> None:

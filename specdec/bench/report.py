@@ -1,0 +1,132 @@
+"""Turn `run_bench`'s data into a Markdown table and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+COLUMNS = [
+    ("tokens/s", "tokens_per_second", "{:.1f}"),
+    ("speedup", "speedup", "{:.2f}×"),
+    ("predicted", "predicted_speedup", "{:.2f}×"),
+    ("acceptance", "acceptance_rate", "{:.3f}"),
+    ("tokens/target fwd", "tokens_per_target_forward", "{:.2f}"),
+    ("target fwd/token", "target_forwards_per_token", "{:.3f}"),
+    ("draft fwd/token", "draft_forwards_per_token", "{:.2f}"),
+    ("weight MB/token", "weight_bytes_per_token", "{:.1f}"),
+]
+
+
+def markdown(data: dict) -> str:
+    lines = [f"Prompts: {data['prompts']} · new tokens per prompt: {data['config']['max_new_tokens']} · "
+             f"machine: {data['machine']['cpu']}, {data['machine']['cores']} cores, {data['machine']['torch_threads']} torch threads, "
+             f"torch {data['machine']['torch']}"]
+    models = data["models"]
+    lines.append(f"Target: {models['target']['parameters'] / 1e6:.1f}M parameters ({models['target']['dtype']})"
+                 + (f" · draft: {models['draft']['parameters'] / 1e6:.2f}M" if models["draft"] else ""))
+    for mode, rows in data["summary"].items():
+        lines += ["", f"### {mode}", "", "| strategy | " + " | ".join(c[0] for c in COLUMNS) + " |",
+                  "|---|" + "---|" * len(COLUMNS)]
+        for name, row in rows.items():
+            cells = []
+            for _, key, fmt in COLUMNS:
+                value = row[key]
+                if key == "weight_bytes_per_token" and value is not None:
+                    value /= 1e6
+                cells.append("–" if value is None else fmt.format(value))
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    mismatches = data["greedy_mismatches"]
+    lines += ["", "Greedy output identical to plain decoding for every strategy and peer."
+              if not mismatches else "Greedy mismatches against plain decoding: " + "; ".join(
+                  f"{name}: {len(v)} prompts (first at prompt {v[0]['prompt']}, token {v[0]['first_difference']})" for name, v in mismatches.items())]
+    costs = data["costs"]["target"]
+    lines += ["", "Target forward cost by new tokens k (ratio to k = 1): " + ", ".join(
+        f"{k}: {costs[k] / costs[min(costs)]:.2f}" for k in sorted(costs))]
+    if "draft" in data["costs"]:
+        lines.append(f"Draft forward cost / target forward cost (k = 1): {data['costs']['draft'][1] / costs[1]:.3f}")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(data: dict, out: str | Path) -> list[Path]:
+    """bench.json, bench.md and the plots; returns the paths written."""
+    out = Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(data, indent=1, default=str))
+    (out / "bench.md").write_text(markdown(data))
+    return [out / "bench.json", out / "bench.md", *plots(data, out)]
+
+
+def plots(data: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    modes = list(data["summary"])
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(out / name)
+
+    # 1. speedup by strategy
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.5), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        rows = data["summary"][mode]
+        names = list(rows)
+        ax.barh(names, [rows[n]["speedup"] or 0 for n in names], color=["tab:gray" if "HF" in n else "tab:blue" for n in names])
+        ax.axvline(1, color="black", lw=0.8)
+        ax.invert_yaxis()
+        ax.set_title(f"{mode}: speedup vs plain decoding (median per prompt)")
+        ax.set_xlabel("× plain tokens/s")
+    save(fig, "speedup.png")
+
+    # 2. measured and predicted speedup vs γ (fixed-γ chains)
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        chain = [(s["gamma"], s["name"]) for s in data["strategies"] if s["family"] == "chain" and isinstance(s["gamma"], int)]
+        rows = data["summary"][mode]
+        if chain:
+            gammas = [g for g, _ in chain]
+            ax.plot(gammas, [rows[n]["speedup"] for _, n in chain], "o-", label="measured")
+            ax.plot(gammas, [rows[n]["predicted_speedup"] for _, n in chain], "s--", label="predicted (α, measured costs)")
+            ax.axhline(1, color="black", lw=0.8)
+            ax.legend()
+        ax.set_title(f"{mode}: speedup vs γ")
+        ax.set_xlabel("γ (draft tokens per iteration)")
+    save(fig, "speedup_vs_gamma.png")
+
+    # 3. acceptance by draft position, 4. accepted-length histogram
+    for name, key in (("acceptance_by_position.png", "acceptance_by_position"), ("accepted_lengths.png", "accepted_length_counts")):
+        fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
+        for ax, mode in zip(axes[0], modes):
+            for strategy, row in data["summary"][mode].items():
+                values = row[key]
+                if not values:
+                    continue
+                if key == "acceptance_by_position":
+                    ax.plot(range(1, len(values) + 1), values, "o-", label=strategy)
+                    ax.set_xlabel("draft position")
+                    ax.set_ylabel("P(accepted | reached)")
+                else:
+                    lengths = sorted(int(k) for k in values)
+                    total = sum(values.values())
+                    ax.plot(lengths, [values[k if k in values else str(k)] / total for k in lengths], "o-", label=strategy)
+                    ax.set_xlabel("accepted draft tokens per iteration")
+                    ax.set_ylabel("share of iterations")
+            ax.set_title(f"{mode}: {name[:-4].replace('_', ' ')}")
+            ax.legend(fontsize=7)
+        save(fig, name)
+
+    # 5. forward cost curve
+    fig, ax = plt.subplots(figsize=(6, 4))
+    costs = data["costs"]["target"]
+    ks = sorted(costs)
+    ax.plot(ks, [costs[k] / costs[ks[0]] for k in ks], "o-")
+    ax.set_xlabel("new tokens k in one target forward")
+    ax.set_ylabel("t_target(k) / t_target(1)")
+    ax.set_title("Target forward cost by batch of new tokens")
+    save(fig, "forward_cost.png")
+    return written

@@ -1,0 +1,348 @@
+"""Run every strategy on every prompt, interleaved, and collect raw measurements.
+
+Protocol (DESIGN.md): one process, the same loaded models and prompts for everyone; strategies run
+prompt by prompt in turn so machine drift hits all alike; a warm-up first; medians and ratios to
+plain decoding measured in the same run; greedy texts must agree across strategies and peers.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from specdec.analysis import expected_tokens, weight_bytes_per_token
+from specdec.api import SpeculativeDecoder, load
+from specdec.bench.prompts import file_prompts, humaneval_prompts
+from specdec.drafters import ModelDrafter, NgramDrafter, PromptLookupDrafter
+from specdec.errors import SpecDecError
+from specdec.runtime import CausalLM
+from specdec.types import SamplingParams
+
+
+@dataclass
+class BenchConfig:
+    target: str | None = None  # None: the demo pair (its draft and n-gram too)
+    draft: str | None = None
+    ngram: str | None = None
+    prompts: str | None = None  # None: HumanEval
+    limit: int | None = None
+    max_new_tokens: int = 128
+    modes: tuple[str, ...] = ("greedy", "sampled")
+    temperature: float = 0.8  # sampled mode
+    top_k: int = 20  # sampled mode
+    gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    lookup_gamma: int = 4
+    ngram_gamma: int = 4
+    peers: bool = True
+    seed: int = 0
+    device: str | None = "cpu"
+    dtype: str | None = None
+    cost_ks: tuple[int, ...] = tuple(range(1, 17))
+    progress: bool = True
+
+
+@dataclass
+class Run:
+    """One strategy on one prompt."""
+
+    tokens: list[int]
+    seconds: float
+    target_forwards: int
+    draft_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    iterations: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+
+
+@dataclass
+class Strategy:
+    name: str
+    family: str  # "plain", "chain", "lookup", "ngram", "peer"
+    gamma: int | str | None
+    uses_draft_model: bool
+    run: Callable[[list[int], SamplingParams, int], Run]
+
+
+def sampling_for(mode: str, config: BenchConfig) -> SamplingParams:
+    return SamplingParams(temperature=0.0) if mode == "greedy" else SamplingParams(temperature=config.temperature, top_k=config.top_k)
+
+
+# ------------------------------------------------------------------------------------ strategies
+
+
+def specdec_strategy(name, family, decoder: SpeculativeDecoder, max_new_tokens: int) -> Strategy:
+    def run(prompt_ids, sampling, seed) -> Run:
+        result = decoder.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=sampling.temperature,
+                                  top_k=sampling.top_k, top_p=sampling.top_p, seed=seed)
+        s = result.stats
+        return Run(result.tokens, s.total_seconds, s.target_forwards, s.draft_forwards, s.drafted, s.accepted,
+                   s.iterations, s.drafted_by_position, s.accepted_by_position, s.accepted_lengths, s.draft_seconds)
+
+    uses_draft = isinstance(decoder.drafter, ModelDrafter)
+    return Strategy(name, family, decoder.gamma if decoder.drafter else None, uses_draft, run)
+
+
+class ForwardCounter:
+    """Counts top-level forward calls of a Hugging Face model (for the peers, whose loops we do not own)."""
+
+    def __init__(self, model):
+        self.calls = 0
+        model.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        self.calls += 1
+
+
+def peer_strategy(name, target: CausalLM, max_new_tokens: int, stop_ids: frozenset[int], assistant: CausalLM | None = None,
+                  target_counter=None, draft_counter=None, **extra) -> Strategy:
+    """Hugging Face generate() on the very same model objects."""
+
+    def run(prompt_ids, sampling, seed) -> Run:
+        ids = torch.tensor([prompt_ids], device=target.device)
+        options = dict(max_new_tokens=max_new_tokens, attention_mask=torch.ones_like(ids),
+                       eos_token_id=sorted(stop_ids) or None, pad_token_id=min(stop_ids, default=0))
+        if sampling.greedy:
+            options.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        else:
+            options.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+        if assistant is not None:
+            options["assistant_model"] = assistant.model
+        torch.manual_seed(seed)  # generate() draws from the global generator
+        before_t, before_d = target_counter.calls, draft_counter.calls if draft_counter else 0
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = target.model.generate(ids, **options, **extra)
+        seconds = time.perf_counter() - started
+        tokens = out[0, len(prompt_ids):].tolist()
+        for i, token in enumerate(tokens):
+            if token in stop_ids:
+                tokens = tokens[:i]
+                break
+        drafts = (draft_counter.calls - before_d) if draft_counter else 0
+        return Run(tokens, seconds, target_counter.calls - before_t, drafts)
+
+    return Strategy(name, "peer", None, assistant is not None, run)
+
+
+def build_strategies(config: BenchConfig):
+    """Load the models once and make every strategy over them."""
+    draft_dir, ngram_path = config.draft, config.ngram
+    if config.target is None:
+        from specdec.api import demo_dir
+
+        demo = demo_dir()
+        draft_dir = draft_dir or str(demo / "draft")
+        if ngram_path is None and (demo / "ngram.safetensors").is_file():
+            ngram_path = str(demo / "ngram.safetensors")
+    base = load(config.target, draft=draft_dir, device=config.device, dtype=config.dtype)
+    target, model_drafter = base.target, base.drafter
+    new = config.max_new_tokens
+    strategies = [specdec_strategy("plain", "plain", SpeculativeDecoder(target), new)]
+    if model_drafter is not None:
+        for gamma in config.gammas:
+            strategies.append(specdec_strategy(f"chain γ={gamma}", "chain", SpeculativeDecoder(target, model_drafter, gamma), new))
+        strategies.append(specdec_strategy("chain γ=auto", "chain", SpeculativeDecoder(target, model_drafter, "auto"), new))
+    strategies.append(specdec_strategy(f"prompt lookup γ={config.lookup_gamma}", "lookup",
+                                       SpeculativeDecoder(target, PromptLookupDrafter(), config.lookup_gamma), new))
+    if ngram_path is not None:
+        from specdec.ngram import KatzTrigram
+
+        ngram = KatzTrigram.load(ngram_path)
+        strategies.append(specdec_strategy(f"n-gram γ={config.ngram_gamma}", "ngram",
+                                           SpeculativeDecoder(target, NgramDrafter(ngram), config.ngram_gamma), new))
+    if config.peers:
+        stop_ids = base.stop_token_ids
+        target_counter = ForwardCounter(target.model)
+        strategies.append(peer_strategy("HF generate", target, new, stop_ids, target_counter=target_counter))
+        if model_drafter is not None:
+            draft_counter = ForwardCounter(model_drafter.model.model)
+            strategies.append(peer_strategy("HF assisted", target, new, stop_ids, assistant=model_drafter.model,
+                                            target_counter=target_counter, draft_counter=draft_counter))
+        strategies.append(peer_strategy("HF prompt lookup", target, new, stop_ids, target_counter=target_counter,
+                                        prompt_lookup_num_tokens=10))
+    return target, model_drafter.model if model_drafter else None, strategies
+
+
+# ------------------------------------------------------------------------------------ costs
+
+
+def forward_costs(model: CausalLM, context: list[int], ks, repeats: int = 9, warmup: int = 3) -> dict[int, float]:
+    """Median seconds of one forward over k new tokens after `context`, for each k.
+
+    The ks are measured round-robin after a warm-up, so drift and cache effects hit every k alike.
+    """
+    model.reset()
+    model.forward(context)
+    new = (context * (max(ks) // max(len(context), 1) + 1))[: max(ks)]
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for round_ in range(warmup + repeats):
+        for k in ks:
+            started = time.perf_counter()
+            model.forward(new[:k])
+            elapsed = time.perf_counter() - started
+            model.truncate(len(context))
+            if round_ >= warmup:
+                times[k].append(elapsed)
+    model.reset()
+    return {k: statistics.median(t) for k, t in times.items()}
+
+
+# ------------------------------------------------------------------------------------ the run
+
+
+def run_bench(config: BenchConfig) -> dict:
+    """Everything `specdec bench` reports, as plain data (see report.py for the table and plots)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # generate() warns about flags we set on purpose
+    prompts = file_prompts(config.prompts) if config.prompts else humaneval_prompts()
+    if config.limit is not None:
+        if config.limit < 1:
+            raise SpecDecError("--limit must be >= 1")
+        prompts = prompts[: config.limit]
+    target, draft, strategies = build_strategies(config)
+    tokenizer = target.tokenizer
+    prompt_ids = [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+    too_long = [i for i, ids in enumerate(prompt_ids) if len(ids) + config.max_new_tokens > target.max_length]
+    if too_long:
+        raise SpecDecError(f"{len(too_long)} prompts (first #{too_long[0]}) plus {config.max_new_tokens} new tokens exceed the context of {target.max_length}")
+    median_len = int(statistics.median(len(ids) for ids in prompt_ids)) + config.max_new_tokens // 2
+    context = (prompt_ids[0] * median_len)[:median_len]
+    costs = {"target": forward_costs(target, context, config.cost_ks)}
+    if draft is not None:
+        costs["draft"] = forward_costs(draft, context, [1, 2])
+    runs: dict[str, dict[str, list[Run]]] = {}
+    total = len(config.modes) * len(prompts) * len(strategies)
+    bar = tqdm(total=total, desc="bench", unit="run", disable=not config.progress)
+    for mode in config.modes:
+        sampling = sampling_for(mode, config)
+        for strategy in strategies:  # warm-up: every code path once, not recorded
+            strategy.run(prompt_ids[0][-16:], sampling, config.seed)
+        runs[mode] = {s.name: [] for s in strategies}
+        for i, ids in enumerate(prompt_ids):
+            for strategy in strategies:
+                bar.set_postfix_str(f"{mode} · {strategy.name}", refresh=False)
+                runs[mode][strategy.name].append(strategy.run(ids, sampling, config.seed + i))
+                bar.update(1)
+    bar.close()
+    return {
+        "config": {k: v for k, v in asdict(config).items()},
+        "machine": machine_description(),
+        "models": {"target": model_facts(target), "draft": model_facts(draft) if draft else None},
+        "prompts": len(prompts),
+        "costs": costs,
+        "strategies": [{"name": s.name, "family": s.family, "gamma": s.gamma, "uses_draft_model": s.uses_draft_model} for s in strategies],
+        "summary": {mode: summarize(runs[mode], strategies, target, draft, costs) for mode in config.modes},
+        "greedy_mismatches": greedy_mismatches(runs.get("greedy")),
+        "runs": {mode: {name: [asdict(r) for r in rs] for name, rs in by_name.items()} for mode, by_name in runs.items()},
+    }
+
+
+def model_facts(model: CausalLM) -> dict:
+    params = sum(p.numel() for p in model.model.parameters())
+    return {"path": model.path, "parameters": params, "weight_bytes": model.weight_bytes, "dtype": str(model.dtype),
+            "vocab_size": model.vocab_size, "context": model.max_length}
+
+
+def machine_description() -> dict:
+    import os
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "python": platform.python_version()}
+
+
+# ------------------------------------------------------------------------------------ summaries
+
+
+def summarize(runs: dict[str, list[Run]], strategies, target: CausalLM, draft: CausalLM | None, costs) -> dict:
+    plain = runs["plain"]
+    rows = {}
+    for strategy in strategies:
+        rs = runs[strategy.name]
+        tokens = sum(len(r.tokens) for r in rs)
+        target_fw = sum(r.target_forwards for r in rs)
+        draft_fw = sum(r.draft_forwards for r in rs)
+        drafted, accepted = sum(r.drafted for r in rs), sum(r.accepted for r in rs)
+        iterations = sum(r.iterations for r in rs)
+        rates = [len(r.tokens) / r.seconds for r in rs if r.seconds > 0 and r.tokens]
+        ratios = [(len(r.tokens) / r.seconds) / (len(p.tokens) / p.seconds) for r, p in zip(rs, plain) if r.tokens and p.tokens]
+        alpha = accepted / drafted if drafted else None
+        draft_bytes = draft.weight_bytes if (draft is not None and strategy.uses_draft_model) else 0
+        rows[strategy.name] = {
+            "tokens": tokens,
+            "tokens_per_second": statistics.median(rates) if rates else None,
+            "speedup": statistics.median(ratios) if ratios else None,
+            "acceptance_rate": alpha,
+            "tokens_per_target_forward": tokens / target_fw if target_fw else None,
+            "target_forwards_per_token": target_fw / tokens if tokens else None,
+            "draft_forwards_per_token": draft_fw / tokens if tokens else None,
+            "weight_bytes_per_token": weight_bytes_per_token(target_fw, target.weight_bytes, draft_fw, draft_bytes, tokens),
+            "predicted_speedup": predicted(strategy, alpha, drafted, iterations, rs, costs),
+            "acceptance_by_position": [a / d for a, d in zip(_sum_lists(r.accepted_by_position for r in rs), _sum_lists(r.drafted_by_position for r in rs))],
+            "accepted_length_counts": _histogram(length for r in rs for length in r.accepted_lengths),
+        }
+    return rows
+
+
+def predicted(strategy, alpha, drafted, iterations, runs, costs) -> float | None:
+    """Leviathan's speedup from measured α, mean draft length and measured per-call costs."""
+    if strategy.family in ("plain", "peer") or not drafted or not iterations or alpha is None:
+        return None
+    t_target = costs["target"]
+    gamma = drafted / iterations  # the mean draft length actually offered
+    k = min(t_target, key=lambda measured: abs(measured - (gamma + 1)))  # nearest measured verify size
+    if strategy.uses_draft_model:
+        t_draft = costs["draft"][1]
+    else:  # model-free drafters: their measured proposal time per drafted token
+        t_draft = sum(r.draft_seconds for r in runs) / drafted
+    return expected_tokens(alpha, gamma) * t_target[1] / (gamma * t_draft + t_target[k])
+
+
+def greedy_mismatches(runs: dict[str, list[Run]] | None) -> dict[str, list[dict]]:
+    """For every strategy, the prompts where its greedy tokens differ from plain decoding's."""
+    if not runs:
+        return {}
+    out = {}
+    for name, rs in runs.items():
+        bad = []
+        for i, (r, p) in enumerate(zip(rs, runs["plain"])):
+            if r.tokens != p.tokens:
+                first = next((j for j, (a, b) in enumerate(zip(r.tokens, p.tokens)) if a != b), min(len(r.tokens), len(p.tokens)))
+                bad.append({"prompt": i, "first_difference": first})
+        if bad:
+            out[name] = bad
+    return out
+
+
+def _sum_lists(lists) -> list[int]:
+    total: list[int] = []
+    for values in lists:
+        total += [0] * (len(values) - len(total))
+        for i, v in enumerate(values):
+            total[i] += v
+    return total
+
+
+def _histogram(values) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    return dict(sorted(counts.items()))

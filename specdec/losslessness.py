@@ -1,0 +1,430 @@
+"""`specdec verify`: check on your own models and settings that speculative decoding is lossless.
+
+For every prompt, `samples` continuations of `length` tokens are drawn with plain decoding (the
+same target, no drafter) and `samples` with the speculative decoder; the two empirical
+distributions of the whole continuation are compared by two exact-or-classical two-sample tests:
+
+- **chi-square test of homogeneity** on the 2 x K table (plain / speculative x continuation).
+  Continuations seen fewer than `MIN_CELL` = 10 times in both samples together are pooled into one
+  "other" cell; if that cell still has fewer than 10, it is merged into the smallest kept cell.
+  With equal sample sizes every cell then has an expected count >= 5 per row, the classical
+  condition for the asymptotic chi-square law. One cell left (both samples all alike): p = 1.
+- **total variation distance** TV = 1/2 sum_k |plain_k/n - speculative_k/n| between the two
+  empirical distributions, no pooling, with a **permutation threshold**: under the null hypothesis
+  (speculative == plain) the 2n continuations are exchangeable, so the plain half is a uniformly
+  random n-subset of the pooled multiset, i.e. its counts are multivariate hypergeometric. We draw
+  B such splits and use the Monte-Carlo p-value (1 + #{TV_b >= TV}) / (B + 1), which is exactly
+  valid for any B; the reported threshold is the TV above which that p-value drops below the level.
+  Unlike a fixed concentration bound this adapts to the support: with many rare continuations the
+  empirical TV is large even under the null, and the threshold grows with it.
+
+Both tests run for every prompt, each at level alpha / (2 * prompts) (Bonferroni), so a lossless
+decoder fails the whole check with probability <= alpha (the chi-square part being asymptotic).
+Greedy decoding (temperature 0) is deterministic: one plain and one speculative continuation per
+prompt must be token-for-token equal; no statistics, no false failures.
+
+Seeds: prompt j, sample i uses seed + 2*samples*j + i for plain decoding and
+seed + 2*samples*j + samples + i for speculative decoding: all distinct, all reproducible (greedy:
+samples = 1 for this purpose). The permutation draws use numpy's generator seeded with [seed, j].
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from specdec.api import SpeculativeDecoder
+from specdec.errors import SpecDecError
+from specdec.types import SamplingParams
+
+MIN_CELL = 10  # pooled count below which a continuation joins the "other" cell
+PERMUTATIONS_PER_REJECTION = 20  # B ~ 20 / level: the threshold is the ~20th largest of B null TVs
+MAX_PERMUTATIONS = 200_000
+DEFAULT_PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "class Stack:\n    def push(self, item):"]
+
+Continuation = tuple[int, ...]
+
+
+@dataclass
+class PromptCheck:
+    """The comparison for one prompt. Statistics are None in greedy mode (exact comparison)."""
+
+    prompt: str | list[int]
+    prompt_tokens: int
+    plain: Counter  # continuation (token ids) -> count
+    speculative: Counter
+    texts: dict  # continuation -> its text
+    drafted: int  # draft tokens proposed over all speculative samples
+    accepted: int
+    passed: bool
+    p_value: float | None = None  # chi-square, pooled cells
+    chi_square: float | None = None
+    cells: int | None = None  # after pooling
+    pooled_fraction: float | None = None  # share of all samples in pooled cells
+    tv: float | None = None
+    tv_threshold: float | None = None  # None: too few permutations to reject at this level
+    tv_p_value: float | None = None
+    permutations: int | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    def to_dict(self) -> dict:
+        keys = sorted(set(self.plain) | set(self.speculative), key=lambda k: (-(self.plain[k] + self.speculative[k]), k))
+        return {
+            "prompt": self.prompt,
+            "prompt_tokens": self.prompt_tokens,
+            "passed": self.passed,
+            "p_value": self.p_value,
+            "chi_square": self.chi_square,
+            "cells": self.cells,
+            "pooled_fraction": self.pooled_fraction,
+            "tv": self.tv,
+            "tv_threshold": self.tv_threshold,
+            "tv_p_value": self.tv_p_value,
+            "permutations": self.permutations,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "warnings": self.warnings,
+            "continuations": [
+                {"tokens": list(k), "text": self.texts.get(k, ""), "plain": self.plain[k], "speculative": self.speculative[k]}
+                for k in keys
+            ],
+        }
+
+
+@dataclass
+class LosslessnessReport:
+    checks: list[PromptCheck]
+    samples: int
+    length: int
+    sampling: SamplingParams
+    seed: int
+    alpha: float
+    level: float | None  # per test: alpha / (2 * prompts); None in greedy mode
+    drafter: str
+    gamma: int | str
+
+    @property
+    def passed(self) -> bool:
+        return all(check.passed for check in self.checks)
+
+    @property
+    def drafted(self) -> int:
+        return sum(check.drafted for check in self.checks)
+
+    @property
+    def accepted(self) -> int:
+        return sum(check.accepted for check in self.checks)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    def to_dict(self) -> dict:
+        return {
+            "passed": self.passed,
+            "alpha": self.alpha,
+            "level_per_test": self.level,
+            "samples": self.samples,
+            "length": self.length,
+            "temperature": self.sampling.temperature,
+            "top_k": self.sampling.top_k,
+            "top_p": self.sampling.top_p,
+            "seed": self.seed,
+            "drafter": self.drafter,
+            "gamma": self.gamma,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "prompts": [check.to_dict() for check in self.checks],
+        }
+
+
+def check_lossless(
+    speculative: SpeculativeDecoder,
+    prompts: Sequence[str | Sequence[int]],
+    samples: int = 1000,
+    length: int = 2,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    alpha: float = 1e-3,
+    progress: bool = True,
+) -> LosslessnessReport:
+    """Compare `speculative` with plain decoding of its own target (no second load); see the module doc.
+
+    A lossless decoder fails with probability <= alpha; greedy (temperature 0) compares exactly.
+    """
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    check_settings(samples, length, alpha, seed)
+    if speculative.drafter is None:
+        raise SpecDecError("nothing to verify: the decoder has no drafter, so it already decodes plainly")
+    if isinstance(prompts, str) or not len(prompts) or any(isinstance(p, int) for p in prompts):
+        raise SpecDecError("prompts must be a list of at least one prompt (each a string or a list of token ids)")
+    prompt_ids = [speculative._prompt_ids(prompt) for prompt in prompts]  # validates all before sampling
+    plain = SpeculativeDecoder(speculative.target)
+    runs = 1 if sampling.greedy else samples
+    level = None if sampling.greedy else alpha / (2 * len(prompts))
+    checks = []
+    with tqdm(total=2 * runs * len(prompts), desc="verify", unit="sample", disable=not progress, leave=False) as bar:
+        for j, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
+            base = seed + 2 * runs * j
+            options = dict(max_new_tokens=length, temperature=temperature, top_k=top_k, top_p=top_p)
+            texts: dict[Continuation, str] = {}
+            plain_counts, _ = _sample(plain, ids, runs, base, options, texts, bar)
+            spec_counts, (drafted, accepted) = _sample(speculative, ids, runs, base + runs, options, texts, bar)
+            check = PromptCheck(
+                prompt=prompt if isinstance(prompt, str) else [int(i) for i in prompt], prompt_tokens=len(ids),
+                plain=plain_counts, speculative=spec_counts, texts=texts, drafted=drafted, accepted=accepted, passed=True,
+            )
+            if sampling.greedy:
+                check.passed = plain_counts == spec_counts
+            else:
+                _compare(check, level, np.random.default_rng([seed, j]))
+            check.warnings += _exercise_warnings(drafted, accepted)
+            checks.append(check)
+    drafter = speculative.drafter.name
+    return LosslessnessReport(checks, samples, length, sampling, seed, alpha, level, drafter, speculative.gamma)
+
+
+def check_settings(samples, length, alpha, seed) -> None:
+    for name, value in (("samples", samples), ("length", length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SpecDecError(f"{name} must be an integer >= 1, got {value!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
+        raise SpecDecError(f"alpha must be in (0, 1), got {alpha!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise SpecDecError(f"seed must be a non-negative integer, got {seed!r}")
+
+
+def _sample(decoder, ids, runs, first_seed, options, texts, bar) -> tuple[Counter, tuple[int, int]]:
+    counts, drafted, accepted = Counter(), 0, 0
+    for i in range(runs):
+        result = decoder.generate(ids, seed=first_seed + i, **options)
+        key = tuple(result.tokens)  # shorter than `length` only after EOS or at the context's end
+        counts[key] += 1
+        texts.setdefault(key, result.text)
+        drafted += result.stats.drafted
+        accepted += result.stats.accepted
+        bar.update()
+    return counts, (drafted, accepted)
+
+
+def _compare(check: PromptCheck, level: float, rng: np.random.Generator) -> None:
+    table, pooled = pooled_table(check.plain, check.speculative)
+    check.chi_square, check.p_value = chi_square_homogeneity(table)
+    check.cells = table.shape[1]
+    check.pooled_fraction = pooled / (2 * sum(check.plain.values()))
+    check.tv, check.tv_threshold, check.tv_p_value, check.permutations = tv_permutation_test(
+        check.plain, check.speculative, level, rng
+    )
+    check.passed = check.p_value > level and check.tv_p_value > level
+    if check.pooled_fraction > 0.5:
+        check.warnings.append(
+            f"{check.pooled_fraction:.0%} of the samples are continuations seen fewer than {MIN_CELL} times: "
+            "the check has little power here; use a shorter --length, more --samples or a --top-k"
+        )
+
+
+def _exercise_warnings(drafted: int, accepted: int) -> list[str]:
+    if drafted == 0:
+        return ["the drafter proposed nothing for this prompt: the speculative path was not exercised"]
+    if accepted == drafted:
+        return ["every draft token was accepted: the rejection path was not exercised"]
+    if accepted == 0:
+        return ["no draft token was accepted: the acceptance path was not exercised"]
+    return []
+
+
+def pooled_table(plain: Counter, speculative: Counter, min_cell: int = MIN_CELL) -> tuple[np.ndarray, int]:
+    """[2, cells] counts (row 0 plain, row 1 speculative) and how many samples went into pooled cells.
+
+    Cells with combined count < min_cell form one "other" cell; if it is itself below min_cell
+    it joins the smallest kept cell, so every cell has a combined count >= min_cell (unless all
+    samples are pooled, then there is a single cell).
+    """
+    keys = sorted(set(plain) | set(speculative), key=lambda k: (-(plain[k] + speculative[k]), k))
+    kept = [[plain[k], speculative[k]] for k in keys if plain[k] + speculative[k] >= min_cell]
+    rare = [k for k in keys if plain[k] + speculative[k] < min_cell]
+    other = [sum(plain[k] for k in rare), sum(speculative[k] for k in rare)]
+    if sum(other) and (sum(other) >= min_cell or not kept):
+        kept.append(other)
+    elif sum(other):
+        smallest = kept[-1]  # keys are sorted by combined count, descending
+        smallest[0] += other[0]
+        smallest[1] += other[1]
+    return np.array(kept, dtype=np.int64).T.reshape(2, -1), sum(other)
+
+
+def chi_square_homogeneity(table: np.ndarray) -> tuple[float, float]:
+    """Pearson's statistic and asymptotic p-value for a [2, cells] table with positive column sums.
+
+    Equals scipy.stats.chi2_contingency(table, correction=False); scipy is only a test dependency.
+    """
+    if table.shape[1] < 2:
+        return 0.0, 1.0  # one cell: both samples are all alike
+    observed = table.astype(np.float64)
+    expected = observed.sum(axis=1, keepdims=True) * observed.sum(axis=0, keepdims=True) / observed.sum()
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    dof = table.shape[1] - 1
+    # chi-square survival function: the regularised upper incomplete gamma Q(dof/2, x/2)
+    pvalue = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)))
+    return statistic, pvalue
+
+
+def tv_permutation_test(
+    plain: Counter, speculative: Counter, level: float, rng: np.random.Generator, max_permutations: int = MAX_PERMUTATIONS
+) -> tuple[float, float | None, float, int]:
+    """(TV, threshold, Monte-Carlo p-value, permutations) for two samples of equal size n.
+
+    TV = S / 2n with the integer S = sum_k |2 a_k - N_k| (a_k plain count, N_k combined count).
+    Under the null the plain counts are multivariate hypergeometric given N; p = (1 + #{S_b >= S}) / (B + 1)
+    is exactly valid. p <= level  <=>  TV > threshold, the (k+1)-th largest null TV, k = floor(level (B+1)) - 1.
+    Continuations seen once contribute 1 to S whichever side they fall on: they are drawn as one colour.
+    """
+    n = sum(plain.values())
+    if sum(speculative.values()) != n or n == 0:
+        raise ValueError("the permutation test needs two non-empty samples of equal size")
+    keys = sorted(set(plain) | set(speculative))
+    a = np.array([plain[k] for k in keys], dtype=np.int64)
+    combined = a + np.array([speculative[k] for k in keys], dtype=np.int64)
+    observed = int(np.abs(2 * a - combined).sum())
+    varying = combined >= 2
+    singles = int((~varying).sum())
+    colors = combined[varying]
+    permutations = min(max_permutations, math.ceil(PERMUTATIONS_PER_REJECTION / level))
+    k = math.floor(level * (permutations + 1)) - 1
+    if colors.size == 0:  # every continuation seen once: S = 2n whatever the split
+        null = np.full(permutations, observed, dtype=np.int64)
+    else:
+        all_colors = np.append(colors, singles) if singles else colors
+        null = np.empty(permutations, dtype=np.int64)
+        chunk = max(1, 4_000_000 // all_colors.size)
+        for start in range(0, permutations, chunk):
+            rows = min(chunk, permutations - start)
+            draws = rng.multivariate_hypergeometric(all_colors, n, size=rows, method="count")[:, : colors.size]
+            null[start : start + rows] = np.abs(2 * draws - colors).sum(axis=1) + singles
+    pvalue = (1 + int((null >= observed).sum())) / (permutations + 1)
+    threshold = None if k < 0 else float(np.partition(null, permutations - k - 1)[permutations - k - 1]) / (2 * n)
+    return observed / (2 * n), threshold, pvalue, permutations
+
+
+# ---- the `specdec verify` command ---------------------------------------------------------------
+
+
+def add_parser(commands) -> None:
+    """Add `verify` to the subparsers object of specdec.cli.build_parser()."""
+    from specdec.cli import _gamma  # here, not at import time: cli.py may import this module
+
+    v = commands.add_parser(
+        "verify", help="check that speculative decoding matches plain decoding on your models and settings",
+        description="Sample short continuations with plain and with speculative decoding and compare their "
+                    "distributions (chi-square and total variation, Bonferroni over prompts); print PASS or FAIL. "
+                    "Exits 1 on FAIL. Temperature 0 compares the greedy continuations token for token.",
+    )
+    v.add_argument("--prompt", action="append", default=None, help="prompt (repeatable; default: three short code prompts)")
+    v.add_argument("--target", help="target checkpoint directory (default: the demo pair, drafting with its draft model)")
+    drafter = v.add_mutually_exclusive_group()
+    drafter.add_argument("--draft", help="draft checkpoint directory (same tokenizer as the target)")
+    drafter.add_argument("--ngram", help="n-gram model file from `specdec ngram build`")
+    drafter.add_argument("--prompt-lookup", action="store_true", help="draft by matching the context's last tokens earlier in the context")
+    v.add_argument("--ngram-top1", action="store_true", help="with --ngram: propose the top token instead of sampling")
+    v.add_argument("--gamma", type=_gamma, default=4, help="draft tokens per iteration, or 'auto' (default 4)")
+    v.add_argument("--temperature", type=float, default=1.0, help="0 = greedy: exact comparison (default 1)")
+    v.add_argument("--top-k", type=int, default=0, help="0 = off")
+    v.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    v.add_argument("--seed", type=int, default=0, help="base seed; every sample gets its own (default 0)")
+    v.add_argument("--samples", type=int, default=1000, help="continuations per prompt and decoder (default 1000)")
+    v.add_argument("--length", type=int, default=2, help="tokens per continuation (default 2)")
+    v.add_argument("--alpha", type=float, default=1e-3, help="probability that a lossless decoder fails the check (default 0.001)")
+    v.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    v.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), float16")
+    v.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    v.set_defaults(run=run_verify)
+
+
+def run_verify(args) -> None:
+    import specdec
+
+    check_settings(args.samples, args.length, args.alpha, args.seed)
+    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # fail before loading
+    decoder = specdec.load(
+        args.target, draft=args.draft, ngram=args.ngram, prompt_lookup=args.prompt_lookup,
+        gamma=args.gamma, device=args.device, dtype=args.dtype, ngram_stochastic=not args.ngram_top1,
+    )
+    report = check_lossless(
+        decoder, args.prompt or DEFAULT_PROMPTS, samples=args.samples, length=args.length,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, alpha=args.alpha,
+    )
+    print(json.dumps(report.to_dict()) if args.json else format_report(report))
+    if not report.passed:
+        failed = [c for c in report.checks if not c.passed]
+        raise SpecDecError(
+            f"losslessness check failed: speculative decoding differs from plain decoding on {len(failed)} of "
+            f"{len(report.checks)} prompts ({_short(failed[0].prompt)}: {_evidence(failed[0], report.level)})"
+        )
+
+
+def format_report(report: LosslessnessReport) -> str:
+    s = report.sampling
+    mode = "greedy" if s.greedy else f"temperature {s.temperature:g}, top-k {s.top_k}, top-p {s.top_p:g}"
+    runs = "1 continuation" if s.greedy else f"{report.samples} samples"
+    lines = [
+        f"verify: drafter {report.drafter} (gamma {report.gamma}) vs plain decoding · {mode} · "
+        f"{len(report.checks)} prompts × {runs} × {report.length} tokens · seed {report.seed}"
+    ]
+    for check in report.checks:
+        rate = check.acceptance_rate
+        acceptance = f"acceptance {rate:.1%} of {check.drafted} drafted" if rate is not None else "nothing drafted"
+        lines.append(f"  {'ok  ' if check.passed else 'FAIL'} {_short(check.prompt)}: {_evidence(check, report.level)} · {acceptance}")
+        lines += [f"       note: {w}" for w in check.warnings]
+        if not check.passed and not s.greedy:
+            lines.append("       most frequent continuations (plain / speculative):")
+            keys = sorted(set(check.plain) | set(check.speculative), key=lambda k: -(check.plain[k] + check.speculative[k]))
+            lines += [f"         {check.texts.get(k, '')!r:24} {check.plain[k]:6} / {check.speculative[k]}" for k in keys[:5]]
+    rate = report.acceptance_rate
+    lines.append(f"overall acceptance {rate:.1%} ({report.accepted} of {report.drafted} draft tokens)" if rate is not None
+                 else "overall: the drafter proposed nothing")
+    if s.greedy:
+        odds = "greedy continuations compared token for token (no false failures)"
+    else:
+        odds = (f"a lossless decoder fails this check with probability <= {report.alpha:g} "
+                f"(each of {2 * len(report.checks)} tests at level {report.level:.3g})")
+    verdict = "PASS: no difference between speculative and plain decoding detected" if report.passed else \
+        "FAIL: speculative decoding differs from plain decoding"
+    lines.append(f"{verdict}; {odds}")
+    return "\n".join(lines)
+
+
+def _evidence(check: PromptCheck, level: float | None) -> str:
+    if check.p_value is None:  # greedy
+        if check.passed:
+            return "greedy continuations equal"
+        (plain,), (spec,) = check.plain, check.speculative
+        first = next((i for i, (x, y) in enumerate(zip(plain, spec)) if x != y), min(len(plain), len(spec)))
+        return f"greedy continuations differ at token {first}: plain {check.texts[plain]!r}, speculative {check.texts[spec]!r}"
+    threshold = "n/a" if check.tv_threshold is None else f"{check.tv_threshold:.3f}"
+    chi = f"chi-square p {check.p_value:.3g} ({check.cells} cells)"
+    tv = f"TV {check.tv:.3f} (null threshold {threshold}, p {check.tv_p_value:.3g})"
+    if check.p_value <= level:
+        chi += f" <= {level:.3g}"
+    if check.tv_p_value <= level:
+        tv += f" <= {level:.3g}"
+    return f"{chi} · {tv}"
+
+
+def _short(prompt, width: int = 32) -> str:
+    text = repr(prompt) if isinstance(prompt, str) else str(prompt)
+    return text if len(text) <= width else text[: width - 1] + "…"

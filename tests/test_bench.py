@@ -1,0 +1,86 @@
+"""`specdec bench` on tiny saved models: every strategy and peer runs, greedy texts agree, reports are written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec.analysis import expected_tokens, optimal_gamma, predicted_speedup, weight_bytes_per_token
+from specdec.bench import BenchConfig, run_bench
+from specdec.bench.report import markdown, write_report
+from specdec.cli import main
+from specdec.ngram import KatzTrigram
+
+
+@pytest.fixture(scope="module")
+def bench_data(model_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    prompts = root / "prompts.txt"
+    prompts.write_text("abcabcab\ndefg hij\nklm klm k\n")
+    ngram = root / "ngram.safetensors"
+    KatzTrigram.build([[1, 2, 3, 1, 2, 3, 4, 5] * 5], vocab_size=16).save(ngram)
+    config = BenchConfig(target=model_dirs["llama"], draft=model_dirs["llama-near"], ngram=str(ngram), prompts=str(prompts),
+                         max_new_tokens=10, gammas=(1, 3), cost_ks=(1, 2, 4), progress=False)
+    return run_bench(config), root
+
+
+def test_every_strategy_and_peer_is_measured(bench_data):
+    data, _ = bench_data
+    names = [s["name"] for s in data["strategies"]]
+    assert names == ["plain", "chain γ=1", "chain γ=3", "chain γ=auto", "prompt lookup γ=4", "n-gram γ=4",
+                     "HF generate", "HF assisted", "HF prompt lookup"]
+    for mode in ("greedy", "sampled"):
+        rows = data["summary"][mode]
+        assert rows["plain"]["speedup"] == 1.0 and rows["plain"]["target_forwards_per_token"] == 1.0
+        assert rows["HF generate"]["target_forwards_per_token"] == pytest.approx(1.0, abs=0.11)  # its prefill is a forward too
+        for name in ("chain γ=1", "chain γ=3"):
+            row = rows[name]
+            assert 0 < row["acceptance_rate"] < 1 and row["tokens_per_target_forward"] > 1
+            assert row["predicted_speedup"] > 0 and len(row["acceptance_by_position"]) == int(name[-1])
+            assert sum(row["accepted_length_counts"].values()) > 0
+        assert rows["HF assisted"]["draft_forwards_per_token"] > 0
+        assert all(len(runs) == 3 for runs in data["runs"][mode].values())
+
+
+def test_greedy_texts_agree_across_strategies_and_peers(bench_data):
+    data, _ = bench_data
+    assert data["greedy_mismatches"] == {}
+    greedy = data["runs"]["greedy"]
+    for runs in greedy.values():
+        assert [r["tokens"] for r in runs] == [r["tokens"] for r in greedy["plain"]]
+
+
+def test_report_files(bench_data):
+    data, root = bench_data
+    paths = write_report(data, root / "out")
+    assert {p.name for p in paths} == {"bench.json", "bench.md", "speedup.png", "speedup_vs_gamma.png",
+                                       "acceptance_by_position.png", "accepted_lengths.png", "forward_cost.png"}
+    assert all(p.stat().st_size > 0 for p in paths)
+    assert json.loads((root / "out" / "bench.json").read_text())["prompts"] == 3
+    table = markdown(data)
+    assert "| chain γ=3 |" in table and "HF assisted" in table and "identical" in table
+
+
+def test_cli_bench(model_dirs, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "abcab"}\n{"prompt": "ghi"}\n')
+    code = main(["bench", "--target", model_dirs["llama"], "--draft", model_dirs["llama-near"], "--prompts", str(prompts),
+                 "--max-new-tokens", "6", "--gammas", "2", "--mode", "greedy", "--no-peers", "--out", str(tmp_path / "o")])
+    assert code == 0
+    assert "| chain γ=2 |" in capsys.readouterr().out
+    assert (tmp_path / "o" / "speedup.png").exists()
+    assert main(["bench", "--target", model_dirs["llama"], "--prompts", str(tmp_path / "none.txt")]) == 1
+    assert "prompts file not found" in capsys.readouterr().err
+    assert main(["bench", "--target", model_dirs["llama"], "--gammas", "2,x"]) == 1
+
+
+def test_leviathan_formulas():
+    assert expected_tokens(0.0, 4) == 1 and expected_tokens(1.0, 4) == 5
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    costs = {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}
+    # free drafts and flat verify cost: speedup = expected tokens
+    assert predicted_speedup(0.8, 4, costs, 0.0) == pytest.approx(expected_tokens(0.8, 4))
+    assert optimal_gamma(0.8, costs, 0.0) == 4
+    assert optimal_gamma(0.3, costs, 0.5) == 1
+    assert weight_bytes_per_token(10, 100, 30, 10, 20) == 65
