@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from specdec import losslessness
 from specdec.errors import SpecDecError
 
 
@@ -92,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--bf16", action="store_true", help="bfloat16 autocast for matmuls (weights stay float32)")
     tr.add_argument("--save-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     tr.set_defaults(run=run_train)
+
+    losslessness.add_parser(commands)  # `specdec verify`
     return parser
 
 

@@ -193,7 +193,7 @@ def check_lossless(
                 check.passed = plain_counts == spec_counts
             else:
                 _compare(check, level, np.random.default_rng([seed, j]))
-            check.warnings += _exercise_warnings(drafted, accepted)
+            check.warnings += _exercise_warnings(drafted, accepted, length)
             checks.append(check)
     drafter = speculative.drafter.name
     return LosslessnessReport(checks, samples, length, sampling, seed, alpha, level, drafter, speculative.gamma)
@@ -238,9 +238,10 @@ def _compare(check: PromptCheck, level: float, rng: np.random.Generator) -> None
         )
 
 
-def _exercise_warnings(drafted: int, accepted: int) -> list[str]:
+def _exercise_warnings(drafted: int, accepted: int, length: int) -> list[str]:
     if drafted == 0:
-        return ["the drafter proposed nothing for this prompt: the speculative path was not exercised"]
+        why = " (one token is never drafted: use a length >= 2)" if length == 1 else ""
+        return [f"the drafter proposed nothing for this prompt: the speculative path was not exercised{why}"]
     if accepted == drafted:
         return ["every draft token was accepted: the rejection path was not exercised"]
     if accepted == 0:
