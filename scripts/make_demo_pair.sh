@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# How specdec/demo_pair was made: a target, a distilled draft and a Katz trigram, all trained on the
+# CPython standard library that ships with the interpreter (every 50th file held out), on 2 CPU cores.
+# Training state lives in runs/ (ignored by git); re-running a step resumes it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STDLIB=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+mkdir -p runs
+find "$STDLIB" -name '*.py' -not -path "$STDLIB/site-packages/*" | sort > runs/stdlib_files.txt
+
+# 1. target: byte-level BPE (8192) + Llama, 6 layers x 512, ~23.5M parameters
+python -m specdec train $(cat runs/stdlib_files.txt) -o runs/target --vocab-size 8192 --hidden-size 512 --layers 6 \
+  --heads 8 --intermediate-size 1408 --context 1024 --seq-len 256 --batch-size 16 --steps 1600 --lr 1e-3 --warmup 60 \
+  --eval-every 100 --save-every 50 --bf16
+
+# 2. draft: 2 layers x 192 (~2.45M parameters, < 1/8 of the target), distilled from the target (KL)
+python -m specdec train $(cat runs/stdlib_files.txt) -o runs/draft --distill-from runs/target --hidden-size 192 --layers 2 \
+  --heads 4 --intermediate-size 512 --context 1024 --seq-len 256 --batch-size 16 --steps 800 --lr 2e-3 --warmup 40 \
+  --eval-every 100 --save-every 50 --bf16
+
+# 3. Katz trigram over the target's tokenizer, from every fifth non-test training file (keeps the pair under 60 MB)
+awk 'NR % 50 != 0' runs/stdlib_files.txt | grep -v -E '/(test|tests|idlelib|lib2to3)/' | awk 'NR % 5 == 1' > runs/ngram_files.txt
+python -m specdec ngram build $(cat runs/ngram_files.txt) --tokenizer runs/target -o runs/ngram.safetensors
+
+# 4. package: fp16 weights, the shared tokenizer, the n-gram and the training reports
+python scripts/package_demo_pair.py runs specdec/demo_pair
