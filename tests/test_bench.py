@@ -28,7 +28,7 @@ def bench_data(model_dirs, tmp_path_factory):
 def test_every_strategy_and_peer_is_measured(bench_data):
     data, _ = bench_data
     names = [s["name"] for s in data["strategies"]]
-    assert names == ["plain", "chain γ=1", "chain γ=3", "chain γ=auto", "prompt lookup γ=4", "n-gram γ=4",
+    assert names == ["plain", "chain γ=1", "chain γ=3", "chain γ=auto", "prompt lookup γ=8", "n-gram γ=4",
                      "HF generate", "HF assisted", "HF prompt lookup"]
     for mode in ("greedy", "sampled"):
         rows = data["summary"][mode]

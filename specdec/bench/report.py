@@ -9,6 +9,7 @@ COLUMNS = [
     ("tokens/s", "tokens_per_second", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}×"),
     ("predicted", "predicted_speedup", "{:.2f}×"),
+    ("predicted (i.i.d. α)", "predicted_speedup_iid_alpha", "{:.2f}×"),
     ("acceptance", "acceptance_rate", "{:.3f}"),
     ("tokens/target fwd", "tokens_per_target_forward", "{:.2f}"),
     ("target fwd/token", "target_forwards_per_token", "{:.3f}"),

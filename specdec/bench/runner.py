@@ -36,7 +36,7 @@ class BenchConfig:
     temperature: float = 0.8  # sampled mode
     top_k: int = 20  # sampled mode
     gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
-    lookup_gamma: int = 4
+    lookup_gamma: int = 8
     ngram_gamma: int = 4
     peers: bool = True
     seed: int = 0
@@ -295,15 +295,20 @@ def summarize(runs: dict[str, list[Run]], strategies, target: CausalLM, draft: C
             "target_forwards_per_token": target_fw / tokens if tokens else None,
             "draft_forwards_per_token": draft_fw / tokens if tokens else None,
             "weight_bytes_per_token": weight_bytes_per_token(target_fw, target.weight_bytes, draft_fw, draft_bytes, tokens),
-            "predicted_speedup": predicted(strategy, alpha, drafted, iterations, rs, costs),
+            "predicted_speedup": predicted(strategy, alpha, drafted, iterations, rs, costs, tokens),
+            "predicted_speedup_iid_alpha": predicted(strategy, alpha, drafted, iterations, rs, costs),
             "acceptance_by_position": [a / d for a, d in zip(_sum_lists(r.accepted_by_position for r in rs), _sum_lists(r.drafted_by_position for r in rs))],
             "accepted_length_counts": _histogram(length for r in rs for length in r.accepted_lengths),
         }
     return rows
 
 
-def predicted(strategy, alpha, drafted, iterations, runs, costs) -> float | None:
-    """Leviathan's speedup from measured α, mean draft length and measured per-call costs."""
+def predicted(strategy, alpha, drafted, iterations, runs, costs, tokens: int | None = None) -> float | None:
+    """Leviathan's speedup: tokens per iteration × t_target(1) / (cost of drafting + verifying one iteration).
+
+    Tokens per iteration come from the measured acceptance: counted directly (`tokens` given), or
+    from the i.i.d. formula (1 − α^{γ+1}) / (1 − α), which ignores that early positions accept more.
+    """
     if strategy.family in ("plain", "peer") or not drafted or not iterations or alpha is None:
         return None
     t_target = costs["target"]
@@ -313,7 +318,8 @@ def predicted(strategy, alpha, drafted, iterations, runs, costs) -> float | None
         t_draft = costs["draft"][1]
     else:  # model-free drafters: their measured proposal time per drafted token
         t_draft = sum(r.draft_seconds for r in runs) / drafted
-    return expected_tokens(alpha, gamma) * t_target[1] / (gamma * t_draft + t_target[k])
+    per_iteration = tokens / iterations if tokens is not None else expected_tokens(alpha, gamma)
+    return per_iteration * t_target[1] / (gamma * t_draft + t_target[k])
 
 
 def greedy_mismatches(runs: dict[str, list[Run]] | None) -> dict[str, list[dict]]:

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from specdec.errors import SpecDecError
+from specdec.runtime.cpu_matmul import use_small_batch_matmul
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -170,6 +171,8 @@ def load_model(path: str | os.PathLike, device: str | None = None, dtype: str | 
     if missing:  # transformers would fill them with random values and only log it
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise SpecDecError(f"{path}: the safetensors files lack weights {', '.join(missing[:3])}{more}")
+    if torch.device(device).type == "cpu":
+        use_small_batch_matmul(model)
     return CausalLM(model.to(device), tokenizer, str(path))
 
 
