@@ -92,7 +92,8 @@ def plots(data: dict, out: Path) -> list[Path]:
         if chain:
             gammas = [g for g, _ in chain]
             ax.plot(gammas, [rows[n]["speedup"] for _, n in chain], "o-", label="measured")
-            ax.plot(gammas, [rows[n]["predicted_speedup"] for _, n in chain], "s--", label="predicted (α, measured costs)")
+            ax.plot(gammas, [rows[n]["predicted_speedup"] for _, n in chain], "s--", label="predicted (measured tokens/iteration, costs)")
+            ax.plot(gammas, [rows[n]["predicted_speedup_iid_alpha"] for _, n in chain], "^:", label="predicted (i.i.d. α formula, costs)")
             ax.axhline(1, color="black", lw=0.8)
             ax.legend()
         ax.set_title(f"{mode}: speedup vs γ")
@@ -131,3 +132,13 @@ def plots(data: dict, out: Path) -> list[Path]:
     ax.set_title("Target forward cost by batch of new tokens")
     save(fig, "forward_cost.png")
     return written
+
+
+def read_bench(path: str | Path) -> dict:
+    """bench.json back into run_bench's shape (JSON turned the integer keys into strings)."""
+    data = json.loads(Path(path).read_text())
+    data["costs"] = {model: {int(k): v for k, v in costs.items()} for model, costs in data["costs"].items()}
+    for rows in data["summary"].values():
+        for row in rows.values():
+            row["accepted_length_counts"] = {int(k): v for k, v in row["accepted_length_counts"].items()}
+    return data
