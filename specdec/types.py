@@ -98,6 +98,7 @@ class GenerationStats:
 
     @property
     def acceptance_by_position(self) -> list[float]:
+        """Share of the drafts offering a token at position i whose first i + 1 tokens were all accepted."""
         return [a / d for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
 
     @property

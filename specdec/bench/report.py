@@ -111,7 +111,7 @@ def plots(data: dict, out: Path) -> list[Path]:
                 if key == "acceptance_by_position":
                     ax.plot(range(1, len(values) + 1), values, "o-", label=strategy)
                     ax.set_xlabel("draft position")
-                    ax.set_ylabel("P(accepted | reached)")
+                    ax.set_ylabel("share of drafts accepted up to here")
                 else:
                     lengths = sorted(int(k) for k in values)
                     total = sum(values.values())
