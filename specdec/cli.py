@@ -23,27 +23,32 @@ def _gamma(value: str) -> int | str:
     return gamma
 
 
+def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
+    """Models, drafter and sampling: shared by `generate` and `verify`."""
+    parser.add_argument("--target", help="target checkpoint directory (default: the demo pair, drafting with its draft model)")
+    drafter = parser.add_mutually_exclusive_group()
+    drafter.add_argument("--draft", help="draft checkpoint directory (same tokenizer as the target)")
+    drafter.add_argument("--ngram", help="n-gram model file from `specdec ngram build`")
+    drafter.add_argument("--prompt-lookup", action="store_true", help="draft by matching the context's last tokens earlier in the context")
+    parser.add_argument("--ngram-top1", action="store_true", help="with --ngram: propose the top token instead of sampling")
+    parser.add_argument("--gamma", type=_gamma, default=4, help="draft tokens per iteration, or 'auto' (default 4)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    parser.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), float16")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for local Hugging Face checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text from a prompt", description="Stream a continuation of PROMPT, then a one-line stats summary (on stderr).")
     gen.add_argument("prompt")
-    gen.add_argument("--target", help="target checkpoint directory (default: the demo pair, drafting with its draft model)")
-    drafter = gen.add_mutually_exclusive_group()
-    drafter.add_argument("--draft", help="draft checkpoint directory (same tokenizer as the target)")
-    drafter.add_argument("--ngram", help="n-gram model file from `specdec ngram build`")
-    drafter.add_argument("--prompt-lookup", action="store_true", help="draft by matching the context's last tokens earlier in the context")
-    gen.add_argument("--ngram-top1", action="store_true", help="with --ngram: propose the top token instead of sampling")
-    gen.add_argument("--gamma", type=_gamma, default=4, help="draft tokens per iteration, or 'auto' (default 4)")
-    gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
-    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-    gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    add_decoding_arguments(gen)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    gen.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), float16")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     gen.set_defaults(run=run_generate)
 

@@ -327,7 +327,7 @@ def tv_permutation_test(
 
 def add_parser(commands) -> None:
     """Add `verify` to the subparsers object of specdec.cli.build_parser()."""
-    from specdec.cli import _gamma  # here, not at import time: cli.py may import this module
+    from specdec.cli import add_decoding_arguments  # here, not at import time: cli.py imports this module
 
     v = commands.add_parser(
         "verify", help="check that speculative decoding matches plain decoding on your models and settings",
@@ -336,22 +336,11 @@ def add_parser(commands) -> None:
                     "Exits 1 on FAIL. Temperature 0 compares the greedy continuations token for token.",
     )
     v.add_argument("--prompt", action="append", default=None, help="prompt (repeatable; default: three short code prompts)")
-    v.add_argument("--target", help="target checkpoint directory (default: the demo pair, drafting with its draft model)")
-    drafter = v.add_mutually_exclusive_group()
-    drafter.add_argument("--draft", help="draft checkpoint directory (same tokenizer as the target)")
-    drafter.add_argument("--ngram", help="n-gram model file from `specdec ngram build`")
-    drafter.add_argument("--prompt-lookup", action="store_true", help="draft by matching the context's last tokens earlier in the context")
-    v.add_argument("--ngram-top1", action="store_true", help="with --ngram: propose the top token instead of sampling")
-    v.add_argument("--gamma", type=_gamma, default=4, help="draft tokens per iteration, or 'auto' (default 4)")
-    v.add_argument("--temperature", type=float, default=1.0, help="0 = greedy: exact comparison (default 1)")
-    v.add_argument("--top-k", type=int, default=0, help="0 = off")
-    v.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    add_decoding_arguments(v)
     v.add_argument("--seed", type=int, default=0, help="base seed; every sample gets its own (default 0)")
     v.add_argument("--samples", type=int, default=1000, help="continuations per prompt and decoder (default 1000)")
     v.add_argument("--length", type=int, default=2, help="tokens per continuation (default 2)")
     v.add_argument("--alpha", type=float, default=1e-3, help="probability that a lossless decoder fails the check (default 0.001)")
-    v.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    v.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), float16")
     v.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     v.set_defaults(run=run_verify)
 
