@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
@@ -21,7 +21,7 @@ from specdec.bench.prompts import file_prompts, humaneval_prompts
 from specdec.drafters import ModelDrafter, NgramDrafter, PromptLookupDrafter
 from specdec.errors import SpecDecError
 from specdec.runtime import CausalLM
-from specdec.types import SamplingParams
+from specdec.types import GenerationStats, SamplingParams
 
 
 @dataclass
@@ -48,19 +48,11 @@ class BenchConfig:
 
 @dataclass
 class Run:
-    """One strategy on one prompt."""
+    """One strategy on one prompt; peers fill only the forward counts of `stats`."""
 
     tokens: list[int]
     seconds: float
-    target_forwards: int
-    draft_forwards: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    iterations: int = 0
-    drafted_by_position: list[int] = field(default_factory=list)
-    accepted_by_position: list[int] = field(default_factory=list)
-    accepted_lengths: list[int] = field(default_factory=list)
-    draft_seconds: float = 0.0
+    stats: GenerationStats
 
 
 @dataclass
@@ -83,9 +75,7 @@ def specdec_strategy(name, family, decoder: SpeculativeDecoder, max_new_tokens: 
     def run(prompt_ids, sampling, seed) -> Run:
         result = decoder.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=sampling.temperature,
                                   top_k=sampling.top_k, top_p=sampling.top_p, seed=seed)
-        s = result.stats
-        return Run(result.tokens, s.total_seconds, s.target_forwards, s.draft_forwards, s.drafted, s.accepted,
-                   s.iterations, s.drafted_by_position, s.accepted_by_position, s.accepted_lengths, s.draft_seconds)
+        return Run(result.tokens, result.stats.total_seconds, result.stats)
 
     uses_draft = isinstance(decoder.drafter, ModelDrafter)
     return Strategy(name, family, decoder.gamma if decoder.drafter else None, uses_draft, run)
@@ -128,7 +118,7 @@ def peer_strategy(name, target: CausalLM, max_new_tokens: int, stop_ids: frozens
                 tokens = tokens[:i]
                 break
         drafts = (draft_counter.calls - before_d) if draft_counter else 0
-        return Run(tokens, seconds, target_counter.calls - before_t, drafts)
+        return Run(tokens, seconds, GenerationStats(target_forwards=target_counter.calls - before_t, draft_forwards=drafts))
 
     return Strategy(name, "peer", None, assistant is not None, run)
 
@@ -278,10 +268,11 @@ def summarize(runs: dict[str, list[Run]], strategies, target: CausalLM, draft: C
     for strategy in strategies:
         rs = runs[strategy.name]
         tokens = sum(len(r.tokens) for r in rs)
-        target_fw = sum(r.target_forwards for r in rs)
-        draft_fw = sum(r.draft_forwards for r in rs)
-        drafted, accepted = sum(r.drafted for r in rs), sum(r.accepted for r in rs)
-        iterations = sum(r.iterations for r in rs)
+        stats = [r.stats for r in rs]
+        target_fw = sum(s.target_forwards for s in stats)
+        draft_fw = sum(s.draft_forwards for s in stats)
+        drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
+        iterations = sum(s.iterations for s in stats)
         rates = [len(r.tokens) / r.seconds for r in rs if r.seconds > 0 and r.tokens]
         ratios = [(len(r.tokens) / r.seconds) / (len(p.tokens) / p.seconds) for r, p in zip(rs, plain) if r.tokens and p.tokens]
         alpha = accepted / drafted if drafted else None
@@ -297,8 +288,8 @@ def summarize(runs: dict[str, list[Run]], strategies, target: CausalLM, draft: C
             "weight_bytes_per_token": weight_bytes_per_token(target_fw, target.weight_bytes, draft_fw, draft_bytes, tokens),
             "predicted_speedup": predicted(strategy, alpha, drafted, iterations, rs, costs, tokens),
             "predicted_speedup_iid_alpha": predicted(strategy, alpha, drafted, iterations, rs, costs),
-            "acceptance_by_position": [a / d for a, d in zip(_sum_lists(r.accepted_by_position for r in rs), _sum_lists(r.drafted_by_position for r in rs))],
-            "accepted_length_counts": _histogram(length for r in rs for length in r.accepted_lengths),
+            "acceptance_by_position": [a / d for a, d in zip(_sum_lists(s.accepted_by_position for s in stats), _sum_lists(s.drafted_by_position for s in stats))],
+            "accepted_length_counts": _histogram(length for s in stats for length in s.accepted_lengths),
         }
     return rows
 
@@ -317,7 +308,7 @@ def predicted(strategy, alpha, drafted, iterations, runs, costs, tokens: int | N
     if strategy.uses_draft_model:
         t_draft = costs["draft"][1]
     else:  # model-free drafters: their measured proposal time per drafted token
-        t_draft = sum(r.draft_seconds for r in runs) / drafted
+        t_draft = sum(r.stats.draft_seconds for r in runs) / drafted
     per_iteration = tokens / iterations if tokens is not None else expected_tokens(alpha, gamma)
     return per_iteration * t_target[1] / (gamma * t_draft + t_target[k])
 
