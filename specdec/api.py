@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from specdec.drafters import Drafter, ModelDrafter, NgramDrafter, PromptLookupDrafter
+from specdec.drafters import Drafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
 from specdec.engine import AdaptiveGamma, FixedGamma, decode
 from specdec.errors import SpecDecError
 from specdec.ngram import KatzTrigram
@@ -41,15 +41,12 @@ class Stream:
 class SpeculativeDecoder:
     """A target model plus an optional drafter; with no drafter it decodes plainly (γ = 0).
 
-    gamma: draft length per iteration, or "auto" for the adaptive policy.
+    gamma: draft length per iteration (a tree's depth), or "auto" for the adaptive policy.
     """
 
     def __init__(self, target: CausalLM, drafter: Drafter | None = None, gamma: int | str = 4):
         check_gamma(gamma)
-        if isinstance(drafter, ModelDrafter):
-            check_same_vocabulary(target.tokenizer, drafter.model.tokenizer, f"draft model ({drafter.model.path})")
-        if isinstance(drafter, NgramDrafter):
-            check_ngram(drafter.model, target)
+        _check_drafter(drafter, target)
         self.target, self.drafter, self.gamma = target, drafter, gamma
         self._busy = False  # one generation at a time: the caches belong to it
 
@@ -210,28 +207,61 @@ def load(
     device: str | None = None,
     dtype: str | None = None,
     ngram_stochastic: bool = True,
+    tree: int | TreeShape | None = None,
+    staged: bool = False,
+    inner_gamma: int = 4,
 ) -> SpeculativeDecoder:
-    """Load a target checkpoint and at most one drafter; no drafter means plain decoding.
+    """Load a target checkpoint and a drafter; no drafter means plain decoding.
 
+    One drafter: a draft model, an n-gram file or prompt lookup. `tree` (a node budget or a
+    TreeShape) makes the draft model draft token trees `gamma` deep. `staged` makes the draft model
+    draft with the n-gram model or prompt lookup as its own drafter (draft², Spector & Ré).
     With no target, the demo pair shipped with specdec is used, drafting with its draft model
-    unless another drafter is chosen.
+    (and, when staged, its n-gram model) unless told otherwise.
     """
     check_gamma(gamma)
-    if sum([draft is not None, ngram is not None, bool(prompt_lookup)]) > 1:
-        raise SpecDecError("choose at most one drafter: a draft model, an n-gram file or prompt lookup")
-    if target is None:
-        target = demo_dir() / "target"
-        if draft is None and ngram is None and not prompt_lookup:
-            draft = demo_dir() / "draft"
-    target_model = load_model(target, device=device, dtype=dtype)
-    drafter: Drafter | None = None
-    if draft is not None:
-        drafter = ModelDrafter(load_model(draft, device=device or str(target_model.device), dtype=dtype))
-    elif ngram is not None:
-        drafter = NgramDrafter(KatzTrigram.load(ngram), stochastic=ngram_stochastic)
+    draft, ngram = _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged)
+    if tree is not None and not isinstance(tree, TreeShape):
+        tree = TreeShape(nodes=tree)  # validates the budget
+    target_model = load_model(target or demo_dir() / "target", device=device, dtype=dtype)
+    inner: Drafter | None = None
+    if ngram is not None:
+        inner = NgramDrafter(KatzTrigram.load(ngram), stochastic=ngram_stochastic)
     elif prompt_lookup:
-        drafter = PromptLookupDrafter()
+        inner = PromptLookupDrafter()
+    if draft is None:
+        return SpeculativeDecoder(target_model, inner, gamma)
+    draft_model = load_model(draft, device=device or str(target_model.device), dtype=dtype)
+    drafter = ModelDrafter(draft_model, tree=tree, inner=inner if staged else None, inner_gamma=inner_gamma)
     return SpeculativeDecoder(target_model, drafter, gamma)
+
+
+def _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged):
+    """Which draft model and which n-gram file to load, with the demo pair's as defaults; refuses
+    combinations that mean nothing. Returns (draft, ngram)."""
+    if ngram is not None and prompt_lookup:
+        raise SpecDecError("choose at most one of an n-gram file and prompt lookup")
+    if target is None:
+        if draft is None and (staged or (ngram is None and not prompt_lookup)):
+            draft = demo_dir() / "draft"
+        if staged and ngram is None and not prompt_lookup:
+            ngram = demo_dir() / "ngram.safetensors"
+    if staged and (draft is None or (ngram is None and not prompt_lookup)):
+        raise SpecDecError("staged drafting needs a draft model and a draft² for it: a draft model plus an n-gram file or prompt lookup")
+    if not staged and draft is not None and (ngram is not None or prompt_lookup):
+        raise SpecDecError("choose at most one drafter: a draft model, an n-gram file or prompt lookup (or stage them)")
+    if tree is not None and draft is None:
+        raise SpecDecError("token trees are drafted by a draft model; give one (--draft DIR)")
+    return draft, ngram
+
+
+def _check_drafter(drafter: Drafter | None, target: CausalLM) -> None:
+    """A draft model or an n-gram model (also as a staged draft model's draft²) must speak the target's vocabulary."""
+    if isinstance(drafter, ModelDrafter):
+        check_same_vocabulary(target.tokenizer, drafter.model.tokenizer, f"draft model ({drafter.model.path})")
+        _check_drafter(drafter.inner, target)
+    if isinstance(drafter, NgramDrafter):
+        check_ngram(drafter.model, target)
 
 
 def check_gamma(gamma) -> None:

@@ -23,15 +23,49 @@ def _gamma(value: str) -> int | str:
     return gamma
 
 
+def _positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def load_decoder(args):
+    """The decoder the decoding arguments describe (for `generate` and `verify`)."""
+    import specdec
+
+    if args.tree is None and (args.depth is not None or args.tree_width != 3 or args.tree_children != "sampled"):
+        raise SpecDecError("--depth, --tree-width and --tree-children shape a tree: add --tree NODES")
+    if not args.staged and args.inner_gamma != 4:
+        raise SpecDecError("--inner-gamma sets the draft² length of --staged drafting: add --staged")
+    tree = None
+    if args.tree is not None:
+        tree = specdec.TreeShape(nodes=args.tree, width=args.tree_width, sampled=args.tree_children == "sampled")
+    return specdec.load(
+        args.target, draft=args.draft, ngram=args.ngram, prompt_lookup=args.prompt_lookup,
+        gamma=args.depth if args.depth is not None else args.gamma, device=args.device, dtype=args.dtype,
+        ngram_stochastic=not args.ngram_top1, tree=tree, staged=args.staged, inner_gamma=args.inner_gamma,
+    )
+
+
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     """Models, drafter and sampling: shared by `generate` and `verify`."""
     parser.add_argument("--target", help="target checkpoint directory (default: the demo pair, drafting with its draft model)")
-    drafter = parser.add_mutually_exclusive_group()
-    drafter.add_argument("--draft", help="draft checkpoint directory (same tokenizer as the target)")
-    drafter.add_argument("--ngram", help="n-gram model file from `specdec ngram build`")
-    drafter.add_argument("--prompt-lookup", action="store_true", help="draft by matching the context's last tokens earlier in the context")
+    parser.add_argument("--draft", help="draft checkpoint directory (same tokenizer as the target)")
+    parser.add_argument("--ngram", help="n-gram model file from `specdec ngram build` (a drafter, or with --staged the draft model's drafter)")
+    parser.add_argument("--prompt-lookup", action="store_true", help="draft by matching the context's last tokens earlier in the context")
     parser.add_argument("--ngram-top1", action="store_true", help="with --ngram: propose the top token instead of sampling")
     parser.add_argument("--gamma", type=_gamma, default=4, help="draft tokens per iteration, or 'auto' (default 4)")
+    parser.add_argument("--tree", type=_positive, metavar="NODES", help="draft token trees of up to NODES nodes with the draft model")
+    parser.add_argument("--depth", type=_gamma, help="with --tree: tree depth, or 'auto' (default: --gamma)")
+    parser.add_argument("--tree-width", type=_positive, default=3, help="with --tree: children per node and nodes expanded per level (default 3)")
+    parser.add_argument("--tree-children", choices=["sampled", "top"], default="sampled",
+                        help="with --tree at temperature > 0: draw children from the draft, or take its most likely tokens (default sampled)")
+    parser.add_argument("--staged", action="store_true", help="the draft model drafts with --ngram or --prompt-lookup as its own drafter (draft²)")
+    parser.add_argument("--inner-gamma", type=_positive, default=4, help="with --staged: draft² tokens per draft-model forward (default 4)")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -104,12 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_generate(args) -> None:
-    import specdec
-
-    decoder = specdec.load(
-        args.target, draft=args.draft, ngram=args.ngram, prompt_lookup=args.prompt_lookup,
-        gamma=args.gamma, device=args.device, dtype=args.dtype, ngram_stochastic=not args.ngram_top1,
-    )
+    decoder = load_decoder(args)
     stream = decoder.stream(
         args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
@@ -132,10 +161,12 @@ def format_stats(stats, decoder) -> str:
     if decoder.drafter is not None:
         rate = stats.acceptance_rate
         parts += [
-            f"drafter {decoder.drafter.name}, gamma {decoder.gamma}",
+            f"drafter {decoder.drafter.name}, " + (f"depth {decoder.gamma}" if getattr(decoder.drafter, "tree", None) else f"gamma {decoder.gamma}"),
             f"{stats.draft_forwards} draft forwards",
             f"acceptance {rate:.1%}" if rate is not None else "acceptance n/a",
         ]
+    if stats.tree_nodes and getattr(decoder.drafter, "tree", None):
+        parts.append(f"{sum(stats.tree_nodes) / len(stats.tree_nodes):.1f} tree nodes/iteration")
     parts.append(f"{stats.tokens_per_target_forward or 0:.2f} tokens/target forward")
     return "[specdec] " + " · ".join(parts)
 

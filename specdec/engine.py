@@ -8,12 +8,13 @@ from typing import Iterator, Sequence
 
 import torch
 
+from specdec import tree
 from specdec.drafters.base import Drafter, empty_draft
 from specdec.errors import SpecDecError
 from specdec.runtime import CausalLM
 from specdec.sampling import RandomStreams, probs_from_logits
 from specdec.types import Draft, GenerationStats, SamplingParams
-from specdec.verify import verify_chain, verify_greedy
+from specdec.verify import verify_tree, verify_tree_greedy
 
 
 class FixedGamma:
@@ -73,7 +74,8 @@ def decode(
     """Yield what each iteration commits; the last yield carries a finish reason.
 
     Invariant at the top of every iteration: the target cache holds context[:-1]; the last
-    committed token is fed together with the next draft, so accepted tokens are never recomputed.
+    committed token is fed together with the next draft (a chain or a tree), so accepted tokens
+    are never recomputed. A tree's depth, not its size, is bounded by the gamma policy.
     """
     context = list(prompt)
     room = min(max_new_tokens, target.max_length - len(context))
@@ -92,17 +94,18 @@ def decode(
         draft = drafter.propose(context, gamma, sampling, streams.draft) if gamma > 0 else empty_draft()
         _check_draft(draft, gamma, target.vocab_size, sampling)
         tock = time.perf_counter()
-        # 2. one target forward scores the last committed token and every draft token
-        logits = target.forward([context[-1]] + draft.tokens.tolist())  # [len(draft) + 1, vocab]
+        # 2. one target forward scores the last committed token and every draft node
+        logits = _score(target, context[-1], draft)  # [len(draft) + 1, vocab]
         result = _verify(draft, logits, sampling, streams)
-        # 3. roll back the rejected drafts: the cache keeps context[:-1] + last + accepted
-        target.truncate(len(context) + result.accepted)
+        # 3. drop the rejected nodes: the cache keeps context[:-1] + last + the accepted path, contiguous
+        kept = target.cache_len - len(draft)
+        target.keep(kept, [kept + node for node in result.path])
         stats.target_forwards += 1
         stats.draft_forwards = drafter.forwards if drafter is not None else 0
         stats.draft_seconds += tock - tick
         stats.verify_seconds += time.perf_counter() - tock
-        stats.record(len(draft), result.accepted, gamma)
-        gamma_policy.update(len(draft), result.accepted)
+        stats.record(draft.depth, result.accepted, gamma, nodes=len(draft))
+        gamma_policy.update(draft.depth, result.accepted)
         # 4. commit, cutting at a stop token or at the length limit
         step = _commit(result.tokens, room - generated, stop_tokens)
         context += step.tokens
@@ -117,17 +120,25 @@ def decode(
 
 def _check_draft(draft: Draft, gamma: int, vocab_size: int, sampling: SamplingParams) -> None:
     """A drafter's contract, checked because a broken drafter would silently break losslessness."""
-    if len(draft) > gamma:
-        raise ValueError(f"the drafter proposed {len(draft)} tokens; at most {gamma} were asked for")
+    tree.check_parents(draft.parents)
+    if draft.depth > gamma:
+        raise ValueError(f"the drafter proposed {draft.depth} tokens deep; at most {gamma} were asked for")
     if draft.probs is not None and not sampling.greedy and tuple(draft.probs.shape) != (len(draft), vocab_size):
         raise ValueError(f"draft probs must be [{len(draft)}, {vocab_size}], got {list(draft.probs.shape)}")
 
 
+def _score(target: CausalLM, last: int, draft: Draft) -> torch.Tensor:
+    """Feed the last committed token (the root) and the draft's nodes in one forward under the tree mask."""
+    parents = torch.cat([torch.tensor([-1]), draft.parents + 1])  # the root becomes node 0
+    positions, mask = tree.tree_inputs(parents, target.cache_len, new=len(parents))
+    return target.forward(torch.cat([torch.tensor([last]), draft.tokens]), positions, mask)
+
+
 def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, streams: RandomStreams):
     if sampling.greedy:
-        return verify_greedy(draft.tokens, logits)
+        return verify_tree_greedy(draft.tokens, draft.parents, logits)
     target_probs = probs_from_logits(logits, sampling)  # [len(draft) + 1, vocab]
-    return verify_chain(draft.tokens, draft.probs, target_probs, streams.accept, streams.recover)
+    return verify_tree(draft.tokens, draft.parents, draft.probs, target_probs, streams.accept, streams.recover)
 
 
 def _commit(tokens: list[int], room: int, stop_tokens: frozenset[int]) -> StepResult:

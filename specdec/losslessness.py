@@ -346,14 +346,11 @@ def add_parser(commands) -> None:
 
 
 def run_verify(args) -> None:
-    import specdec
+    from specdec.cli import load_decoder
 
     check_settings(args.samples, args.length, args.alpha, args.seed)
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # fail before loading
-    decoder = specdec.load(
-        args.target, draft=args.draft, ngram=args.ngram, prompt_lookup=args.prompt_lookup,
-        gamma=args.gamma, device=args.device, dtype=args.dtype, ngram_stochastic=not args.ngram_top1,
-    )
+    decoder = load_decoder(args)
     report = check_lossless(
         decoder, args.prompt or DEFAULT_PROMPTS, samples=args.samples, length=args.length,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, alpha=args.alpha,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec import tree
 from specdec.errors import SpecDecError
 
 
@@ -33,17 +34,29 @@ class SamplingParams:
 
 @dataclass
 class Draft:
-    """What a drafter proposes: only new tokens, never the prefix.
+    """What a drafter proposes: only new tokens, never the prefix; a chain or a token tree.
 
-    probs[i] is the exact distribution tokens[i] was sampled from, after the same sampling
-    transform as the target's; None means point-mass (deterministic) drafts.
+    parents[i] is the node tokens[i] follows (-1: the last committed token; see `specdec.tree`);
+    None means a chain. probs[i] is the exact distribution tokens[i] was drawn from, after the
+    same sampling transform as the target's and given everything drawn before it (for a tree's
+    later siblings: the draft's distribution with the earlier siblings removed); None means
+    point-mass (deterministic) drafts.
     """
 
     tokens: torch.Tensor  # [n] int64
     probs: torch.Tensor | None = None  # [n, vocab] float
+    parents: torch.Tensor | None = None  # [n] int64
+
+    def __post_init__(self):
+        if self.parents is None:
+            self.parents = tree.chain_parents(self.tokens.numel())
 
     def __len__(self) -> int:
         return self.tokens.numel()
+
+    @property
+    def depth(self) -> int:
+        return int(tree.depths(self.parents).max()) if len(self) else 0
 
 
 @dataclass
@@ -56,6 +69,7 @@ class VerifyResult:
 
     accepted: int
     tokens: list[int]
+    path: list[int] = field(default_factory=list)  # the accepted nodes, root side first
 
 
 @dataclass
@@ -66,9 +80,10 @@ class GenerationStats:
     generated_tokens: int = 0
     target_forwards: int = 0  # one per iteration; the prompt's prefill is not counted
     draft_forwards: int = 0
-    drafted: int = 0
+    drafted: int = 0  # draft depth summed over iterations: drafted tokens for chains, deepest path for trees
     accepted: int = 0
     iterations: int = 0
+    tree_nodes: list[int] = field(default_factory=list)  # draft tokens the target scored, per iteration
     drafted_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)  # accepted count per iteration
@@ -78,8 +93,10 @@ class GenerationStats:
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
 
-    def record(self, drafted: int, accepted: int, gamma: int) -> None:
+    def record(self, drafted: int, accepted: int, gamma: int, nodes: int | None = None) -> None:
+        """drafted: the draft's depth (its length for a chain); nodes: its size (default: drafted)."""
         self.iterations += 1
+        self.tree_nodes.append(drafted if nodes is None else nodes)
         self.drafted += drafted
         self.accepted += accepted
         self.accepted_lengths.append(accepted)
@@ -119,6 +136,7 @@ class GenerationStats:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "iterations": self.iterations,
+            "tree_nodes": self.tree_nodes,
             "acceptance_rate": self.acceptance_rate,
             "acceptance_by_position": self.acceptance_by_position,
             "accepted_lengths": self.accepted_lengths,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec import tree
 from specdec.sampling import sample, uniform
 from specdec.types import VerifyResult
 
@@ -17,7 +18,7 @@ from specdec.types import VerifyResult
 def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, token: int) -> torch.Tensor:
     """norm(max(0, p - q)) at one position; a point-mass q removes `token` from p.
 
-    target_probs, draft_probs: [vocab]. If the residual has no mass (p <= q everywhere, which in
+    target_probs (p, or the residual left by earlier rejected siblings), draft_probs: [vocab]. If the residual has no mass (p <= q everywhere, which in
     exact arithmetic means p == q and rejection is impossible; in floating point it can happen)
     fall back to p rather than divide by zero (DESIGN pitfall 3).
     """
@@ -30,6 +31,57 @@ def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, token
     return rest / total if total > 0 else target_probs
 
 
+def verify_tree(
+    tokens: torch.Tensor,  # [n] int64, the tree's nodes
+    parents: torch.Tensor,  # [n] int64, -1 for a child of the root
+    draft_probs: torch.Tensor | None,  # [n, vocab]: row i is the distribution node i was drawn from; None: point masses
+    target_probs: torch.Tensor,  # [n + 1, vocab]: row 0 scores the root's children, row i + 1 node i's children
+    accept_rng: torch.Generator,
+    recover_rng: torch.Generator,
+) -> VerifyResult:
+    """Multi-step speculative sampling down a token tree (SpecInfer; Leviathan/Chen for a chain).
+
+    At a node with target distribution p, keep a residual r = p and try its children in order:
+    child c, drawn from q_c, is accepted with probability min(1, r(c) / q_c(c)); on rejection
+    r <- norm(max(0, r - q_c)). Each step emits exactly r, so the node emits exactly p, as long as
+    every child was drawn from its q_c given only what was drawn before it (sampled children: q
+    with earlier siblings removed; deterministic children: a point mass). If no child is accepted,
+    emit y ~ r; at a leaf, a bonus y ~ p.
+    """
+    assert target_probs.shape[0] == tokens.numel() + 1, "target_probs needs a row for the root and one per node"
+    path, node = [], -1
+    while True:
+        rest = target_probs[node + 1]
+        for child in tree.children(parents, node):
+            token = int(tokens[child])
+            q = 1.0 if draft_probs is None else float(draft_probs[child, token])
+            # q > 0 for a token drawn from q; u < r/q accepts.
+            if uniform(accept_rng) * q < float(rest[token]):
+                path.append(child)
+                node = child
+                break
+            rest = residual(rest, None if draft_probs is None else draft_probs[child], token)
+        else:  # no child accepted, or a leaf: rest is the residual (a leaf's is p itself)
+            last = sample(rest, recover_rng)
+            return VerifyResult(accepted=len(path), tokens=tokens[path].tolist() + [last], path=path)
+
+
+def verify_tree_greedy(
+    tokens: torch.Tensor,  # [n] int64
+    parents: torch.Tensor,  # [n] int64
+    target_logits: torch.Tensor,  # [n + 1, vocab], rows as in verify_tree
+) -> VerifyResult:
+    """Follow the target's argmax down the tree while some child carries it; then emit that argmax."""
+    choices = target_logits.argmax(dim=-1).tolist()
+    path, node = [], -1
+    while True:
+        matches = [c for c in tree.children(parents, node) if int(tokens[c]) == choices[node + 1]]
+        if not matches:
+            return VerifyResult(accepted=len(path), tokens=tokens[path].tolist() + [choices[node + 1]], path=path)
+        node = matches[0]
+        path.append(node)
+
+
 def verify_chain(
     draft_tokens: torch.Tensor,  # [n] int64
     draft_probs: torch.Tensor | None,  # [n, vocab], or None for point-mass drafts
@@ -37,24 +89,13 @@ def verify_chain(
     accept_rng: torch.Generator,
     recover_rng: torch.Generator,
 ) -> VerifyResult:
-    """Modified rejection sampling (Leviathan Alg. 1, Chen Alg. 2): output ~ target exactly.
+    """Modified rejection sampling (Leviathan Alg. 1, Chen Alg. 2): a chain is a tree of one branch.
 
     Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); q_i(x_i) = 1 for point-mass drafts,
     which makes this "accept with probability p_i(x_i)".
     """
-    n = draft_tokens.numel()
-    assert target_probs.shape[0] == n + 1, "target_probs needs one row per draft token plus the bonus row"
-    for i in range(n):
-        token = int(draft_tokens[i])
-        p = float(target_probs[i, token])
-        q = 1.0 if draft_probs is None else float(draft_probs[i, token])
-        # q > 0 always holds for a token that was sampled from q; u < p/q accepts.
-        if uniform(accept_rng) * q >= p:
-            row_q = None if draft_probs is None else draft_probs[i]
-            recovered = sample(residual(target_probs[i], row_q, token), recover_rng)
-            return VerifyResult(accepted=i, tokens=draft_tokens[:i].tolist() + [recovered])
-    bonus = sample(target_probs[n], recover_rng)
-    return VerifyResult(accepted=n, tokens=draft_tokens.tolist() + [bonus])
+    parents = tree.chain_parents(draft_tokens.numel())
+    return verify_tree(draft_tokens, parents, draft_probs, target_probs, accept_rng, recover_rng)
 
 
 def verify_greedy(
@@ -62,8 +103,4 @@ def verify_greedy(
     target_logits: torch.Tensor,  # [n + 1, vocab]
 ) -> VerifyResult:
     """Keep the longest draft prefix that equals the target's argmax, then the target's own argmax."""
-    n = draft_tokens.numel()
-    choices = target_logits.argmax(dim=-1)  # [n + 1]
-    mismatches = (choices[:n] != draft_tokens).nonzero()
-    accepted = int(mismatches[0]) if len(mismatches) else n
-    return VerifyResult(accepted=accepted, tokens=choices[: accepted + 1].tolist())
+    return verify_tree_greedy(draft_tokens, tree.chain_parents(draft_tokens.numel()), target_logits)

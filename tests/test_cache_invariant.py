@@ -53,7 +53,7 @@ def test_keep_selects_cache_entries(model_dirs):
     model = specdec.load_model(model_dirs["llama"], device="cpu", dtype="float64")
     reference = specdec.load_model(model_dirs["llama"], device="cpu", dtype="float64")
     model.forward([1, 2, 3, 4, 5, 6])
-    model.keep([0, 1, 2, 4])  # drop token 4 at slot 3 and the last; the kept entries keep their positions
+    model.keep(3, [4])  # drop token 4 at slot 3 and the last; entry 4 moves to slot 3
     reference.forward([1, 2, 3, 4, 5, 6])
     for (keys, _), (ref_keys, _) in zip(model.cache_tensors(), reference.cache_tensors()):
         torch.testing.assert_close(keys, ref_keys[..., [0, 1, 2, 4], :], rtol=0, atol=0)

@@ -261,9 +261,64 @@ def test_bad_gamma_is_an_argparse_error(model_dirs, capsys, gamma):
     [["--draft", "D", "--prompt-lookup"], ["--draft", "D", "--ngram", "N"], ["--ngram", "N", "--prompt-lookup"]],
     ids=lambda d: "+".join(a for a in d if a.startswith("--")),
 )
-def test_two_drafters_is_an_argparse_error(model_dirs, capsys, drafters):
-    code, err = argparse_exit(capsys, "generate", "abc", "--target", model_dirs["llama"], *drafters)
-    assert code == 2 and "not allowed with argument" in err
+def test_two_drafters_without_staging_are_refused(model_dirs, capsys, drafters):
+    code, _, err = cli(capsys, "generate", "abc", "--target", model_dirs["llama"], *drafters)
+    assert code == 1 and "choose at most one" in error_line(err)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--tree", "4"], "drafted by a draft model"),
+        (["--tree", "4", "--ngram", "N"], "drafted by a draft model"),
+        (["--depth", "3"], "add --tree NODES"),
+        (["--tree-children", "top"], "add --tree NODES"),
+        (["--inner-gamma", "2"], "add --staged"),
+        (["--staged"], "needs a draft model and a draft²"),
+        (["--staged", "--draft", "D"], "needs a draft model and a draft²"),
+        (["--staged", "--prompt-lookup"], "needs a draft model and a draft²"),
+    ],
+    ids=lambda a: " ".join(a) if isinstance(a, list) else "",
+)
+def test_meaningless_tree_and_staged_combinations_are_refused(model_dirs, capsys, argv, message):
+    code, _, err = cli(capsys, "generate", "abc", "--target", model_dirs["llama"], *argv)
+    assert code == 1 and message in error_line(err)
+
+
+@pytest.mark.parametrize("argv", [["--tree", "0"], ["--tree", "x"], ["--tree-width", "-1"], ["--depth", "0"], ["--inner-gamma", "0"], ["--tree-children", "all"]])
+def test_bad_tree_numbers_are_argparse_errors(capsys, argv):
+    code, err = argparse_exit(capsys, "generate", "abc", *argv)
+    assert code == 2 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--draft", "{llama-near}", "--tree", "6", "--depth", "3"],
+        ["--draft", "{llama-near}", "--tree", "6", "--tree-children", "top"],
+        ["--draft", "{llama-near}", "--staged", "--prompt-lookup", "--inner-gamma", "3"],
+        ["--draft", "{llama-near}", "--staged", "--prompt-lookup", "--tree", "5", "--depth", "4"],
+    ],
+    ids=["tree", "tree-top", "staged", "staged-tree"],
+)
+@pytest.mark.parametrize("temperature", ["0", "1"])
+def test_tree_and_staged_generate(model_dirs, capsys, argv, temperature):
+    argv = [a.format(**model_dirs) for a in argv]
+    result = cli_json(capsys, "generate", PROMPT, "--target", model_dirs["llama"], *argv, *EXACT,
+                      "--temperature", temperature, "--seed", "3", "--max-new-tokens", "24")
+    stats = result["stats"]
+    assert len(result["tokens"]) == 24 and stats["generated_tokens"] == 24
+    assert len(stats["tree_nodes"]) == stats["iterations"] == stats["target_forwards"]
+    if "--tree" in argv:
+        budget = int(argv[argv.index("--tree") + 1])
+        assert max(stats["tree_nodes"]) <= budget and max(stats["tree_nodes"]) > 1
+    if "--staged" in argv:  # at most one draft-model forward per spine token; greedy text repeats, so fewer
+        assert stats["draft_forwards"] <= sum(stats["tree_nodes"])
+        assert temperature == "1" or stats["draft_forwards"] < stats["iterations"] * int(argv[argv.index("--depth") + 1] if "--depth" in argv else 4)
+    if temperature == "0":
+        plain = cli_json(capsys, "generate", PROMPT, "--target", model_dirs["llama"], *EXACT,
+                         "--temperature", "0", "--max-new-tokens", "24")
+        assert result["tokens"] == plain["tokens"]
 
 
 def test_missing_arguments(capsys):

@@ -7,38 +7,44 @@ import torch
 
 import specdec
 from conftest import ARCHS
+from specdec import tree
+
+
+# a tree of 7 nodes below the prefix: two branches at the root, a fork at node 1, depth 3
+TREE_TOKENS = [4, 5, 6, 7, 8, 9, 10]
+TREE_PARENTS = [-1, 0, -1, 1, 1, 2, 3]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_two_branches_in_one_forward_match_each_path_alone(arch, model_dirs):
-    """Prefix [1 2 3], then branches [4 5] and [6] fed together: each node sees only its own path."""
+def test_every_tree_node_matches_its_path_alone(arch, model_dirs):
+    """One forward of a whole tree under `tree_inputs`: each node's logits are its own path's (float64)."""
     model = specdec.load_model(model_dirs[arch], device="cpu", dtype="float64")
-    prefix, nodes, parents = [1, 2, 3], [4, 5, 6], [-1, 0, -1]  # node 1's parent is node 0; nodes 0, 2 hang below the prefix
-    depth = [1, 2, 1]
-    mask = torch.zeros(len(nodes), len(prefix) + len(nodes), dtype=torch.bool)
-    mask[:, : len(prefix)] = True
-    for i in range(len(nodes)):
-        j = i
-        while j >= 0:  # a node attends to itself and its ancestors
-            mask[i, len(prefix) + j] = True
-            j = parents[j]
+    prefix, parents = [1, 2, 3], torch.tensor(TREE_PARENTS)
     model.forward(prefix)
-    positions = torch.tensor([len(prefix) + d - 1 for d in depth])
-    tree_logits = model.forward(nodes, positions=positions, attention_mask=mask)
-    model.reset()
-    alone = model.forward(prefix + [4, 5])[-2:]
-    model.reset()
-    other = model.forward(prefix + [6])[-1]
-    torch.testing.assert_close(tree_logits[:2], alone, rtol=0, atol=1e-10)
-    torch.testing.assert_close(tree_logits[2], other, rtol=0, atol=1e-10)
-    # compaction: keep the path [4 5]; the cache then equals a fresh prefill of prefix + [4 5]
-    model.reset()
+    positions, mask = tree.tree_inputs(parents, len(prefix), new=len(TREE_TOKENS))
+    tree_logits = model.forward(TREE_TOKENS, positions=positions, attention_mask=mask)
+    for node in range(len(TREE_TOKENS)):
+        path = [TREE_TOKENS[i] for i in tree.path_to(parents, node)]
+        model.reset()
+        alone = model.forward(prefix + path)[-1]
+        torch.testing.assert_close(tree_logits[node], alone, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_keep_compacts_a_tree_path(arch, model_dirs):
+    """After keeping the path to node 6 (nodes 0 1 3 6), the cache equals a fresh prefill of that path."""
+    model = specdec.load_model(model_dirs[arch], device="cpu", dtype="float64")
+    prefix, parents = [1, 2, 3], torch.tensor(TREE_PARENTS)
     model.forward(prefix)
-    model.forward(nodes, positions=positions, attention_mask=mask)
-    model.keep([0, 1, 2, 3, 4])
-    next_logits = model.forward([7])
+    positions, mask = tree.tree_inputs(parents, len(prefix), new=len(TREE_TOKENS))
+    model.forward(TREE_TOKENS, positions=positions, attention_mask=mask)
+    path = tree.path_to(parents, 6)
+    assert path == [0, 1, 3, 6]
+    model.keep(len(prefix), [len(prefix) + i for i in path])
+    next_logits = model.forward([11])
     model.reset()
-    torch.testing.assert_close(next_logits, model.forward(prefix + [4, 5, 7])[-1:], rtol=0, atol=1e-10)
+    expected = model.forward(prefix + [TREE_TOKENS[i] for i in path] + [11])[-1:]
+    torch.testing.assert_close(next_logits, expected, rtol=0, atol=1e-10)
 
 
 def test_bad_mask_shape_and_positions_are_refused(model_dirs):
@@ -49,3 +55,5 @@ def test_bad_mask_shape_and_positions_are_refused(model_dirs):
         model.forward([1], positions=torch.tensor([64]))
     with pytest.raises(ValueError, match="cannot truncate"):
         model.truncate(5)
+    with pytest.raises(ValueError, match="cannot keep"):
+        model.keep(0, [9])

@@ -1,63 +1,279 @@
-"""A smaller checkpoint sharing the target's tokenizer drafts autoregressively."""
+"""A smaller checkpoint sharing the target's tokenizer drafts a chain or a token tree.
+
+Three ways to grow a draft, one class:
+- chain (no `tree`): one token per draft forward, as in Leviathan et al.;
+- tree (`tree=TreeShape(...)`): level by level; the best `width` nodes of a level are scored in
+  one batched tree forward, so draft forwards per iteration = depth, not node count;
+- staged (`inner=` a cheaper drafter): the draft model's own continuation (the *spine*) is decoded
+  speculatively with the inner "draft²" (Spector & Ré), losslessly for the draft model, so q stays
+  the draft model's distribution; with a `tree`, siblings along the spine come from the same forwards.
+
+Children are deterministic (the most likely tokens, point masses) in greedy mode or with
+`TreeShape(sampled=False)`; otherwise each child is drawn from the draft's distribution with its
+earlier siblings removed, and carries that distribution (what `verify_tree` needs).
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from specdec.drafters.base import empty_draft
+from specdec import tree
+from specdec.drafters.base import Drafter, empty_draft
+from specdec.errors import SpecDecError
 from specdec.runtime import CausalLM
 from specdec.sampling import probs_from_logits, sample
 from specdec.types import Draft, SamplingParams
+from specdec.verify import verify_chain, verify_greedy
+
+SIBLING_MASS = 0.1  # a sampled node draws another child only while this much of q is not yet drawn
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """nodes: node budget per tree; width: children per node and nodes expanded per level.
+
+    sampled: at temperature > 0, draw children from the draft (True) or take its most likely
+    tokens (False). Greedy decoding always takes the most likely tokens.
+    """
+
+    nodes: int
+    width: int = 3
+    sampled: bool = True
+
+    def __post_init__(self):
+        for name in ("nodes", "width"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SpecDecError(f"tree {name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class _Nodes:
+    """A tree being grown: node i has a token, a parent, the distribution it was drawn from
+    (None: a point mass) and its log cumulative draft probability (its best-first score)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    drawn_from: list[torch.Tensor | None] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+
+    def add(self, token: int, parent: int, drawn_from: torch.Tensor | None, score: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.drawn_from.append(drawn_from)
+        self.scores.append(score)
+        return len(self.tokens) - 1
+
+    def score(self, node: int) -> float:
+        return 0.0 if node < 0 else self.scores[node]
+
+    def best(self, candidates: list[int], count: int) -> list[int]:
+        """The `count` highest-scoring candidates; ties go to the earlier (shallower) node."""
+        return sorted(candidates, key=lambda i: (-self.scores[i], i))[:count]
+
+    def draft(self, keep: list[int] | None = None) -> Draft:
+        """The tree as a Draft, restricted to `keep` (an ancestor-closed set) if given."""
+        keep = sorted(range(len(self.tokens)) if keep is None else keep)
+        renumber = {old: new for new, old in enumerate(keep)}
+        parents = [renumber[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep]
+        rows = [self.drawn_from[i] for i in keep]
+        probs = torch.stack(rows) if rows and rows[0] is not None else None
+        return Draft(torch.tensor([self.tokens[i] for i in keep], dtype=torch.long), probs, torch.tensor(parents, dtype=torch.long))
+
+
+def pick_children(q: torch.Tensor, count: int, sampled: bool, rng: torch.Generator, exclude: Sequence[int] = ()):
+    """Up to `count` children for a node whose draft distribution is q, never a token in `exclude`
+    (those are earlier siblings). Yields (token, the distribution it was drawn from or None).
+
+    Deterministic: the most likely tokens with q > 0. Sampled: each child is drawn from q with the
+    earlier siblings removed and renormalised; after the first, another is drawn only while at
+    least SIBLING_MASS of q is undrawn. That rule looks only at earlier siblings, so every child is
+    drawn from its stated distribution given everything before it, as `verify_tree` requires.
+    """
+    rest = q.clone()
+    rest[list(exclude)] = 0
+    for _ in range(count):
+        left = float(rest.sum())
+        if left <= 0 or (sampled and exclude and left < SIBLING_MASS):
+            return
+        if sampled:
+            drawn_from = rest / left if exclude else q
+            token = sample(drawn_from, rng)
+        else:
+            drawn_from, token = None, int(rest.argmax())
+        yield token, drawn_from
+        rest[token] = 0
+        exclude = [*exclude, token]
 
 
 class ModelDrafter:
-    name = "draft-model"
+    """Drafts with a smaller model; see the module docstring for chain, tree and staged growth."""
 
-    def __init__(self, model: CausalLM):
-        self.model = model
-        self.forwards = 0
-        self._cached: list[int] = []  # the token behind each cache entry, in order
+    def __init__(self, model: CausalLM, tree: TreeShape | None = None, inner: Drafter | None = None, inner_gamma: int = 4):
+        if isinstance(inner_gamma, bool) or not isinstance(inner_gamma, int) or inner_gamma < 1:
+            raise SpecDecError(f"the inner draft length must be a positive integer, got {inner_gamma!r}")
+        self.model, self.tree, self.inner, self.inner_gamma = model, tree, inner, inner_gamma
+        self.name = "draft-model" + (f"+{inner.name}" if inner else "") + (f" tree {tree.nodes}" if tree else "")
+        self.reset()
 
     def reset(self) -> None:
         self.model.reset()
-        self._cached = []
-        self.forwards = 0
+        if self.inner is not None:
+            self.inner.reset()
+        self._cached: list[int] = []  # the committed token behind each leading cache entry
+        self._branch_tokens: list[int] = []  # draft nodes in the cache after those, in cache order
+        self._branch_parents: list[int] = []  # their parents in branch indices, -1 = the last committed token
+        self._branch_index: dict[int, int] = {}  # tree node -> branch index, for the nodes being grown
+        self._own_forwards = 0
+
+    @property
+    def forwards(self) -> int:
+        """Draft-model forwards, plus the inner drafter's own (0 for n-gram and prompt lookup)."""
+        return self._own_forwards + (self.inner.forwards if self.inner is not None else 0)
 
     def propose(
         self, context: Sequence[int], max_tokens: int, sampling: SamplingParams, rng: torch.Generator
     ) -> Draft:
-        max_tokens = min(max_tokens, self.model.max_length - len(context))
-        if max_tokens <= 0:
+        depth = min(max_tokens, self.model.max_length - len(context))
+        if depth <= 0:
             return empty_draft()
+        shape = self.tree or TreeShape(nodes=depth, width=1)  # a chain is a tree of width 1
+        sampled = shape.sampled and not sampling.greedy
+        depth = min(depth, shape.nodes)
+        nodes = _Nodes()
+        if self.inner is None:
+            self._grow_levels(nodes, context, depth, shape, sampled, sampling, rng)
+        else:
+            self._grow_staged(nodes, context, depth, shape, sampled, sampling, rng)
+        if sampled or len(nodes.tokens) <= shape.nodes:
+            return nodes.draft()
+        return nodes.draft(keep=nodes.best(list(range(len(nodes.tokens))), shape.nodes))  # best-first cut
+
+    def _grow_levels(self, nodes: _Nodes, context, depth: int, shape: TreeShape, sampled: bool, sampling, rng) -> None:
+        """Level by level: the frontier's children join the tree; the best `width` of them are fed
+        to the draft model in one forward, which gives their own distributions for the next level.
+        Sampled trees keep every child drawn, so their budget is spent while growing: a level gets
+        what is left after reserving one node for each deeper level."""
+        frontier = [-1]  # the root: its distribution comes from feeding the pending committed tokens
+        rows = self._distributions(self._feed_committed(self.sync(context))[-1:], sampling)
+        for level in range(1, depth + 1):
+            allowed = shape.nodes - len(nodes.tokens) - (depth - level) if sampled else math.inf
+            new = []
+            for node, q in zip(frontier, rows):
+                count = int(min(shape.width, allowed - len(new)))
+                for token, drawn_from in pick_children(q, count, sampled, rng):
+                    new.append(nodes.add(token, node, drawn_from, nodes.score(node) + math.log(q[token])))
+            if level == depth or not new:
+                return
+            frontier = nodes.best(new, shape.width)
+            if sampled:  # feed only the nodes the remaining budget can give children
+                frontier = frontier[: max(1, math.ceil((allowed - len(new) + 1) / shape.width))]
+            parents = [self._branch_index[nodes.parents[i]] if nodes.parents[i] >= 0 else -1 for i in frontier]
+            logits = self._feed([nodes.tokens[i] for i in frontier], parents)
+            self._branch_index.update({node: len(self._branch_tokens) - len(frontier) + j for j, node in enumerate(frontier)})
+            rows = self._distributions(logits, sampling)
+
+    def _grow_staged(self, nodes: _Nodes, context, depth: int, shape: TreeShape, sampled: bool, sampling, rng) -> None:
+        """The spine: the draft model's own continuation, decoded speculatively with the inner
+        drafter (lossless for the draft model: each spine token is distributed as q given those
+        before it). With a tree shape, siblings are added along the spine from the same rows."""
+        spine, rows = [], []
         pending = self.sync(context)
-        tokens, probs = [], []
-        for _ in range(max_tokens):
-            logits = self.model.forward(pending)[-1]  # [vocab]
-            self.forwards += 1
-            self._cached += pending
-            if sampling.greedy:
-                token = int(logits.argmax())
+        while len(spine) < depth:
+            guess = self.inner.propose(list(context) + spine, min(self.inner_gamma, depth - len(spine) - 1), sampling, rng)
+            guess_tokens = guess.tokens.tolist()
+            if not spine:
+                logits = self._feed_committed(pending, guess_tokens)
             else:
-                probs.append(probs_from_logits(logits, sampling))
-                token = sample(probs[-1], rng)
-            tokens.append(token)
-            pending = [token]
-        # The last draft token is not in the cache yet; the next sync feeds it if it was accepted.
-        return Draft(tokens=torch.tensor(tokens), probs=torch.stack(probs) if probs else None)
+                parents = [len(self._branch_tokens) - 1 + j for j in range(len(guess_tokens) + 1)]
+                logits = self._feed([spine[-1]] + guess_tokens, parents)
+            q = self._distributions(logits, sampling)  # [len(guess) + 1, vocab]
+            if sampling.greedy:
+                result = verify_greedy(guess.tokens, logits)
+            else:
+                result = verify_chain(guess.tokens, guess.probs, q, rng, rng)
+            self._drop_branch_tail(len(guess_tokens) - result.accepted)  # the rejected guesses
+            spine += result.tokens
+            rows += list(q[: result.accepted + 1])
+        for i, (token, q) in enumerate(zip(spine, rows)):
+            nodes.add(token, i - 1, q if sampled else None, nodes.score(i - 1) + math.log(q[token]))
+        if self.tree is not None:
+            self._add_siblings(nodes, rows, shape, sampled, rng)
+
+    def _add_siblings(self, nodes: _Nodes, rows, shape: TreeShape, sampled: bool, rng) -> None:
+        """Leaves beside the spine, root side first: each spine position may get up to width - 1 more
+        children. Sampled siblings are drawn after the spine token, which was the first draw."""
+        spine = list(nodes.tokens)
+        for i, q in enumerate(rows):
+            count = shape.width - 1 if not sampled else min(shape.width - 1, shape.nodes - len(nodes.tokens))
+            for token, drawn_from in pick_children(q, count, sampled, rng, exclude=[spine[i]]):
+                nodes.add(token, i - 1, drawn_from, nodes.score(i - 1) + math.log(q[token]))
+
+    def _distributions(self, logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+        """q after the sampling transform; in greedy mode the plain softmax, used only to rank nodes."""
+        return torch.softmax(logits, dim=-1) if sampling.greedy else probs_from_logits(logits, sampling)
+
+    def _feed_committed(self, pending: list[int], chain: list[int] = ()) -> torch.Tensor:
+        """Feed the pending committed tokens and a first draft chain below them in one causal forward.
+
+        Returns the logits after the last committed token and after each chain token."""
+        logits = self.model.forward(list(pending) + list(chain))
+        self._own_forwards += 1
+        self._cached += pending
+        self._branch_tokens, self._branch_parents = list(chain), tree.chain_parents(len(chain)).tolist()
+        self._branch_index = {}
+        return logits[len(pending) - 1 :]
+
+    def _feed(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """Feed draft nodes (parents in branch indices) in one forward under the tree mask."""
+        all_parents = torch.tensor(self._branch_parents + parents, dtype=torch.long)
+        positions, mask = tree.tree_inputs(all_parents, len(self._cached), new=len(tokens))
+        logits = self.model.forward(tokens, positions, mask)
+        self._own_forwards += 1
+        self._branch_tokens += tokens
+        self._branch_parents += parents
+        return logits
+
+    def _drop_branch_tail(self, count: int) -> None:
+        if count:
+            del self._branch_tokens[-count:], self._branch_parents[-count:]
+            self.model.truncate(self.model.cache_len - count)
 
     def sync(self, context: Sequence[int]) -> list[int]:
-        """Cut the cache back to its longest prefix shared with context[:-1]; return what to feed next.
+        """Bring the cache back to the committed text; return the tokens to feed next.
 
-        Invariant afterwards: the cache holds context[:len(cached)] and at least the last context
-        token is pending, so the next forward yields the distribution after the whole context.
+        The cache holds committed tokens (`_cached`), then the draft nodes fed last time. The
+        nodes on the path the target accepted move next to the committed entries and the rest are
+        dropped; a cache entry is never recomputed. Invariant afterwards: the cache holds
+        context[:len(_cached)] and at least the last context token is pending, so the next forward
+        yields the distribution after the whole context.
         """
         shared = 0
         limit = min(len(self._cached), len(context) - 1)
         while shared < limit and self._cached[shared] == context[shared]:
             shared += 1
-        if shared < len(self._cached):
+        if shared < len(self._cached):  # not a continuation of the cached text (a new prompt)
             self.model.truncate(shared)
             del self._cached[shared:]
-        return list(context[shared:])
+            path = []
+        else:
+            path = self._follow_branch(context[shared:-1])
+            self.model.keep(shared, [shared + node for node in path])
+            self._cached += [self._branch_tokens[node] for node in path]
+        self._branch_tokens, self._branch_parents = [], []
+        return list(context[len(self._cached) :])
+
+    def _follow_branch(self, tokens: Sequence[int]) -> list[int]:
+        """The cached draft nodes spelling the longest prefix of `tokens`, root side first."""
+        path, node = [], -1
+        for token in tokens:
+            match = [i for i, (t, p) in enumerate(zip(self._branch_tokens, self._branch_parents)) if p == node and t == token]
+            if not match:
+                break
+            node = match[0]
+            path.append(node)
+        return path

@@ -1,7 +1,7 @@
 """A local Hugging Face causal LM with a KV cache that only its caller moves.
 
 `CausalLM.forward` feeds new tokens at explicit positions, optionally under an attention mask over
-cached + new tokens; `truncate` and `keep` edit the cache. That is everything the engine needs, so
+cached + new tokens (a token tree); `truncate` and `keep` edit the cache. That is everything the engine needs, so
 tree attention or another runtime can slot in behind the same four methods.
 """
 
@@ -93,10 +93,19 @@ class CausalLM:
             raise ValueError(f"cannot truncate a cache of {self.cache_len} entries to {length}")
         self._edit(lambda t: t[..., :length, :])
 
-    def keep(self, indices: torch.Tensor | list[int]) -> None:
-        """Keep the chosen cache entries, in the given order (tree compaction)."""
-        index = torch.as_tensor(indices, dtype=torch.long, device=self.device)
-        self._edit(lambda t: t.index_select(-2, index))
+    @torch.inference_mode()
+    def keep(self, start: int, indices: list[int]) -> None:
+        """Keep the first `start` entries, then the entries at `indices` (each >= start), moved
+        to contiguous slots in the given order (tree compaction: the accepted path stays)."""
+        if not 0 <= start <= self.cache_len or any(not start <= i < self.cache_len for i in indices):
+            raise ValueError(f"cannot keep entries {indices} after {start} of a cache of {self.cache_len}")
+        if indices != list(range(start, start + len(indices))):  # a chain's path is already in place
+            index = torch.tensor(indices, dtype=torch.long, device=self.device)
+            for layer in self._cache.layers:
+                if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                    layer.keys[..., start : start + len(indices), :] = layer.keys.index_select(-2, index)
+                    layer.values[..., start : start + len(indices), :] = layer.values.index_select(-2, index)
+        self.truncate(start + len(indices))
 
     def _edit(self, cut) -> None:
         for layer in self._cache.layers:

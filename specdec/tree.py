@@ -1,0 +1,75 @@
+"""Token trees as parent pointers: pure functions for depths, paths, positions and attention masks.
+
+A tree hangs below the last committed token (the *root*, which is not a node). Node i has a token
+and a parent: -1 for a child of the root, otherwise a node index smaller than i (so nodes are in
+topological order). A chain of n drafts is the tree with parents [-1, 0, 1, ..., n - 2].
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def chain_parents(n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.long) - 1
+
+
+def check_parents(parents: torch.Tensor) -> None:
+    """Every parent is -1 or an earlier node."""
+    index = torch.arange(parents.numel())
+    if parents.numel() and not bool(((parents >= -1) & (parents < index)).all()):
+        raise ValueError(f"tree parents must be -1 or an earlier node, got {parents.tolist()}")
+
+
+def depths(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of each node: 1 for a child of the root."""
+    depth = [0] * parents.numel()
+    for i, parent in enumerate(parents.tolist()):
+        depth[i] = 1 if parent < 0 else depth[parent] + 1
+    return torch.tensor(depth, dtype=torch.long)
+
+
+def is_chain(parents: torch.Tensor) -> bool:
+    return bool((parents == chain_parents(parents.numel())).all())
+
+
+def children(parents: torch.Tensor, node: int) -> list[int]:
+    """Children of `node` (-1 = the root) in index order, which is the order they are verified in."""
+    return (parents == node).nonzero().flatten().tolist()
+
+
+def path_to(parents: torch.Tensor, node: int) -> list[int]:
+    """Nodes from the root's child down to `node` (empty for the root)."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = int(parents[node])
+    return path[::-1]
+
+
+def ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """[n, n] bool: entry [i, j] is True when j is i or one of its ancestors."""
+    n = parents.numel()
+    mask = torch.eye(n, dtype=torch.bool)
+    for i, parent in enumerate(parents.tolist()):
+        if parent >= 0:
+            mask[i] |= mask[parent]
+    return mask
+
+
+def tree_inputs(parents: torch.Tensor, prefix_len: int, new: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Positions and attention mask to feed the last `new` nodes of a tree whose other nodes are cached.
+
+    The cache holds `prefix_len` entries of committed text, then one entry per earlier node, in
+    node order; the root is the last committed token, at position prefix_len - 1. A node attends to
+    the committed text, its ancestors and itself, at position prefix_len + depth - 1 (each node's
+    logits are then those of its own path computed alone). Returns positions [new] and a mask
+    [new, prefix_len + n], or None when the plain causal mask is the same (a chain).
+    """
+    n = parents.numel()
+    positions = prefix_len + depths(parents)[n - new :] - 1
+    if is_chain(parents):
+        return positions, None
+    mask = torch.ones(new, prefix_len + n, dtype=torch.bool)
+    mask[:, prefix_len:] = ancestors(parents)[n - new :]
+    return positions, mask
