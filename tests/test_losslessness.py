@@ -313,8 +313,8 @@ def test_cli_argument_errors(cli, model_dirs, capsys):
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(["verify", "--gamma", "0"])
     assert info.value.code == 2
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["verify", "--draft", "d", "--prompt-lookup"])
     capsys.readouterr()
+    code, _, err = cli("verify", "--target", model_dirs["llama"], "--draft", model_dirs["llama-draft"], "--prompt-lookup")
+    assert code == 1 and "choose at most one drafter" in err
     code, _, err = cli("verify", "--target", model_dirs["llama"], "--prompt", "hi", *EXACT)
     assert code == 1 and "nothing to verify" in err
