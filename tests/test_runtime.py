@@ -13,13 +13,14 @@ from specdec import tree
 # a tree of 7 nodes below the prefix: two branches at the root, a fork at node 1, depth 3
 TREE_TOKENS = [4, 5, 6, 7, 8, 9, 10]
 TREE_PARENTS = [-1, 0, -1, 1, 1, 2, 3]
+PREFIX = [1, 2, 3, 1, 5, 9, 2, 6, 5, 3, 5]  # longer than mistral's sliding window of 8: the tree mask must apply it
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_tree_node_matches_its_path_alone(arch, model_dirs):
     """One forward of a whole tree under `tree_inputs`: each node's logits are its own path's (float64)."""
     model = specdec.load_model(model_dirs[arch], device="cpu", dtype="float64")
-    prefix, parents = [1, 2, 3], torch.tensor(TREE_PARENTS)
+    prefix, parents = PREFIX, torch.tensor(TREE_PARENTS)
     model.forward(prefix)
     positions, mask = tree.tree_inputs(parents, len(prefix), new=len(TREE_TOKENS))
     tree_logits = model.forward(TREE_TOKENS, positions=positions, attention_mask=mask)
@@ -34,7 +35,7 @@ def test_every_tree_node_matches_its_path_alone(arch, model_dirs):
 def test_keep_compacts_a_tree_path(arch, model_dirs):
     """After keeping the path to node 6 (nodes 0 1 3 6), the cache equals a fresh prefill of that path."""
     model = specdec.load_model(model_dirs[arch], device="cpu", dtype="float64")
-    prefix, parents = [1, 2, 3], torch.tensor(TREE_PARENTS)
+    prefix, parents = PREFIX, torch.tensor(TREE_PARENTS)
     model.forward(prefix)
     positions, mask = tree.tree_inputs(parents, len(prefix), new=len(TREE_TOKENS))
     model.forward(TREE_TOKENS, positions=positions, attention_mask=mask)

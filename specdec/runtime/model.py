@@ -76,7 +76,7 @@ class CausalLM:
         if attention_mask is not None:
             if attention_mask.shape != (n, start + n):
                 raise ValueError(f"attention_mask must be [{n}, {start + n}], got {list(attention_mask.shape)}")
-            mask = attention_mask.to(self.device)[None, None]
+            mask = self._layer_masks(attention_mask, torch.cat([torch.arange(start), positions]), positions)
         out = self.model(
             input_ids=tokens.to(self.device)[None],
             position_ids=positions.to(self.device)[None],
@@ -86,6 +86,26 @@ class CausalLM:
         )
         logits = out.logits[0, :, : self.vocab_size]
         return logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32).cpu()
+
+    def _layer_masks(self, mask: torch.Tensor, key_positions: torch.Tensor, positions: torch.Tensor):
+        """An explicit mask replaces the model's own, so apply its sliding window here: a query at
+        position p sees keys at positions > p - window. Models mixing full and sliding layers get
+        one mask per layer type. Cache slot i holds position i (compaction keeps that true)."""
+        window = self.sliding_window
+        if window is not None:
+            windowed = mask & (key_positions[None, :] > positions[:, None] - window)
+            if "full_attention" in (getattr(self.model.config, "layer_types", None) or []):
+                return {"full_attention": mask.to(self.device)[None, None], "sliding_attention": windowed.to(self.device)[None, None]}
+            mask = windowed
+        return mask.to(self.device)[None, None]
+
+    @property
+    def sliding_window(self) -> int | None:
+        config = self.model.config
+        if not getattr(config, "use_sliding_window", True):
+            return None
+        window = getattr(config, "sliding_window", None)
+        return window if isinstance(window, int) and window > 0 else None
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` cache entries."""

@@ -1,0 +1,127 @@
+"""Token trees and staged drafting end to end on tiny saved models: greedy equality with the
+no-cache reference, the target's joint distribution (chi-square), and fresh-prefill caches."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import specdec
+from conftest import ARCHS, reference_greedy
+from specdec import engine
+from specdec.engine import AdaptiveGamma, FixedGamma, decode
+from specdec.ngram import KatzTrigram
+from specdec.sampling import RandomStreams
+from specdec.types import GenerationStats, SamplingParams
+from test_cache_invariant import assert_cache_is_fresh_prefill
+from test_statistical import ALPHA, PROMPT as STAT_PROMPT, SAMPLES, SETTINGS, chi_square_pvalue, exact_joint, sample_joint
+
+PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
+NEW = 40
+
+
+def tree_drafters(arch, load64, model_dirs, ngram):
+    near, draft = load64(model_dirs[f"{arch}-near"]), load64(model_dirs[f"{arch}-draft"])
+    return {
+        "tree": specdec.ModelDrafter(draft, tree=specdec.TreeShape(nodes=8)),
+        "near tree": specdec.ModelDrafter(near, tree=specdec.TreeShape(nodes=10, width=2)),
+        "near wide tree": specdec.ModelDrafter(near, tree=specdec.TreeShape(nodes=16, width=4)),
+        "staged lookup": specdec.ModelDrafter(near, inner=specdec.PromptLookupDrafter(), inner_gamma=3),
+        "staged ngram tree": specdec.ModelDrafter(near, tree=specdec.TreeShape(nodes=7), inner=specdec.NgramDrafter(ngram), inner_gamma=2),
+    }
+
+
+@pytest.fixture(scope="module")
+def ngram(load64, model_dirs):
+    target = load64(model_dirs["llama"])
+    text = PROMPT + reference_greedy(target, PROMPT, NEW)
+    return KatzTrigram.build([text, text[::-1]], vocab_size=target.vocab_size)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_trees_match_reference(arch, load64, model_dirs, ngram):
+    target = load64(model_dirs[arch])
+    want = reference_greedy(target, PROMPT, NEW)
+    for name, drafter in tree_drafters(arch, load64, model_dirs, ngram).items():
+        for depth in (1, 3, 5, "auto"):
+            result = specdec.SpeculativeDecoder(target, drafter, gamma=depth).generate(PROMPT, max_new_tokens=NEW, temperature=0)
+            assert result.tokens == want, f"{name}, depth={depth}"
+            if drafter.tree is not None and depth in (3, 5):
+                assert max(result.stats.tree_nodes) > depth, f"{name}: a tree, not a chain, was verified"
+
+
+def test_greedy_trees_need_fewer_target_forwards_than_chains(load64, model_dirs):
+    """Siblings catch what the chain misses. Per prompt a best-first tree can lose (its budget may cut
+    the chain's deepest node), so the claim is over all five architectures' near copies."""
+    forwards = {"chain": 0, "tree": 0}
+    for arch in ARCHS:
+        target, near = load64(model_dirs[arch]), load64(model_dirs[f"{arch}-near"])
+        for kind, drafter in [("chain", specdec.ModelDrafter(near)), ("tree", specdec.ModelDrafter(near, tree=specdec.TreeShape(nodes=16, width=4)))]:
+            result = specdec.SpeculativeDecoder(target, drafter, gamma=4).generate(PROMPT, max_new_tokens=NEW, temperature=0)
+            forwards[kind] += result.stats.target_forwards
+    assert forwards["tree"] < 0.85 * forwards["chain"], forwards
+
+
+@pytest.fixture(scope="module")
+def stat_target(model_dirs):
+    return specdec.load_model(model_dirs["llama"], device="cpu", dtype="float64")
+
+
+@pytest.fixture(scope="module")
+def stat_drafters(model_dirs):
+    draft = specdec.load_model(model_dirs["qwen2-draft"], device="cpu", dtype="float64")
+    rng = torch.Generator().manual_seed(5)
+    corpus = [torch.randint(0, 16, (200,), generator=rng).tolist() for _ in range(5)]
+    ngram = KatzTrigram.build([STAT_PROMPT * 3] + corpus, vocab_size=16)
+    return {
+        "tree": specdec.ModelDrafter(draft, tree=specdec.TreeShape(nodes=6, width=3)),
+        "tree-top": specdec.ModelDrafter(draft, tree=specdec.TreeShape(nodes=6, width=3, sampled=False)),
+        "staged-tree": specdec.ModelDrafter(draft, tree=specdec.TreeShape(nodes=5, width=2), inner=specdec.NgramDrafter(ngram), inner_gamma=2),
+    }
+
+
+@pytest.mark.parametrize(
+    "drafter_name,setting",
+    [("tree", "t1"), ("tree", "t0.7-topk5"), ("tree", "topp0.8"), ("tree-top", "t1"), ("staged-tree", "t1"), ("staged-tree", "topp0.8")],
+)
+def test_tree_output_follows_target_joint(stat_target, stat_drafters, drafter_name, setting):
+    """4000 generations of 3 tokens (trees 2 deep): the joint must be the target's (chi-square)."""
+    sampling = SETTINGS[setting]
+    decoder = specdec.SpeculativeDecoder(stat_target, stat_drafters[drafter_name], gamma=2)
+    counts, drafted, accepted = sample_joint(decoder, sampling, base_seed=zlib.crc32(f"tree/{drafter_name}/{setting}".encode()))
+    assert 0 < accepted < drafted, "both acceptance and rejection must be exercised"
+    pvalue = chi_square_pvalue(counts, exact_joint(stat_target, SamplingParams(**sampling)), SAMPLES)
+    assert pvalue > ALPHA, f"p-value {pvalue:.3g}: tree output does not follow the target"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+@pytest.mark.parametrize("staged", [False, True], ids=["tree", "staged-tree"])
+def test_caches_track_committed_text_through_trees(arch, temperature, staged, model_dirs, monkeypatch):
+    load = lambda key: specdec.load_model(model_dirs[key], device="cpu", dtype="float64")
+    target, draft = load(arch), load(f"{arch}-near")
+    fresh_target, fresh_draft = load(arch), load(f"{arch}-near")
+    inner = specdec.PromptLookupDrafter() if staged else None
+    drafter = specdec.ModelDrafter(draft, tree=specdec.TreeShape(nodes=8, width=3), inner=inner, inner_gamma=2)
+    paths = []
+    verify = engine._verify
+    monkeypatch.setattr(engine, "_verify", lambda *a: paths.append(verify(*a).path) or verify(*a))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    policy = AdaptiveGamma(start=3) if temperature else FixedGamma(3)
+    stats = GenerationStats()
+    steps = decode(target, drafter, prompt, SamplingParams(temperature=temperature), 48, policy, RandomStreams(0), stats)
+    context = list(prompt)
+    for step in steps:
+        context += step.tokens
+        if step.finish_reason:
+            break
+        assert_cache_is_fresh_prefill(target, context[:-1], fresh_target)
+        pending = drafter.sync(context)  # compacts the draft cache onto the accepted path
+        assert drafter._cached + pending == context and pending
+        assert_cache_is_fresh_prefill(draft, drafter._cached, fresh_draft)
+    assert stats.iterations >= 10
+    if temperature or not staged:  # a greedy spine of the near copy may never miss
+        assert any(path != list(range(len(path))) for path in paths), "some accepted path must leave the first branch"
+    assert stats.accepted > 0  # and every iteration drops the nodes off the accepted path
