@@ -10,8 +10,9 @@ COLUMNS = [
     ("speedup", "speedup", "{:.2f}×"),
     ("predicted", "predicted_speedup", "{:.2f}×"),
     ("predicted (i.i.d. α)", "predicted_speedup_iid_alpha", "{:.2f}×"),
-    ("acceptance", "acceptance_rate", "{:.3f}"),
+    ("acceptance", "acceptance_rate", "{:.3f}"),  # trees: accepted depth / offered depth
     ("tokens/target fwd", "tokens_per_target_forward", "{:.2f}"),
+    ("nodes/verify", "tree_nodes_per_iteration", "{:.1f}"),
     ("target fwd/token", "target_forwards_per_token", "{:.3f}"),
     ("draft fwd/token", "draft_forwards_per_token", "{:.2f}"),
     ("weight MB/token", "weight_bytes_per_token", "{:.1f}"),

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from specdec.analysis import expected_tokens, weight_bytes_per_token
 from specdec.api import SpeculativeDecoder, load
 from specdec.bench.prompts import file_prompts, humaneval_prompts
-from specdec.drafters import ModelDrafter, NgramDrafter, PromptLookupDrafter
+from specdec.drafters import ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
 from specdec.errors import SpecDecError
 from specdec.runtime import CausalLM
 from specdec.types import GenerationStats, SamplingParams
@@ -38,6 +38,10 @@ class BenchConfig:
     gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     lookup_gamma: int = 8
     ngram_gamma: int = 4
+    trees: tuple[tuple[int, int], ...] = ((6, 3), (10, 4))  # (nodes, depth) of the token-tree strategies
+    tree_width: int = 3
+    staged_gamma: int = 4  # depth of the staged strategies (their tree: the first of `trees`)
+    inner_gamma: int = 4  # draft² tokens per draft-model forward when staged
     peers: bool = True
     seed: int = 0
     device: str | None = "cpu"
@@ -58,7 +62,7 @@ class Run:
 @dataclass
 class Strategy:
     name: str
-    family: str  # "plain", "chain", "lookup", "ngram", "peer"
+    family: str  # "plain", "chain", "tree", "staged", "lookup", "ngram", "peer"
     gamma: int | str | None
     uses_draft_model: bool
     run: Callable[[list[int], SamplingParams, int], Run]
@@ -141,12 +145,16 @@ def build_strategies(config: BenchConfig):
         for gamma in config.gammas:
             strategies.append(specdec_strategy(f"chain γ={gamma}", "chain", SpeculativeDecoder(target, model_drafter, gamma), new))
         strategies.append(specdec_strategy("chain γ=auto", "chain", SpeculativeDecoder(target, model_drafter, "auto"), new))
-    strategies.append(specdec_strategy(f"prompt lookup γ={config.lookup_gamma}", "lookup",
-                                       SpeculativeDecoder(target, PromptLookupDrafter(), config.lookup_gamma), new))
+    ngram = None
     if ngram_path is not None:
         from specdec.ngram import KatzTrigram
 
         ngram = KatzTrigram.load(ngram_path)
+    if model_drafter is not None:
+        strategies += tree_strategies(config, target, model_drafter.model, ngram)
+    strategies.append(specdec_strategy(f"prompt lookup γ={config.lookup_gamma}", "lookup",
+                                       SpeculativeDecoder(target, PromptLookupDrafter(), config.lookup_gamma), new))
+    if ngram is not None:
         strategies.append(specdec_strategy(f"n-gram γ={config.ngram_gamma}", "ngram",
                                            SpeculativeDecoder(target, NgramDrafter(ngram), config.ngram_gamma), new))
     if config.peers:
@@ -160,6 +168,23 @@ def build_strategies(config: BenchConfig):
         strategies.append(peer_strategy("HF prompt lookup", target, new, stop_ids, target_counter=target_counter,
                                         prompt_lookup_num_tokens=10))
     return target, model_drafter.model if model_drafter else None, strategies
+
+
+def tree_strategies(config: BenchConfig, target: CausalLM, draft: CausalLM, ngram) -> list[Strategy]:
+    """Token trees of the draft model, and staged drafting (draft²: the n-gram model, else prompt lookup)."""
+    new, out = config.max_new_tokens, []
+    for nodes, depth in config.trees:
+        drafter = ModelDrafter(draft, tree=TreeShape(nodes, config.tree_width))
+        out.append(specdec_strategy(f"tree {nodes} γ={depth}", "tree", SpeculativeDecoder(target, drafter, depth), new))
+    inner = (lambda: NgramDrafter(ngram)) if ngram is not None else PromptLookupDrafter
+    gamma = config.staged_gamma
+    staged = ModelDrafter(draft, inner=inner(), inner_gamma=config.inner_gamma)
+    out.append(specdec_strategy(f"staged γ={gamma}", "staged", SpeculativeDecoder(target, staged, gamma), new))
+    if config.trees:
+        nodes = config.trees[0][0]
+        staged_tree = ModelDrafter(draft, tree=TreeShape(nodes, config.tree_width), inner=inner(), inner_gamma=config.inner_gamma)
+        out.append(specdec_strategy(f"staged tree {nodes} γ={gamma}", "staged", SpeculativeDecoder(target, staged_tree, gamma), new))
+    return out
 
 
 # ------------------------------------------------------------------------------------ costs
@@ -273,6 +298,7 @@ def summarize(runs: dict[str, list[Run]], strategies, target: CausalLM, draft: C
         draft_fw = sum(s.draft_forwards for s in stats)
         drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
         iterations = sum(s.iterations for s in stats)
+        nodes = sum(sum(s.tree_nodes) for s in stats)
         rates = [len(r.tokens) / r.seconds for r in rs if r.seconds > 0 and r.tokens]
         ratios = [(len(r.tokens) / r.seconds) / (len(p.tokens) / p.seconds) for r, p in zip(rs, plain) if r.tokens and p.tokens]
         alpha = accepted / drafted if drafted else None
@@ -285,9 +311,10 @@ def summarize(runs: dict[str, list[Run]], strategies, target: CausalLM, draft: C
             "tokens_per_target_forward": tokens / target_fw if target_fw else None,
             "target_forwards_per_token": target_fw / tokens if tokens else None,
             "draft_forwards_per_token": draft_fw / tokens if tokens else None,
+            "tree_nodes_per_iteration": nodes / iterations if iterations and strategy.family != "peer" else None,
             "weight_bytes_per_token": weight_bytes_per_token(target_fw, target.weight_bytes, draft_fw, draft_bytes, tokens),
             "predicted_speedup": predicted(strategy, alpha, drafted, iterations, rs, costs, tokens),
-            "predicted_speedup_iid_alpha": predicted(strategy, alpha, drafted, iterations, rs, costs),
+            "predicted_speedup_iid_alpha": predicted(strategy, alpha, drafted, iterations, rs, costs) if strategy.family == "chain" else None,
             "acceptance_by_position": [a / d for a, d in zip(_sum_lists(s.accepted_by_position for s in stats), _sum_lists(s.drafted_by_position for s in stats))],
             "accepted_length_counts": _histogram(length for s in stats for length in s.accepted_lengths),
         }
@@ -299,18 +326,21 @@ def predicted(strategy, alpha, drafted, iterations, runs, costs, tokens: int | N
 
     Tokens per iteration come from the measured acceptance: counted directly (`tokens` given), or
     from the i.i.d. formula (1 − α^{γ+1}) / (1 − α), which ignores that early positions accept more.
+    The verify costs t_target(nodes + 1); a draft-model iteration costs its draft forwards × t_draft(1)
+    (on this CPU a forward of a few tokens costs about as much as one).
     """
     if strategy.family in ("plain", "peer") or not drafted or not iterations or alpha is None:
         return None
     t_target = costs["target"]
-    gamma = drafted / iterations  # the mean draft length actually offered
-    k = min(t_target, key=lambda measured: abs(measured - (gamma + 1)))  # nearest measured verify size
+    gamma = drafted / iterations  # the mean draft depth actually offered
+    nodes = sum(sum(r.stats.tree_nodes) for r in runs) / iterations  # = gamma for chains
+    k = min(t_target, key=lambda measured: abs(measured - (nodes + 1)))  # nearest measured verify size
     if strategy.uses_draft_model:
-        t_draft = costs["draft"][1]
-    else:  # model-free drafters: their measured proposal time per drafted token
-        t_draft = sum(r.stats.draft_seconds for r in runs) / drafted
+        draft_cost = sum(r.stats.draft_forwards for r in runs) / iterations * costs["draft"][1]
+    else:  # model-free drafters: their measured proposal time
+        draft_cost = sum(r.stats.draft_seconds for r in runs) / iterations
     per_iteration = tokens / iterations if tokens is not None else expected_tokens(alpha, gamma)
-    return per_iteration * t_target[1] / (gamma * t_draft + t_target[k])
+    return per_iteration * t_target[1] / (draft_cost + t_target[k])
 
 
 def greedy_mismatches(runs: dict[str, list[Run]] | None) -> dict[str, list[dict]]:
