@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.set_defaults(run=run_ngram_build)
 
     bench = commands.add_parser("bench", help="benchmark strategies and Hugging Face peers on the same models",
-                                description="Run plain decoding, chains at several γ, adaptive γ, prompt lookup, n-gram and Hugging Face "
+                                description="Run plain decoding, chains at several γ, adaptive γ, token trees, staged drafting, prompt lookup, n-gram and Hugging Face "
                                             "generate() (plain, assisted, prompt lookup) prompt by prompt; write JSON, Markdown and PNG plots.")
     bench.add_argument("--target", help="target checkpoint (default: the demo pair with its draft and n-gram)")
     bench.add_argument("--draft", help="draft checkpoint for the chain strategies and HF assisted generation")
@@ -105,7 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--mode", choices=["greedy", "sampled", "both"], default="both")
     bench.add_argument("--temperature", type=float, default=0.8, help="sampled mode (default 0.8)")
     bench.add_argument("--top-k", type=int, default=20, help="sampled mode (default 20)")
-    bench.add_argument("--gammas", default="1,2,3,4,6,8", help="fixed γ values for the chain strategies")
+    bench.add_argument("--gammas", default="1,2,3,4", help="fixed γ values for the chain strategies")
+    bench.add_argument("--trees", default="3x2,4x3,8x4", help="NODESxDEPTH of the token-tree strategies; '' for none (default 3x2,4x3,8x4)")
+    bench.add_argument("--tree-width", type=int, default=2, help="children per node and nodes expanded per level (default 2)")
+    bench.add_argument("--staged-gamma", type=int, default=3, help="depth of the staged strategies (default 3)")
+    bench.add_argument("--staged-tree", type=int, default=4, help="nodes of the staged-tree strategies (default 4)")
     bench.add_argument("--no-peers", action="store_true", help="skip Hugging Face generate()")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--device", default="cpu")
@@ -194,12 +198,20 @@ def run_bench_command(args) -> None:
         gammas = tuple(int(g) for g in args.gammas.split(","))
     except ValueError:
         raise SpecDecError(f"--gammas must be comma-separated integers, got {args.gammas!r}") from None
-    if any(g < 1 for g in gammas) or args.max_new_tokens < 1:
-        raise SpecDecError("γ values and --max-new-tokens must be >= 1")
+    try:
+        trees = tuple(tuple(int(n) for n in t.split("x")) for t in args.trees.split(",") if t)
+    except ValueError:
+        trees = ((0,),)
+    if any(len(t) != 2 for t in trees):
+        raise SpecDecError(f"--trees must be NODESxDEPTH values separated by commas, got {args.trees!r}")
+    numbers = [*gammas, *(n for t in trees for n in t), args.tree_width, args.staged_gamma, args.staged_tree, args.max_new_tokens]
+    if any(n < 1 for n in numbers):
+        raise SpecDecError("γ values, tree sizes and --max-new-tokens must be >= 1")
     config = BenchConfig(
         target=args.target, draft=args.draft, ngram=args.ngram, prompts=args.prompts, limit=args.limit,
         max_new_tokens=args.max_new_tokens, modes=("greedy", "sampled") if args.mode == "both" else (args.mode,),
-        temperature=args.temperature, top_k=args.top_k, gammas=gammas, peers=not args.no_peers, seed=args.seed,
+        temperature=args.temperature, top_k=args.top_k, gammas=gammas, trees=trees, tree_width=args.tree_width,
+        staged_gamma=args.staged_gamma, staged_tree=args.staged_tree, peers=not args.no_peers, seed=args.seed,
         device=args.device, dtype=args.dtype,
     )
     data = run_bench(config)

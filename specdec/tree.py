@@ -23,38 +23,43 @@ def check_parents(parents: torch.Tensor) -> None:
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
     """Depth of each node: 1 for a child of the root."""
-    depth = [0] * parents.numel()
-    for i, parent in enumerate(parents.tolist()):
-        depth[i] = 1 if parent < 0 else depth[parent] + 1
-    return torch.tensor(depth, dtype=torch.long)
+    return torch.tensor(_depths(parents.tolist()), dtype=torch.long)
+
+
+def _depths(parents: list[int]) -> list[int]:
+    depth: list[int] = []
+    for parent in parents:
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+    return depth
 
 
 def is_chain(parents: torch.Tensor) -> bool:
-    return bool((parents == chain_parents(parents.numel())).all())
+    return parents.tolist() == list(range(-1, parents.numel() - 1))
 
 
 def children(parents: torch.Tensor, node: int) -> list[int]:
     """Children of `node` (-1 = the root) in index order, which is the order they are verified in."""
-    return (parents == node).nonzero().flatten().tolist()
+    return [i for i, parent in enumerate(parents.tolist()) if parent == node]
 
 
 def path_to(parents: torch.Tensor, node: int) -> list[int]:
     """Nodes from the root's child down to `node` (empty for the root)."""
-    path = []
+    parent_of, path = parents.tolist(), []
     while node >= 0:
         path.append(node)
-        node = int(parents[node])
+        node = parent_of[node]
     return path[::-1]
 
 
 def ancestors(parents: torch.Tensor) -> torch.Tensor:
     """[n, n] bool: entry [i, j] is True when j is i or one of its ancestors."""
     n = parents.numel()
-    mask = torch.eye(n, dtype=torch.bool)
+    rows: list[list[bool]] = []
     for i, parent in enumerate(parents.tolist()):
-        if parent >= 0:
-            mask[i] |= mask[parent]
-    return mask
+        row = list(rows[parent]) if parent >= 0 else [False] * n
+        row[i] = True
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool).reshape(n, n)
 
 
 def tree_inputs(parents: torch.Tensor, prefix_len: int, new: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -67,7 +72,7 @@ def tree_inputs(parents: torch.Tensor, prefix_len: int, new: int) -> tuple[torch
     [new, prefix_len + n], or None when the plain causal mask is the same (a chain).
     """
     n = parents.numel()
-    positions = prefix_len + depths(parents)[n - new :] - 1
+    positions = torch.tensor(_depths(parents.tolist())[n - new :], dtype=torch.long) + (prefix_len - 1)
     if is_chain(parents):
         return positions, None
     mask = torch.ones(new, prefix_len + n, dtype=torch.bool)

@@ -21,15 +21,16 @@ def bench_data(model_dirs, tmp_path_factory):
     ngram = root / "ngram.safetensors"
     KatzTrigram.build([[1, 2, 3, 1, 2, 3, 4, 5] * 5], vocab_size=16).save(ngram)
     config = BenchConfig(target=model_dirs["llama"], draft=model_dirs["llama-near"], ngram=str(ngram), prompts=str(prompts),
-                         max_new_tokens=10, gammas=(1, 3), cost_ks=(1, 2, 4), progress=False)
+                         max_new_tokens=10, gammas=(1, 3), trees=((4, 2),), staged_tree=3, cost_ks=(1, 2, 4, 8), progress=False)
     return run_bench(config), root
 
 
 def test_every_strategy_and_peer_is_measured(bench_data):
     data, _ = bench_data
     names = [s["name"] for s in data["strategies"]]
-    assert names == ["plain", "chain γ=1", "chain γ=3", "chain γ=auto", "prompt lookup γ=8", "n-gram γ=4",
-                     "HF generate", "HF assisted", "HF prompt lookup"]
+    assert names == ["plain", "chain γ=1", "chain γ=3", "chain γ=auto", "tree 4 γ=2",
+                     "staged γ=3 (n-gram)", "staged tree 3 γ=3 (n-gram)", "staged γ=3 (lookup)", "staged tree 3 γ=3 (lookup)",
+                     "prompt lookup γ=8", "n-gram γ=4", "HF generate", "HF assisted", "HF prompt lookup"]
     for mode in ("greedy", "sampled"):
         rows = data["summary"][mode]
         assert rows["plain"]["speedup"] == 1.0 and rows["plain"]["target_forwards_per_token"] == 1.0
@@ -40,6 +41,9 @@ def test_every_strategy_and_peer_is_measured(bench_data):
             assert row["predicted_speedup"] > 0 and len(row["acceptance_by_position"]) == int(name[-1])
             assert sum(row["accepted_length_counts"].values()) > 0
         assert rows["HF assisted"]["draft_forwards_per_token"] > 0
+        assert rows["chain γ=3"]["tree_nodes_per_iteration"] <= 3 < rows["tree 4 γ=2"]["tree_nodes_per_iteration"] <= 4
+        for name in ("tree 4 γ=2", "staged tree 3 γ=3 (lookup)"):
+            assert rows[name]["tokens_per_target_forward"] > 1 and rows[name]["predicted_speedup"] > 0
         assert all(len(runs) == 3 for runs in data["runs"][mode].values())
 
 
@@ -66,13 +70,17 @@ def test_cli_bench(model_dirs, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "abcab"}\n{"prompt": "ghi"}\n')
     code = main(["bench", "--target", model_dirs["llama"], "--draft", model_dirs["llama-near"], "--prompts", str(prompts),
-                 "--max-new-tokens", "6", "--gammas", "2", "--mode", "greedy", "--no-peers", "--out", str(tmp_path / "o")])
+                 "--max-new-tokens", "6", "--gammas", "2", "--trees", "3x2", "--mode", "greedy", "--no-peers", "--out", str(tmp_path / "o")])
     assert code == 0
-    assert "| chain γ=2 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| chain γ=2 |" in out and "| tree 3 γ=2 |" in out and "| staged γ=3 (lookup) |" in out
     assert (tmp_path / "o" / "speedup.png").exists()
     assert main(["bench", "--target", model_dirs["llama"], "--prompts", str(tmp_path / "none.txt")]) == 1
     assert "prompts file not found" in capsys.readouterr().err
     assert main(["bench", "--target", model_dirs["llama"], "--gammas", "2,x"]) == 1
+    assert main(["bench", "--target", model_dirs["llama"], "--trees", "4"]) == 1
+    assert "NODESxDEPTH" in capsys.readouterr().err
+    assert main(["bench", "--target", model_dirs["llama"], "--trees", "0x2"]) == 1
 
 
 def test_leviathan_formulas():

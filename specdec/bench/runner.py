@@ -35,12 +35,13 @@ class BenchConfig:
     modes: tuple[str, ...] = ("greedy", "sampled")
     temperature: float = 0.8  # sampled mode
     top_k: int = 20  # sampled mode
-    gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    gammas: tuple[int, ...] = (1, 2, 3, 4)
     lookup_gamma: int = 8
     ngram_gamma: int = 4
-    trees: tuple[tuple[int, int], ...] = ((6, 3), (10, 4))  # (nodes, depth) of the token-tree strategies
-    tree_width: int = 3
-    staged_gamma: int = 4  # depth of the staged strategies (their tree: the first of `trees`)
+    trees: tuple[tuple[int, int], ...] = ((3, 2), (4, 3), (8, 4))  # (nodes, depth) of the token-tree strategies
+    tree_width: int = 2
+    staged_gamma: int = 3  # depth of the staged strategies
+    staged_tree: int = 4  # nodes of the staged-tree strategies
     inner_gamma: int = 4  # draft² tokens per draft-model forward when staged
     peers: bool = True
     seed: int = 0
@@ -171,19 +172,21 @@ def build_strategies(config: BenchConfig):
 
 
 def tree_strategies(config: BenchConfig, target: CausalLM, draft: CausalLM, ngram) -> list[Strategy]:
-    """Token trees of the draft model, and staged drafting (draft²: the n-gram model, else prompt lookup)."""
+    """Token trees of the draft model, and staged drafting with each draft² (n-gram, prompt lookup),
+    as a chain and as a tree."""
     new, out = config.max_new_tokens, []
     for nodes, depth in config.trees:
         drafter = ModelDrafter(draft, tree=TreeShape(nodes, config.tree_width))
         out.append(specdec_strategy(f"tree {nodes} γ={depth}", "tree", SpeculativeDecoder(target, drafter, depth), new))
-    inner = (lambda: NgramDrafter(ngram)) if ngram is not None else PromptLookupDrafter
+    inners = {"lookup": PromptLookupDrafter}
+    if ngram is not None:
+        inners = {"n-gram": lambda: NgramDrafter(ngram), **inners}
     gamma = config.staged_gamma
-    staged = ModelDrafter(draft, inner=inner(), inner_gamma=config.inner_gamma)
-    out.append(specdec_strategy(f"staged γ={gamma}", "staged", SpeculativeDecoder(target, staged, gamma), new))
-    if config.trees:
-        nodes = config.trees[0][0]
-        staged_tree = ModelDrafter(draft, tree=TreeShape(nodes, config.tree_width), inner=inner(), inner_gamma=config.inner_gamma)
-        out.append(specdec_strategy(f"staged tree {nodes} γ={gamma}", "staged", SpeculativeDecoder(target, staged_tree, gamma), new))
+    for inner_name, inner in inners.items():
+        for tree in (None, TreeShape(config.staged_tree, config.tree_width)):
+            drafter = ModelDrafter(draft, tree=tree, inner=inner(), inner_gamma=config.inner_gamma)
+            name = f"staged {'tree ' + str(tree.nodes) + ' ' if tree else ''}γ={gamma} ({inner_name})"
+            out.append(specdec_strategy(name, "staged", SpeculativeDecoder(target, drafter, gamma), new))
     return out
 
 
