@@ -38,12 +38,13 @@ class CausalLM:
                 f"{path}: the model has {rows} output rows but its tokenizer has {self.vocab_size} tokens"
             )
         self.max_length = _context_length(model.config)
+        self._device = model.device  # fixed: the model is moved before it is wrapped (HF's property is slow)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.reset()
 
     @property
     def device(self) -> torch.device:
-        return self.model.device
+        return self._device
 
     @property
     def dtype(self) -> torch.dtype:
