@@ -37,7 +37,7 @@ class Draft:
     """What a drafter proposes: only new tokens, never the prefix; a chain or a token tree.
 
     parents[i] is the node tokens[i] follows (-1: the last committed token; see `specdec.tree`);
-    None means a chain. probs[i] is the exact distribution tokens[i] was drawn from, after the
+    omitted, the draft is a chain. probs[i] is the exact distribution tokens[i] was drawn from, after the
     same sampling transform as the target's and given everything drawn before it (for a tree's
     later siblings: the draft's distribution with the earlier siblings removed); None means
     point-mass (deterministic) drafts.
@@ -45,7 +45,7 @@ class Draft:
 
     tokens: torch.Tensor  # [n] int64
     probs: torch.Tensor | None = None  # [n, vocab] float
-    parents: torch.Tensor | None = None  # [n] int64
+    parents: torch.Tensor = None  # [n] int64; leave it out for a chain (filled in by __post_init__)
 
     def __post_init__(self):
         if self.parents is None:

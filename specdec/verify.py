@@ -18,9 +18,10 @@ from specdec.types import VerifyResult
 def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, token: int) -> torch.Tensor:
     """norm(max(0, p - q)) at one position; a point-mass q removes `token` from p.
 
-    target_probs (p, or the residual left by earlier rejected siblings), draft_probs: [vocab]. If the residual has no mass (p <= q everywhere, which in
-    exact arithmetic means p == q and rejection is impossible; in floating point it can happen)
-    fall back to p rather than divide by zero (DESIGN pitfall 3).
+    target_probs (p, or what earlier rejected siblings left of it), draft_probs: [vocab]. If the
+    residual has no mass (p <= q everywhere, which in exact arithmetic means p == q and rejection
+    is impossible; in floating point it can happen) fall back to p rather than divide by zero
+    (DESIGN pitfall 3).
     """
     if draft_probs is None:
         rest = target_probs.clone()

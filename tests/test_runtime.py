@@ -32,6 +32,26 @@ def test_every_tree_node_matches_its_path_alone(arch, model_dirs):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_a_tree_fed_node_by_node_deeper_than_the_window(arch, model_dirs):
+    """Two root branches, then a 10-deep chain below the first, one forward per node (as a drafter
+    grows a tree). Slots and positions differ by one below the fork, so a sliding window (mistral:
+    8) must be applied by position, not by slot."""
+    model = specdec.load_model(model_dirs[arch], device="cpu", dtype="float64")
+    model.forward(PREFIX)
+    tokens, parents = [4, 5], [-1, -1]
+    positions, mask = tree.tree_inputs(torch.tensor(parents), len(PREFIX), new=2)
+    model.forward(tokens, positions=positions, attention_mask=mask)
+    for depth in range(2, 12):
+        tokens.append(depth % 7 + 1)
+        parents.append(0 if depth == 2 else len(tokens) - 2)
+        positions, mask = tree.tree_inputs(torch.tensor(parents), len(PREFIX), new=1)
+        logits = model.forward(tokens[-1:], positions=positions, attention_mask=mask)[0]
+        path = [tokens[i] for i in tree.path_to(torch.tensor(parents), len(tokens) - 1)]
+        alone = specdec.load_model(model_dirs[arch], device="cpu", dtype="float64").forward(PREFIX + path)[-1]
+        torch.testing.assert_close(logits, alone, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_keep_compacts_a_tree_path(arch, model_dirs):
     """After keeping the path to node 6 (nodes 0 1 3 6), the cache equals a fresh prefill of that path."""
     model = specdec.load_model(model_dirs[arch], device="cpu", dtype="float64")

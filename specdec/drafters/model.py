@@ -8,9 +8,11 @@ Three ways to grow a draft, one class:
   speculatively with the inner "draft²" (Spector & Ré), losslessly for the draft model, so q stays
   the draft model's distribution; with a `tree`, siblings along the spine come from the same forwards.
 
-Children are deterministic (the most likely tokens, point masses) in greedy mode or with
-`TreeShape(sampled=False)`; otherwise each child is drawn from the draft's distribution with its
-earlier siblings removed, and carries that distribution (what `verify_tree` needs).
+Children are deterministic (the most likely tokens, point masses; a staged spine is then the
+draft's most likely continuation) in greedy mode or with `TreeShape(sampled=False)`; otherwise
+each child is drawn from the draft's distribution with its earlier siblings removed (without
+replacement, so no node is spent on a duplicate) and carries that distribution, which is what
+`verify_tree` needs.
 """
 
 from __future__ import annotations
@@ -72,8 +74,15 @@ class _Nodes:
         return 0.0 if node < 0 else self.scores[node]
 
     def best(self, candidates: list[int], count: int) -> list[int]:
-        """The `count` highest-scoring candidates; ties go to the earlier (shallower) node."""
+        """The `count` highest-scoring candidates; ties go to the lower index, so a parent (which
+        scores at least as high as its children) always comes before them: the best k of a tree
+        are ancestor-closed."""
         return sorted(candidates, key=lambda i: (-self.scores[i], i))[:count]
+
+    def add_children(self, parent: int, q: torch.Tensor, count: int, sampled: bool, rng, exclude: Sequence[int] = ()) -> list[int]:
+        """Children of `parent`, whose draft distribution is q, from `pick_children`; returns their indices."""
+        return [self.add(token, parent, drawn_from, self.score(parent) + math.log(q[token]))
+                for token, drawn_from in pick_children(q, count, sampled, rng, exclude)]
 
     def draft(self, keep: list[int] | None = None) -> Draft:
         """The tree as a Draft, restricted to `keep` (an ancestor-closed set) if given."""
@@ -108,6 +117,16 @@ def pick_children(q: torch.Tensor, count: int, sampled: bool, rng: torch.Generat
         yield token, drawn_from
         rest[token] = 0
         exclude = [*exclude, token]
+
+
+def _settled(nodes: _Nodes, frontier: list[int], budget: int) -> bool:
+    """No deeper node can enter the best `budget` of a deterministic tree: children score no
+    higher than their parents, so once the budget-th best score reaches the frontier's best,
+    feeding the frontier would be wasted."""
+    if len(nodes.tokens) < budget:
+        return False
+    kept = nodes.best(list(range(len(nodes.tokens))), budget)
+    return nodes.scores[kept[-1]] >= max(nodes.scores[i] for i in frontier)
 
 
 class ModelDrafter:
@@ -164,12 +183,12 @@ class ModelDrafter:
             allowed = shape.nodes - len(nodes.tokens) - (depth - level) if sampled else math.inf
             new = []
             for node, q in zip(frontier, rows):
-                count = int(min(shape.width, allowed - len(new)))
-                for token, drawn_from in pick_children(q, count, sampled, rng):
-                    new.append(nodes.add(token, node, drawn_from, nodes.score(node) + math.log(q[token])))
+                new += nodes.add_children(node, q, int(min(shape.width, allowed - len(new))), sampled, rng)
             if level == depth or not new:
                 return
             frontier = nodes.best(new, shape.width)
+            if not sampled and _settled(nodes, frontier, shape.nodes):
+                return
             if sampled:  # feed only the nodes the remaining budget can give children
                 frontier = frontier[: max(1, math.ceil((allowed - len(new) + 1) / shape.width))]
             parents = [self._branch_index[nodes.parents[i]] if nodes.parents[i] >= 0 else -1 for i in frontier]
@@ -185,6 +204,8 @@ class ModelDrafter:
         pending = self.sync(context)
         while len(spine) < depth:
             guess = self.inner.propose(list(context) + spine, min(self.inner_gamma, depth - len(spine) - 1), sampling, rng)
+            if not tree.is_chain(guess.parents):
+                raise ValueError(f"the inner drafter {self.inner.name} must propose a chain")
             guess_tokens = guess.tokens.tolist()
             if not spine:
                 logits = self._feed_committed(pending, guess_tokens)
@@ -192,7 +213,7 @@ class ModelDrafter:
                 parents = [len(self._branch_tokens) - 1 + j for j in range(len(guess_tokens) + 1)]
                 logits = self._feed([spine[-1]] + guess_tokens, parents)
             q = self._distributions(logits, sampling)  # [len(guess) + 1, vocab]
-            if sampling.greedy:
+            if not sampled:  # deterministic children: the spine is the draft's most likely continuation
                 result = verify_greedy(guess.tokens, logits)
             else:
                 result = verify_chain(guess.tokens, guess.probs, q, rng, rng)
@@ -210,8 +231,7 @@ class ModelDrafter:
         spine = list(nodes.tokens)
         for i, q in enumerate(rows):
             count = shape.width - 1 if not sampled else min(shape.width - 1, shape.nodes - len(nodes.tokens))
-            for token, drawn_from in pick_children(q, count, sampled, rng, exclude=[spine[i]]):
-                nodes.add(token, i - 1, drawn_from, nodes.score(i - 1) + math.log(q[token]))
+            nodes.add_children(i - 1, q, count, sampled, rng, exclude=[spine[i]])
 
     def _distributions(self, logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
         """q after the sampling transform; in greedy mode the plain softmax, used only to rank nodes."""

@@ -58,6 +58,7 @@ class CausalLM:
         # Plain full layers, even for sliding-window models: the window is applied by the attention
         # mask, and a full layer can be cut back exactly (a sliding layer's counters cannot).
         self._cache = DynamicCache()
+        self._slot_positions = torch.zeros(0, dtype=torch.long)  # the position each cache entry was fed at
 
     @torch.inference_mode()
     def forward(
@@ -77,7 +78,7 @@ class CausalLM:
         if attention_mask is not None:
             if attention_mask.shape != (n, start + n):
                 raise ValueError(f"attention_mask must be [{n}, {start + n}], got {list(attention_mask.shape)}")
-            mask = self._layer_masks(attention_mask, torch.cat([torch.arange(start), positions]), positions)
+            mask = self._layer_masks(attention_mask, torch.cat([self._slot_positions, positions]), positions)
         out = self.model(
             input_ids=tokens.to(self.device)[None],
             position_ids=positions.to(self.device)[None],
@@ -85,13 +86,15 @@ class CausalLM:
             past_key_values=self._cache,
             use_cache=True,
         )
+        self._slot_positions = torch.cat([self._slot_positions, positions.cpu()])
         logits = out.logits[0, :, : self.vocab_size]
         return logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32).cpu()
 
     def _layer_masks(self, mask: torch.Tensor, key_positions: torch.Tensor, positions: torch.Tensor):
         """An explicit mask replaces the model's own, so apply its sliding window here: a query at
         position p sees keys at positions > p - window. Models mixing full and sliding layers get
-        one mask per layer type. Cache slot i holds position i (compaction keeps that true)."""
+        one mask per layer type. Keys are placed by the positions they were fed at: while a tree
+        is in the cache, an entry's slot is not its position."""
         window = self.sliding_window
         if window is not None:
             windowed = mask & (key_positions[None, :] > positions[:, None] - window)
@@ -112,7 +115,7 @@ class CausalLM:
         """Keep the first `length` cache entries."""
         if not 0 <= length <= self.cache_len:
             raise ValueError(f"cannot truncate a cache of {self.cache_len} entries to {length}")
-        self._edit(lambda t: t[..., :length, :])
+        self.keep(length, [])
 
     @torch.inference_mode()
     def keep(self, start: int, indices: list[int]) -> None:
@@ -120,18 +123,17 @@ class CausalLM:
         to contiguous slots in the given order (tree compaction: the accepted path stays)."""
         if not 0 <= start <= self.cache_len or any(not start <= i < self.cache_len for i in indices):
             raise ValueError(f"cannot keep entries {indices} after {start} of a cache of {self.cache_len}")
-        if indices != list(range(start, start + len(indices))):  # a chain's path is already in place
-            index = torch.tensor(indices, dtype=torch.long, device=self.device)
-            for layer in self._cache.layers:
-                if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                    layer.keys[..., start : start + len(indices), :] = layer.keys.index_select(-2, index)
-                    layer.values[..., start : start + len(indices), :] = layer.values.index_select(-2, index)
-        self.truncate(start + len(indices))
-
-    def _edit(self, cut) -> None:
+        end = start + len(indices)
+        moved = indices != list(range(start, end))  # a chain's path is already in place
+        index = torch.tensor(indices, dtype=torch.long)
         for layer in self._cache.layers:
-            if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                layer.keys, layer.values = cut(layer.keys), cut(layer.values)
+            if getattr(layer, "keys", None) is None or not layer.keys.numel():
+                continue
+            if moved:
+                layer.keys[..., start:end, :] = layer.keys.index_select(-2, index.to(self.device))
+                layer.values[..., start:end, :] = layer.values.index_select(-2, index.to(self.device))
+            layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
+        self._slot_positions = torch.cat([self._slot_positions[:start], self._slot_positions[index]])
 
     def cache_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(keys, values) per layer, [batch, heads, cache_len, head_dim]: for tests and tools."""
