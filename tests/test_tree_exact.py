@@ -14,6 +14,8 @@ import torch
 import specdec.drafters.model as model_module
 import specdec.verify as verify_module
 from specdec import tree
+from specdec.drafters import ModelDrafter, PromptLookupDrafter, TreeShape
+from specdec.types import Draft, SamplingParams
 from specdec.verify import verify_tree, verify_tree_greedy
 from test_verify_exact import CASES, Conditional, Enumerator, SymbolicUniform, completions, target_joint
 
@@ -122,3 +124,123 @@ def test_greedy_tree_follows_the_target_argmax():
         logits[row, token % 4] = 1
     result = verify_tree_greedy(tokens, parents, logits)
     assert (result.path, result.tokens) == ([1, 3, 4], [2, 3, 1, 2])
+
+
+# ---------------------------------------------------------------- the real drafter, exactly
+
+
+class TableLM:
+    """A stand-in for CausalLM: its next-token distribution after a history is a Conditional table
+    (history counted after the prompt). Like a transformer, it learns a new token's history only
+    from the entries the mask lets it attend to, and it checks that those are exactly the token's
+    ancestors at consecutive positions; truncate and keep edit its cache like the real one."""
+
+    def __init__(self, table: Conditional, prompt, max_length: int = 64):
+        self.table, self.prompt, self.max_length, self.vocab_size = table, tuple(prompt), max_length, table.vocab
+        self.reset()
+
+    def reset(self):
+        self.slots: list[tuple[int, tuple]] = []  # (position, history through this token) per cache entry
+
+    @property
+    def cache_len(self) -> int:
+        return len(self.slots)
+
+    def forward(self, tokens, positions=None, attention_mask=None):
+        tokens, start = torch.as_tensor(tokens).tolist(), len(self.slots)
+        positions = list(range(start, start + len(tokens))) if positions is None else positions.tolist()
+        rows = []
+        for j, (token, position) in enumerate(zip(tokens, positions)):
+            seen = [i for i in range(start + j) if attention_mask is None or attention_mask[j, i]]
+            parent = max(seen, key=lambda i: self.slots[i][0], default=None)
+            history = (self.slots[parent][1] if parent is not None else ()) + (token,)
+            ancestors = [i for i in range(start + j) if history[: len(self.slots[i][1])] == self.slots[i][1]
+                         and self.slots[i][0] == len(self.slots[i][1]) - 1]
+            assert seen == ancestors and position == len(history) - 1, "a token must see exactly its ancestors"
+            self.slots.append((position, history))
+            rows.append(torch.log(self.table(history[len(self.prompt):])))
+        return torch.stack(rows)
+
+    def truncate(self, length: int):
+        del self.slots[length:]
+
+    def keep(self, start: int, indices):
+        self.slots = self.slots[:start] + [self.slots[i] for i in indices]
+
+
+class TableDrafter:
+    """A stochastic inner drafter (draft²) sampling a chain from its own table, with its probs."""
+
+    name, forwards = "table", 0
+
+    def __init__(self, table: Conditional, prompt):
+        self.table, self.prompt = table, tuple(prompt)
+
+    def reset(self):
+        pass
+
+    def propose(self, context, max_tokens, sampling, rng):
+        history, tokens, probs = tuple(context[len(self.prompt):]), [], []
+        for _ in range(max_tokens):
+            probs.append(self.table(history))
+            tokens.append(model_module.sample(probs[-1], rng))
+            history += (tokens[-1],)
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None)
+
+
+DRAFTER_PROMPT = (0, 1, 2, 0, 1)  # repeats: prompt lookup proposes "2 0 1 ..."
+DRAFTERS = {
+    "tree sampled 4 w2 d2": (dict(tree=TreeShape(4, 2)), 2),
+    "tree sampled 5 w3 d3": (dict(tree=TreeShape(5, 3)), 3),
+    "tree top 4 w2 d3": (dict(tree=TreeShape(4, 2, sampled=False)), 3),
+    "staged chain, table inner d3": (dict(inner="table"), 3),
+    "staged tree sampled, table inner d2": (dict(tree=TreeShape(4, 2), inner="table"), 2),
+    "staged tree sampled, lookup inner d3": (dict(tree=TreeShape(4, 2), inner="lookup"), 3),
+    "staged tree top, lookup inner d3": (dict(tree=TreeShape(4, 2, sampled=False), inner="lookup"), 3),
+}
+
+
+def drafter_iteration_deviation(enumerator, name) -> float:
+    """Largest deviation of one ModelDrafter + verify_tree iteration's joint from the target's."""
+    options, depth = DRAFTERS[name]
+    vocab = 3
+    target, draft, inner_table = Conditional(vocab, seed=31), Conditional(vocab, seed=32), Conditional(vocab, seed=33)
+    inner = {"table": lambda: TableDrafter(inner_table, DRAFTER_PROMPT), "lookup": PromptLookupDrafter, None: lambda: None}[options.get("inner")]
+
+    def iteration():
+        drafter = ModelDrafter(TableLM(draft, DRAFTER_PROMPT), tree=options.get("tree"), inner=inner(), inner_gamma=2)
+        proposal = drafter.propose(list(DRAFTER_PROMPT), depth, SamplingParams(temperature=1.0), rng=None)
+        paths = [tree.path_to(proposal.parents, node) for node in range(len(proposal))]
+        histories = [()] + [tuple(proposal.tokens[path].tolist()) for path in paths]
+        target_probs = torch.stack([target(h) for h in histories])
+        result = verify_tree(proposal.tokens, proposal.parents, proposal.probs, target_probs, None, None)
+        return tuple(result.tokens)
+
+    joint: dict[tuple, float] = {}
+    for output, weight in enumerator.run(iteration):
+        for seq, tail_weight in completions(target, output, depth + 1):
+            joint[seq] = joint.get(seq, 0.0) + weight * tail_weight
+    want = target_joint(target, depth + 1)
+    assert abs(sum(joint.values()) - 1) < 1e-9
+    return max(abs(joint.get(seq, 0.0) - p) for seq, p in want.items())
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_model_drafter_iteration_keeps_target_distribution(enumerator, name):
+    """ModelDrafter's own growth (frontier, budget, sibling rule, staged spine and siblings) feeding
+    the real verify_tree: every draw of the drafter, its inner stage and the verifier is enumerated."""
+    worst = drafter_iteration_deviation(enumerator, name)
+    assert worst < 1e-9, f"largest deviation from the target's joint: {worst:.3g}"
+
+
+@pytest.mark.parametrize("name", ["tree sampled 5 w3 d3", "staged tree sampled, lookup inner d3"])
+def test_drafter_enumeration_catches_misreported_siblings(enumerator, monkeypatch, name):
+    """The harness can fail: siblings drawn without replacement but reported as drawn from q."""
+    pick = model_module.pick_children
+
+    def misreported(q, count, sampled, rng, exclude=()):
+        for token, drawn_from in pick(q, count, sampled, rng, exclude):
+            yield token, q if drawn_from is not None else None
+
+    monkeypatch.setattr(model_module, "pick_children", misreported)
+    assert drafter_iteration_deviation(enumerator, name) > 1e-3
