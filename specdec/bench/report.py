@@ -81,7 +81,7 @@ def plots(data: dict, out: Path) -> list[Path]:
         ax.barh(names, [rows[n]["speedup"] or 0 for n in names], color=["tab:gray" if "HF" in n else "tab:blue" for n in names])
         ax.axvline(1, color="black", lw=0.8)
         ax.invert_yaxis()
-        ax.set_title(f"{mode}: speedup vs plain decoding (median per prompt)")
+        ax.set_title(f"{mode}: speedup vs plain (median per prompt)", fontsize=10)
         ax.set_xlabel("× plain tokens/s")
     save(fig, "speedup.png")
 
