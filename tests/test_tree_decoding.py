@@ -50,6 +50,8 @@ def test_greedy_trees_match_reference(arch, load64, model_dirs, ngram):
             assert result.tokens == want, f"{name}, depth={depth}"
             if drafter.tree is not None and depth in (3, 5):
                 assert max(result.stats.tree_nodes) > depth, f"{name}: a tree, not a chain, was verified"
+                # one batched draft forward per level: draft forwards follow the depth, not the node count
+                assert result.stats.draft_forwards <= result.stats.iterations * depth
 
 
 def test_greedy_trees_need_fewer_target_forwards_than_chains(load64, model_dirs):
