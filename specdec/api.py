@@ -73,7 +73,7 @@ class SpeculativeDecoder:
     ) -> Stream:
         """Text deltas as they are committed. Temperature 0 is greedy; a seed makes sampling repeatable."""
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        prompt_ids = self._prompt_ids(prompt)
+        prompt_ids = self.prompt_ids(prompt)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise SpecDecError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
@@ -83,7 +83,8 @@ class SpeculativeDecoder:
             raise SpecDecError("stop strings must be non-empty strings")
         return Stream(self._deltas(prompt_ids, sampling, max_new_tokens, seed, stop))
 
-    def _prompt_ids(self, prompt) -> list[int]:
+    def prompt_ids(self, prompt) -> list[int]:
+        """Token ids of a prompt (text or ids), checked: not empty, in the vocabulary, shorter than the context."""
         if isinstance(prompt, str):
             if not prompt:
                 raise SpecDecError("the prompt is empty")

@@ -53,6 +53,14 @@ def load_decoder(args):
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     """Models, drafter and sampling: shared by `generate` and `verify`."""
+    add_model_arguments(parser)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Models and drafter: shared by `generate`, `verify` and `serve`."""
     parser.add_argument("--target", help="target checkpoint directory (default: the demo pair, drafting with its draft model)")
     parser.add_argument("--draft", help="draft checkpoint directory (same tokenizer as the target)")
     parser.add_argument("--ngram", help="n-gram model file from `specdec ngram build` (a drafter, or with --staged the draft model's drafter)")
@@ -66,9 +74,6 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --tree at temperature > 0: draw children from the draft, or take its most likely tokens (default sampled)")
     parser.add_argument("--staged", action="store_true", help="the draft model drafts with --ngram or --prompt-lookup as its own drafter (draft²)")
     parser.add_argument("--inner-gamma", type=_positive, default=4, help="with --staged: draft² tokens per draft-model forward (default 4)")
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     parser.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), float16")
 
@@ -138,6 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(run=run_train)
 
     losslessness.add_parser(commands)  # `specdec verify`
+
+    serve = commands.add_parser("serve", help="serve the models over an OpenAI-compatible HTTP API",
+                                description="POST /v1/completions and /v1/chat/completions (streaming or not), GET /v1/models, /health, "
+                                            "/metrics. One generation at a time; the others wait in a bounded FIFO queue.")
+    add_model_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model-name", help="the model id clients send (default: the target directory's name)")
+    serve.add_argument("--max-queue", type=_positive, default=16, help="requests that may wait; more get 429 (default 16)")
+    serve.set_defaults(run=run_serve)
     return parser
 
 
@@ -229,6 +244,22 @@ def run_train(args) -> None:
     state = train(config)
     loss = state.history[-1]["heldout_loss"] if state.history else float("nan")
     print(f"wrote {config.output}: {state.step} steps, {state.tokens_seen} tokens, held-out loss {loss:.3f}", file=sys.stderr)
+
+
+def run_serve(args) -> None:
+    import uvicorn
+
+    from specdec.server import create_app
+
+    decoder = load_decoder(args)
+    name = args.model_name or os.path.basename(os.path.normpath(decoder.target.path))
+    app = create_app(decoder, name, max_queue=args.max_queue)
+    print(f"specdec: serving {name!r} on http://{args.host}:{args.port}/v1 (drafter: "
+          f"{decoder.drafter.name if decoder.drafter else 'none'})", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    except OSError as error:
+        raise SpecDecError(f"cannot listen on {args.host}:{args.port}: {error}") from error
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -173,7 +173,7 @@ def check_lossless(
         raise SpecDecError("nothing to verify: the decoder has no drafter, so it already decodes plainly")
     if isinstance(prompts, str) or not len(prompts) or any(isinstance(p, int) for p in prompts):
         raise SpecDecError("prompts must be a list of at least one prompt (each a string or a list of token ids)")
-    prompt_ids = [speculative._prompt_ids(prompt) for prompt in prompts]  # validates all before sampling
+    prompt_ids = [speculative.prompt_ids(prompt) for prompt in prompts]  # validates all before sampling
     plain = SpeculativeDecoder(speculative.target)
     runs = 1 if sampling.greedy else samples
     level = None if sampling.greedy else alpha / (2 * len(prompts))

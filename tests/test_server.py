@@ -1,0 +1,281 @@
+"""`specdec serve`: the real server on a loopback port with tiny saved models, reached with httpx
+and the official openai client; concurrency, disconnects, bad input and a schema fuzz."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+import specdec
+from specdec.server import create_app
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+MODEL = "tiny"
+
+
+class LiveServer:
+    def __init__(self, app):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def make_decoder(model_dirs, chat_template=True):
+    decoder = specdec.load(model_dirs["llama"], draft=model_dirs["llama-near"], gamma=3, device="cpu")
+    if chat_template:
+        decoder.tokenizer.chat_template = CHAT_TEMPLATE
+    return decoder
+
+
+@pytest.fixture(scope="module")
+def decoder(model_dirs):
+    return make_decoder(model_dirs)
+
+
+@pytest.fixture(scope="module")
+def server(decoder):
+    live = LiveServer(create_app(decoder, MODEL, max_queue=32))
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(model_dirs):
+    """A second decoder over the same checkpoints, for what offline generate says."""
+    return make_decoder(model_dirs)
+
+
+def sse_events(response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_completion_matches_offline_generate(server, offline):
+    body = {"model": MODEL, "prompt": "hi ej", "max_tokens": 20, "temperature": 0}
+    reply = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()
+    want = offline.generate("hi ej", max_new_tokens=20, temperature=0)
+    assert reply["object"] == "text_completion" and reply["model"] == MODEL
+    assert reply["choices"][0]["text"] == want.text and reply["choices"][0]["finish_reason"] == want.finish_reason
+    assert reply["usage"] == {"prompt_tokens": len(offline.prompt_ids("hi ej")), "completion_tokens": len(want.tokens),
+                              "total_tokens": len(offline.prompt_ids("hi ej")) + len(want.tokens)}
+    spec = reply["speculative"]
+    assert 0 <= spec["acceptance_rate"] <= 1 and spec["tokens_per_target_forward"] >= 1
+
+
+def test_streamed_completion_with_usage(server, offline):
+    body = {"model": MODEL, "prompt": "hi ej", "max_tokens": 20, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 20 and "speculative" in usage
+    text = "".join(e["choices"][0]["text"] for e in events[:-2])
+    assert text == offline.generate("hi ej", max_new_tokens=20, temperature=0).text
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+
+
+def test_openai_client_completions_and_chat(server, offline):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    done = client.completions.create(model=MODEL, prompt="hi ej", max_tokens=12, temperature=0, seed=1)
+    assert done.choices[0].text == offline.generate("hi ej", max_new_tokens=12, temperature=0).text
+    assert done.model_extra["speculative"]["tokens_per_target_forward"] >= 1  # the extension field, as the README reads it
+    streamed = client.completions.create(model=MODEL, prompt="hi ej", max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
+    messages = [{"role": "user", "content": "abc"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    templated = offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert templated == "abc "
+    want = offline.generate(templated, max_new_tokens=10, temperature=0)
+    assert chat.choices[0].message.content == want.text and chat.usage.completion_tokens == len(want.tokens)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.completion_tokens == len(want.tokens)
+
+
+def test_sampling_with_a_seed_is_repeatable(server):
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 16, "temperature": 0.9, "top_k": 8, "top_p": 0.95, "seed": 7,
+            "stop": ["zz"]}
+    first = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()
+    second = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+
+
+def test_sixteen_parallel_streams_each_equal_offline_generate(server, offline):
+    prompts = [f"h{'ij'[i % 2]} e{chr(97 + i)}" for i in range(16)]
+    want = {p: offline.generate(p, max_new_tokens=24, temperature=0).text for p in prompts}
+
+    def stream(prompt):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as response:
+            assert response.status_code == 200
+            events = sse_events(response)
+        assert events[-1] == "[DONE]"
+        return "".join(e["choices"][0]["text"] for e in events[:-1])
+
+    with ThreadPoolExecutor(16) as pool:
+        got = dict(zip(prompts, pool.map(stream, prompts)))
+    assert got == want
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ") or line.startswith(name + "{")]
+    return sum(values)
+
+
+class SlowDrafter:
+    """The draft model, 50 ms slower per proposal: a generation long enough to walk away from."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, "slow"
+
+    @property
+    def forwards(self):
+        return self.inner.forwards
+
+    def reset(self):
+        self.inner.reset()
+
+    def propose(self, *args):
+        time.sleep(0.05)
+        return self.inner.propose(*args)
+
+
+def test_a_client_that_disconnects_is_cancelled(model_dirs):
+    decoder = make_decoder(model_dirs)
+    decoder.drafter = SlowDrafter(decoder.drafter)
+    live = LiveServer(create_app(decoder, MODEL))
+    body = {"model": MODEL, "prompt": "hi ej", "max_tokens": 50, "temperature": 0, "stream": True}
+    try:
+        with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=30) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    break  # one event, then hang up: 50 tokens would take >= 0.8 s more
+        hung_up = time.time()
+        while metric(live, "specdec_cancelled_total") < 1:
+            assert time.time() < hung_up + 5, "the generation was not cancelled"
+            time.sleep(0.02)
+        assert time.time() - hung_up < 0.6, "cancelled promptly, before the generation could finish"
+        assert metric(live, "specdec_generated_tokens_total") == 0  # it never finished
+        reply = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}, timeout=10)
+        assert reply.status_code == 200  # the slot is free
+    finally:
+        live.stop()
+
+
+BAD = [
+    ("malformed JSON", b"{\"model\": ", 400, None),
+    ("wrong type", {"model": MODEL, "prompt": "a", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("unknown model", {"model": "gpt-9", "prompt": "a"}, 404, "model"),
+    ("max_tokens beyond the context", {"model": MODEL, "prompt": "a", "max_tokens": 10_000}, 400, "max_tokens"),
+    ("negative temperature", {"model": MODEL, "prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("prompt too long", {"model": MODEL, "prompt": "ab" * 200}, 400, "prompt"),
+    ("empty prompt", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("n = 2", {"model": MODEL, "prompt": "a", "n": 2}, 400, "n"),
+    ("top_p 0", {"model": MODEL, "prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("missing prompt", {"model": MODEL}, 400, "prompt"),
+    ("empty stop", {"model": MODEL, "prompt": "a", "stop": [""]}, 400, "stop"),
+    ("oversized body", {"model": MODEL, "prompt": "a" * (2 << 20)}, 413, None),
+]
+
+
+@pytest.mark.parametrize("name,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_an_openai_error(server, name, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(server.url + "/v1/completions", content=content, headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    if param:
+        assert error["param"] and param in error["param"]
+
+
+def test_chat_without_a_template_is_a_400(model_dirs):
+    live = LiveServer(create_app(make_decoder(model_dirs, chat_template=False), MODEL))
+    try:
+        response = httpx.post(live.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "a"}]}, timeout=30)
+        assert response.status_code == 400 and "chat template" in response.json()["error"]["message"]
+    finally:
+        live.stop()
+
+
+def test_a_full_queue_gets_429(model_dirs):
+    live = LiveServer(create_app(make_decoder(model_dirs), MODEL, max_queue=1))
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 50, "temperature": 1.0}
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            statuses = list(pool.map(lambda _: httpx.post(live.url + "/v1/completions", json=body, timeout=60).status_code, range(6)))
+        assert statuses.count(200) >= 2 and 429 in statuses and set(statuses) <= {200, 429}
+        reply = httpx.post(live.url + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200
+    finally:
+        live.stop()
+
+
+def test_health_models_and_metrics(server):
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("specdec_requests_total", "specdec_generated_tokens_total", "specdec_acceptance_rate",
+                 "specdec_tokens_per_second", "specdec_queue_depth", "specdec_tokens_per_target_forward"):
+        assert name in text
+    assert metric(server, "specdec_generated_tokens_total") > 0
+
+
+def test_specdec_serve_command(model_dirs):
+    """The console entry point: serves until stopped; a port that is taken is a clear error."""
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "specdec", "serve", "--target", model_dirs["llama"], "--draft", model_dirs["llama-near"],
+               "--port", str(port), "--model-name", "t", "--device", "cpu"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None and time.time() < deadline, "specdec serve did not come up"
+            time.sleep(0.2)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "t", "prompt": "ab", "max_tokens": 5}, timeout=30)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
+        taken = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert taken.returncode != 0 and "Traceback" not in taken.stderr
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
