@@ -258,8 +258,9 @@ def run_serve(args) -> None:
           f"{decoder.drafter.name if decoder.drafter else 'none'})", file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    except OSError as error:
-        raise SpecDecError(f"cannot listen on {args.host}:{args.port}: {error}") from error
+    except SystemExit as error:  # uvicorn logs why it could not start (a port in use, say), then exits
+        if error.code:
+            raise SpecDecError(f"the server could not start on {args.host}:{args.port} (see the message above)") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -21,7 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.api import SpeculativeDecoder
@@ -45,14 +46,22 @@ class SamplingFields(BaseModel):
 
     model: str
     max_tokens: int | None = Field(None, ge=0)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
+    temperature: float | None = Field(1.0, ge=0, le=2)
+    top_p: float | None = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(0, ge=0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
+
+    @model_validator(mode="after")
+    def _defaults_for_nulls(self):
+        """Some clients send an explicit null for "use the default"."""
+        for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("n", 1), ("stream", False)):
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+        return self
 
 
 class CompletionRequest(SamplingFields):
@@ -76,7 +85,7 @@ class BadRequest(Exception):
 
 
 def error_response(message: str, status: int, code: str | None = None, param: str | None = None) -> JSONResponse:
-    kind = "rate_limit_error" if status == 429 else "invalid_request_error"
+    kind = "rate_limit_error" if status == 429 else "server_error" if status >= 500 else "invalid_request_error"
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
 
 
@@ -98,27 +107,39 @@ class Job:
 
 
 class Worker:
-    """A single thread that runs jobs in arrival order; `submit` refuses when `max_queue` wait."""
+    """A single thread that runs jobs in arrival order. At most `max_queue` jobs wait (one more
+    may be running); `submit` refuses beyond that, and `cancel` takes a waiting job out at once."""
 
     def __init__(self, decoder: SpeculativeDecoder, max_queue: int, metrics: "Metrics"):
-        self.decoder, self.metrics = decoder, metrics
-        self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self.decoder, self.metrics, self.max_queue = decoder, metrics, max_queue
+        self.waiting: deque[Job] = deque()
+        self.changed = threading.Condition()
+        metrics.queue_depth.set_function(lambda: len(self.waiting))
         threading.Thread(target=self._run, name="specdec-worker", daemon=True).start()
 
     def submit(self, job: Job) -> None:
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            raise BadRequest(f"the server is busy: {self.jobs.maxsize} requests are already waiting", status=429) from None
-        self.metrics.queue_depth.set(self.jobs.qsize())
+        with self.changed:
+            if len(self.waiting) >= self.max_queue:
+                raise BadRequest(f"the server is busy: {self.max_queue} requests are already waiting", status=429)
+            self.waiting.append(job)
+            self.changed.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client left: a waiting job leaves the queue now, a running one stops at its next step."""
+        if job.cancelled.is_set():
+            return
+        job.cancelled.set()
+        with self.changed:
+            if job in self.waiting:
+                self.waiting.remove(job)
+                self.metrics.cancelled.inc()
 
     def _run(self) -> None:
         while True:
-            job = self.jobs.get()
-            self.metrics.queue_depth.set(self.jobs.qsize())
-            if job.cancelled.is_set():  # its client left while it waited
-                self.metrics.cancelled.inc()
-                continue
+            with self.changed:
+                while not self.waiting:
+                    self.changed.wait()
+                job = self.waiting.popleft()
             try:
                 self._generate(job)
             except Exception as error:  # never let one request take the worker down
@@ -193,15 +214,21 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
         return error_response(str(error), error.status, error.code, error.param)
 
     @app.middleware("http")
-    async def limit_body(request: Request, call_next):
+    async def limit_and_count(request: Request, call_next):
         length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            return error_response(f"the request body is larger than {max_body_bytes} bytes", 413)
-        return await call_next(request)
+        if request.method == "POST" and length is None:  # a chunked body could be any size
+            response = error_response("a request body needs a Content-Length header", 411)
+        elif length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+            response = error_response(f"the request body is larger than {max_body_bytes} bytes", 413)
+        else:
+            response = await call_next(request)
+        if request.url.path in ("/v1/completions", "/v1/chat/completions"):
+            metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "queue_depth": worker.jobs.qsize()}
+        return {"status": "ok", "queue_depth": len(worker.waiting)}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
@@ -213,17 +240,18 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        ids = _checked_prompt(decoder, body, lambda: decoder.prompt_ids(body.prompt))
-        return await _serve(request, body, ids, "text_completion", "/v1/completions")
+        ids = await run_in_threadpool(_checked_prompt, body, lambda: decoder.prompt_ids(body.prompt))
+        return await _serve(request, body, ids, "text_completion")
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        ids = _checked_prompt(decoder, body, lambda: _chat_prompt(decoder, body.messages))
-        return await _serve(request, body, ids, "chat.completion", "/v1/chat/completions")
+        ids = await run_in_threadpool(_checked_prompt, body, lambda: _chat_prompt(decoder, body.messages))
+        return await _serve(request, body, ids, "chat.completion")
 
-    def _checked_prompt(decoder, body: SamplingFields, encode) -> list[int]:
+    def _checked_prompt(body: SamplingFields, encode) -> list[int]:
+        """Tokenize and check everything before the request may wait for the model (off the event loop)."""
         if body.model != model_name:
             raise BadRequest(f"the model {body.model!r} does not exist; this server has {model_name!r}", 404, "model_not_found", "model")
         if body.n != 1:
@@ -232,6 +260,8 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
             ids = encode()
         except SpecDecError as error:
             raise BadRequest(str(error), param="prompt") from None
+        except Exception as error:  # text the tokenizer cannot take, e.g. a lone surrogate
+            raise BadRequest(f"the prompt cannot be tokenized: {type(error).__name__}", param="prompt") from None
         room = decoder.target.max_length - len(ids)
         if body.max_tokens is None:
             body.max_tokens = min(16, room) if isinstance(body, CompletionRequest) else room
@@ -243,38 +273,36 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
             raise BadRequest("stop must be up to 4 non-empty strings", param="stop")
         return ids
 
-    async def _serve(request: Request, body: SamplingFields, ids: list[int], kind: str, endpoint: str):
+    async def _serve(request: Request, body: SamplingFields, ids: list[int], kind: str):
         options = dict(max_new_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                        seed=body.seed, stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []))
         job = Job(ids, options, asyncio.get_running_loop())
-        try:
-            worker.submit(job)
-        except BadRequest:
-            metrics.requests.labels(endpoint, "429").inc()
-            raise
+        worker.submit(job)
         reply = Reply(kind, model_name, len(ids))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            metrics.requests.labels(endpoint, "200").inc()
-            return StreamingResponse(_sse(job, reply, include_usage), media_type="text/event-stream")
-        text, result = [], None
-        while result is None:
+            return CancellingStream(lambda: worker.cancel(job), _sse(job, reply, include_usage), media_type="text/event-stream")
+        try:
+            result = await _result(request, job)
+        finally:  # whatever ends this handler, the worker stops working for it
+            worker.cancel(job)
+        if result is None:
+            return error_response("the client disconnected", 499)
+        if isinstance(result, str):
+            return error_response(f"generation failed: {result}", 500)
+        return reply.whole(result)
+
+    async def _result(request: Request, job: Job):
+        """The finished GenerationResult; None if the client left; the message if generation failed."""
+        while True:
             try:
-                kind_, value = await asyncio.wait_for(job.events.get(), timeout=0.25)
+                kind, value = await asyncio.wait_for(job.events.get(), timeout=0.25)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    job.cancelled.set()
-                    return error_response("client disconnected", 499)
+                    return None
                 continue
-            if kind_ == "delta":
-                text.append(value)
-            elif kind_ == "error":
-                metrics.requests.labels(endpoint, "500").inc()
-                return error_response(f"generation failed: {value}", 500)
-            else:
-                result = value
-        metrics.requests.labels(endpoint, "200").inc()
-        return reply.whole(result)
+            if kind != "delta":
+                return value
 
     async def _sse(job: Job, reply: "Reply", include_usage: bool):
         try:
@@ -295,9 +323,24 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
                     break
             yield "data: [DONE]\n\n"
         finally:  # a client that left (the response is cancelled) stops its generation
-            job.cancelled.set()
+            worker.cancel(job)
 
     return app
+
+
+class CancellingStream(StreamingResponse):
+    """A streaming response that runs `on_exit` however it ends, even when the client leaves
+    before the first chunk (then the body generator never starts, so its own finally cannot)."""
+
+    def __init__(self, on_exit, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_exit = on_exit
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_exit()
 
 
 def _event(payload: dict) -> str:

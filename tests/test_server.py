@@ -206,13 +206,16 @@ BAD = [
     ("missing prompt", {"model": MODEL}, 400, "prompt"),
     ("empty stop", {"model": MODEL, "prompt": "a", "stop": [""]}, 400, "stop"),
     ("oversized body", {"model": MODEL, "prompt": "a" * (2 << 20)}, 413, None),
+    ("a lone surrogate", {"model": MODEL, "prompt": "a\ud800b"}, 400, "prompt"),
+    ("chat without messages", {"model": MODEL, "messages": []}, 400, "messages"),
 ]
 
 
 @pytest.mark.parametrize("name,body,status,param", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_gets_an_openai_error(server, name, body, status, param):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    response = httpx.post(server.url + "/v1/completions", content=content, headers={"content-type": "application/json"}, timeout=30)
+    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+    response = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=30)
     assert response.status_code == status
     error = response.json()["error"]
     assert error["message"] and error["type"] == "invalid_request_error"
@@ -230,16 +233,28 @@ def test_chat_without_a_template_is_a_400(model_dirs):
 
 
 def test_a_full_queue_gets_429(model_dirs):
-    live = LiveServer(create_app(make_decoder(model_dirs), MODEL, max_queue=1))
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 50, "temperature": 1.0}
+    decoder = make_decoder(model_dirs)
+    decoder.drafter = SlowDrafter(decoder.drafter)  # each request takes >= 0.5 s: the six overlap
+    live = LiveServer(create_app(decoder, MODEL, max_queue=1))
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 12, "temperature": 0}
     try:
         with ThreadPoolExecutor(6) as pool:
-            statuses = list(pool.map(lambda _: httpx.post(live.url + "/v1/completions", json=body, timeout=60).status_code, range(6)))
+            replies = list(pool.map(lambda _: httpx.post(live.url + "/v1/completions", json=body, timeout=60), range(6)))
+        statuses = [r.status_code for r in replies]
         assert statuses.count(200) >= 2 and 429 in statuses and set(statuses) <= {200, 429}
-        reply = httpx.post(live.url + "/v1/completions", json=body, timeout=60)
-        assert reply.status_code == 200
+        assert all(r.json()["error"]["type"] == "rate_limit_error" for r in replies if r.status_code == 429)
+        assert httpx.post(live.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        assert metric(live, 'specdec_requests_total{endpoint="/v1/completions",status="429"}') == statuses.count(429)
     finally:
         live.stop()
+
+
+def test_explicit_nulls_mean_defaults_and_a_body_needs_a_length(server):
+    body = {"model": MODEL, "prompt": "ab", "max_tokens": 3, "temperature": None, "top_p": None, "top_k": None,
+            "n": None, "stream": None, "stop": None, "seed": None}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    chunked = httpx.post(server.url + "/v1/completions", content=iter([json.dumps(body).encode()]), timeout=30)
+    assert chunked.status_code == 411 and chunked.json()["error"]["message"]
 
 
 def test_health_models_and_metrics(server):
