@@ -30,6 +30,7 @@ from specdec.errors import SpecDecError
 from specdec.types import GenerationStats
 
 MAX_BODY_BYTES = 1 << 20
+LONG_PROMPT_CHARS = 20_000  # tokenized in a thread pool, not on the event loop
 
 
 # ---------------------------------------------------------------------------- request shapes
@@ -240,18 +241,23 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        ids = await run_in_threadpool(_checked_prompt, body, lambda: decoder.prompt_ids(body.prompt))
+        ids = await _checked_prompt(body, len(body.prompt), lambda: decoder.prompt_ids(body.prompt))
         return await _serve(request, body, ids, "text_completion")
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        ids = await run_in_threadpool(_checked_prompt, body, lambda: _chat_prompt(decoder, body.messages))
+        size = sum(len(m.content) for m in body.messages)
+        ids = await _checked_prompt(body, size, lambda: _chat_prompt(decoder, body.messages))
         return await _serve(request, body, ids, "chat.completion")
 
-    def _checked_prompt(body: SamplingFields, encode) -> list[int]:
-        """Tokenize and check everything before the request may wait for the model (off the event loop)."""
+    async def _checked_prompt(body: SamplingFields, size: int, encode) -> list[int]:
+        """Tokenize and check everything before the request may wait for the model. Long texts are
+        tokenized off the event loop; short ones inline (a thread hop costs more than they do)."""
+        return await run_in_threadpool(_check, body, encode) if size > LONG_PROMPT_CHARS else _check(body, encode)
+
+    def _check(body: SamplingFields, encode) -> list[int]:
         if body.model != model_name:
             raise BadRequest(f"the model {body.model!r} does not exist; this server has {model_name!r}", 404, "model_not_found", "model")
         if body.n != 1:

@@ -200,6 +200,7 @@ BAD = [
     ("max_tokens beyond the context", {"model": MODEL, "prompt": "a", "max_tokens": 10_000}, 400, "max_tokens"),
     ("negative temperature", {"model": MODEL, "prompt": "a", "temperature": -1}, 400, "temperature"),
     ("prompt too long", {"model": MODEL, "prompt": "ab" * 200}, 400, "prompt"),
+    ("prompt too long, tokenized off the loop", {"model": MODEL, "prompt": "ab" * 15_000}, 400, "prompt"),
     ("empty prompt", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("n = 2", {"model": MODEL, "prompt": "a", "n": 2}, 400, "n"),
     ("top_p 0", {"model": MODEL, "prompt": "a", "top_p": 0}, 400, "top_p"),
