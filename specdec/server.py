@@ -56,6 +56,9 @@ class SamplingFields(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
 
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
     @model_validator(mode="after")
     def _defaults_for_nulls(self):
         """Some clients send an explicit null for "use the default"."""
@@ -274,14 +277,14 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
         if body.max_tokens > room:
             raise BadRequest(f"max_tokens {body.max_tokens} plus the prompt's {len(ids)} tokens exceed the context of {decoder.target.max_length}",
                              param="max_tokens")
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        stop = body.stops()
         if any(not s for s in stop) or len(stop) > 4:
             raise BadRequest("stop must be up to 4 non-empty strings", param="stop")
         return ids
 
     async def _serve(request: Request, body: SamplingFields, ids: list[int], kind: str):
         options = dict(max_new_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                       seed=body.seed, stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []))
+                       seed=body.seed, stop=body.stops())
         job = Job(ids, options, asyncio.get_running_loop())
         worker.submit(job)
         reply = Reply(kind, model_name, len(ids))
