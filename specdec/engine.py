@@ -92,7 +92,7 @@ def decode(
         gamma = min(gamma_policy.gamma, room - generated - 1) if drafter is not None else 0
         tick = time.perf_counter()
         draft = drafter.propose(context, gamma, sampling, streams.draft) if gamma > 0 else empty_draft()
-        _check_draft(draft, gamma, target.vocab_size, sampling)
+        depth = _check_draft(draft, gamma, target.vocab_size, sampling)
         tock = time.perf_counter()
         # 2. one target forward scores the last committed token and every draft node
         logits = _score(target, context[-1], draft)  # [len(draft) + 1, vocab]
@@ -104,8 +104,8 @@ def decode(
         stats.draft_forwards = drafter.forwards if drafter is not None else 0
         stats.draft_seconds += tock - tick
         stats.verify_seconds += time.perf_counter() - tock
-        stats.record(draft.depth, result.accepted, gamma, nodes=len(draft))
-        gamma_policy.update(draft.depth, result.accepted)
+        stats.record(depth, result.accepted, gamma, nodes=len(draft))
+        gamma_policy.update(depth, result.accepted)
         # 4. commit, cutting at a stop token or at the length limit
         step = _commit(result.tokens, room - generated, stop_tokens)
         context += step.tokens
@@ -118,13 +118,16 @@ def decode(
     yield StepResult([], "length")
 
 
-def _check_draft(draft: Draft, gamma: int, vocab_size: int, sampling: SamplingParams) -> None:
-    """A drafter's contract, checked because a broken drafter would silently break losslessness."""
+def _check_draft(draft: Draft, gamma: int, vocab_size: int, sampling: SamplingParams) -> int:
+    """A drafter's contract, checked because a broken drafter would silently break losslessness.
+    Returns the draft's depth."""
     tree.check_parents(draft.parents)
-    if draft.depth > gamma:
-        raise ValueError(f"the drafter proposed {draft.depth} tokens deep; at most {gamma} were asked for")
+    depth = draft.depth
+    if depth > gamma:
+        raise ValueError(f"the drafter proposed {depth} tokens deep; at most {gamma} were asked for")
     if draft.probs is not None and not sampling.greedy and tuple(draft.probs.shape) != (len(draft), vocab_size):
         raise ValueError(f"draft probs must be [{len(draft)}, {vocab_size}], got {list(draft.probs.shape)}")
+    return depth
 
 
 def _score(target: CausalLM, last: int, draft: Draft) -> torch.Tensor:

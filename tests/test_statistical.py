@@ -95,11 +95,15 @@ def drafters(model_dirs):
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("drafter_name", ["draft-model", "ngram", "prompt-lookup"])
 def test_first_tokens_follow_target_joint(target, drafters, drafter_name, setting):
-    sampling = SETTINGS[setting]
     decoder = specdec.SpeculativeDecoder(target, drafters[drafter_name], gamma=2)
-    counts, drafted, accepted = sample_joint(decoder, sampling, base_seed=zlib.crc32(f"{drafter_name}/{setting}".encode()))
+    assert_follows_target(decoder, SETTINGS[setting], seed_key=f"{drafter_name}/{setting}")
+
+
+def assert_follows_target(decoder: specdec.SpeculativeDecoder, sampling: dict, seed_key: str) -> None:
+    """SAMPLES generations of LENGTH tokens, seeded by seed_key, must follow the target's exact joint."""
+    counts, drafted, accepted = sample_joint(decoder, sampling, base_seed=zlib.crc32(seed_key.encode()))
     assert 0 < accepted < drafted, "both acceptance and rejection must be exercised"
-    pvalue = chi_square_pvalue(counts, exact_joint(target, SamplingParams(**sampling)), SAMPLES)
+    pvalue = chi_square_pvalue(counts, exact_joint(decoder.target, SamplingParams(**sampling)), SAMPLES)
     assert pvalue > ALPHA, f"p-value {pvalue:.3g}: speculative output does not follow the target"
 
 

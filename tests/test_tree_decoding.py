@@ -3,20 +3,15 @@ no-cache reference, the target's joint distribution (chi-square), and fresh-pref
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
 import specdec
 from conftest import ARCHS, reference_greedy
 from specdec import engine
-from specdec.engine import AdaptiveGamma, FixedGamma, decode
 from specdec.ngram import KatzTrigram
-from specdec.sampling import RandomStreams
-from specdec.types import GenerationStats, SamplingParams
-from test_cache_invariant import assert_cache_is_fresh_prefill
-from test_statistical import ALPHA, PROMPT as STAT_PROMPT, SAMPLES, SETTINGS, chi_square_pvalue, exact_joint, sample_joint
+from test_cache_invariant import decode_checking_caches
+from test_statistical import PROMPT as STAT_PROMPT, SETTINGS, assert_follows_target
 
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
 NEW = 40
@@ -90,40 +85,20 @@ def stat_drafters(model_dirs):
 )
 def test_tree_output_follows_target_joint(stat_target, stat_drafters, drafter_name, setting):
     """4000 generations of 3 tokens (trees 2 deep): the joint must be the target's (chi-square)."""
-    sampling = SETTINGS[setting]
     decoder = specdec.SpeculativeDecoder(stat_target, stat_drafters[drafter_name], gamma=2)
-    counts, drafted, accepted = sample_joint(decoder, sampling, base_seed=zlib.crc32(f"tree/{drafter_name}/{setting}".encode()))
-    assert 0 < accepted < drafted, "both acceptance and rejection must be exercised"
-    pvalue = chi_square_pvalue(counts, exact_joint(stat_target, SamplingParams(**sampling)), SAMPLES)
-    assert pvalue > ALPHA, f"p-value {pvalue:.3g}: tree output does not follow the target"
+    assert_follows_target(decoder, SETTINGS[setting], seed_key=f"tree/{drafter_name}/{setting}")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 @pytest.mark.parametrize("staged", [False, True], ids=["tree", "staged-tree"])
 def test_caches_track_committed_text_through_trees(arch, temperature, staged, model_dirs, monkeypatch):
-    load = lambda key: specdec.load_model(model_dirs[key], device="cpu", dtype="float64")
-    target, draft = load(arch), load(f"{arch}-near")
-    fresh_target, fresh_draft = load(arch), load(f"{arch}-near")
-    inner = specdec.PromptLookupDrafter() if staged else None
-    drafter = specdec.ModelDrafter(draft, tree=specdec.TreeShape(nodes=8, width=3), inner=inner, inner_gamma=2)
     paths = []
     verify = engine._verify
     monkeypatch.setattr(engine, "_verify", lambda *a: paths.append(verify(*a).path) or verify(*a))
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    policy = AdaptiveGamma(start=3) if temperature else FixedGamma(3)
-    stats = GenerationStats()
-    steps = decode(target, drafter, prompt, SamplingParams(temperature=temperature), 48, policy, RandomStreams(0), stats)
-    context = list(prompt)
-    for step in steps:
-        context += step.tokens
-        if step.finish_reason:
-            break
-        assert_cache_is_fresh_prefill(target, context[:-1], fresh_target)
-        pending = drafter.sync(context)  # compacts the draft cache onto the accepted path
-        assert drafter._cached + pending == context and pending
-        assert_cache_is_fresh_prefill(draft, drafter._cached, fresh_draft)
-    assert stats.iterations >= 10
+    inner = specdec.PromptLookupDrafter() if staged else None
+    make_drafter = lambda draft: specdec.ModelDrafter(draft, tree=specdec.TreeShape(nodes=8, width=3), inner=inner, inner_gamma=2)
+    stats, _ = decode_checking_caches(model_dirs, arch, temperature, make_drafter)
     if temperature or not staged:  # a greedy spine of the near copy may never miss
         assert any(path != list(range(len(path))) for path in paths), "some accepted path must leave the first branch"
     assert stats.accepted > 0  # and every iteration drops the nodes off the accepted path

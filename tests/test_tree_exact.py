@@ -17,21 +17,7 @@ from specdec import tree
 from specdec.drafters import ModelDrafter, PromptLookupDrafter, TreeShape
 from specdec.types import Draft, SamplingParams
 from specdec.verify import verify_tree, verify_tree_greedy
-from test_verify_exact import CASES, Conditional, Enumerator, SymbolicUniform, completions, target_joint
-
-
-@pytest.fixture
-def enumerator(monkeypatch):
-    enumerator = Enumerator()
-    monkeypatch.setattr(verify_module, "uniform", lambda rng: SymbolicUniform(enumerator))
-
-    def sample(probs, rng):
-        probs = probs / probs.sum()
-        return enumerator.branch([(token, float(p)) for token, p in enumerate(probs) if p > 0])
-
-    monkeypatch.setattr(verify_module, "sample", sample)
-    monkeypatch.setattr(model_module, "sample", sample)  # the children's draws branch too
-    return enumerator
+from test_verify_exact import CASES, Conditional, completions, enumerator, target_joint  # noqa: F401 (enumerator: a fixture)
 
 
 def grow(draft: Conditional, branching: list[int], sampled: bool):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import specdec.drafters.model as model_module
 import specdec.verify as verify_module
 from specdec.verify import verify_chain
 
@@ -79,14 +80,16 @@ class Enumerator:
 
 @pytest.fixture
 def enumerator(monkeypatch):
+    """Every uniform and every draw in the verifiers and in the drafter's tree growth branches."""
     enumerator = Enumerator()
     monkeypatch.setattr(verify_module, "uniform", lambda rng: SymbolicUniform(enumerator))
 
     def sample(probs, rng):
         probs = probs / probs.sum()
-        return enumerator.branch([(token, float(p)) for token, p in enumerate(probs)])
+        return enumerator.branch([(token, float(p)) for token, p in enumerate(probs) if p > 0])
 
     monkeypatch.setattr(verify_module, "sample", sample)
+    monkeypatch.setattr(model_module, "sample", sample)
     return enumerator
 
 
