@@ -19,7 +19,9 @@ from specdec.types import GenerationStats, SamplingParams
 @dataclass
 class GenerationResult:
     text: str
-    tokens: list[int]  # generated ids, prompt excluded, stop token excluded
+    # generated ids, prompt and stop excluded; they decode to a prefix of `text`: all of it, unless a stop
+    # string begins inside a token, whose characters before the stop are then in `text` but the token is not
+    tokens: list[int]
     finish_reason: str  # "length", "stop" (EOS or a stop string)
     stats: GenerationStats = field(default_factory=GenerationStats)
 
@@ -137,7 +139,7 @@ class SpeculativeDecoder:
             cut = _first_stop(text, stop, max(0, emitted - max(map(len, stop), default=0)))
             if cut is not None:
                 text, finish_reason = text[:cut], "stop"
-                tokens = _tokens_covering(decode_text, tokens, cut)
+                tokens = _tokens_within(decode_text, tokens, text)
             elif step.finish_reason:
                 finish_reason = step.finish_reason
             safe = len(text) if (cut is not None or step.finish_reason) else _safe_length(text, stop)
@@ -182,12 +184,12 @@ def _continuation_decoder(tokenizer, prompt_ids: list[int]):
     return decode_text
 
 
-def _tokens_covering(decode_text, tokens: list[int], chars: int) -> list[int]:
-    """The shortest prefix of tokens whose text reaches `chars` characters (the stop string's start)."""
-    for n in range(len(tokens) + 1):
-        if len(decode_text(tokens[:n])) >= chars:
-            return tokens[:n]
-    return tokens
+def _tokens_within(decode_text, tokens: list[int], text: str) -> list[int]:
+    """The longest prefix of tokens whose text is a prefix of `text` (the text before a stop string)."""
+    n = len(tokens)
+    while n and not text.startswith(decode_text(tokens[:n])):
+        n -= 1
+    return tokens[:n]
 
 
 DEMO_DIR = Path(__file__).parent / "demo_pair"  # target/, draft/, ngram.safetensors, MODELS.md
@@ -257,9 +259,13 @@ def _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged):
 
 
 def _check_drafter(drafter: Drafter | None, target: CausalLM) -> None:
-    """A draft model or an n-gram model (also as a staged draft model's draft²) must speak the target's vocabulary."""
+    """A draft model or an n-gram model (also as a staged draft model's draft²) must speak the target's
+    vocabulary; a tree drafter needs two models that score token trees exactly."""
     if isinstance(drafter, ModelDrafter):
         check_same_vocabulary(target.tokenizer, drafter.model.tokenizer, f"draft model ({drafter.model.path})")
+        if drafter.tree is not None:  # both models score trees: each must do so exactly, or refuse
+            target.require_trees()
+            drafter.model.require_trees()
         _check_drafter(drafter.inner, target)
     if isinstance(drafter, NgramDrafter):
         check_ngram(drafter.model, target)

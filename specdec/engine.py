@@ -88,10 +88,12 @@ def decode(
     stats.prefill_seconds = time.perf_counter() - started
     generated = 0
     while generated < room:
-        # 1. draft; γ never asks for more than the room left (the verify adds one token itself)
-        gamma = min(gamma_policy.gamma, room - generated - 1) if drafter is not None else 0
+        # 1. draft; γ never asks for more than the room left (the verify adds one token itself),
+        #    nor for positions that one forward with the root cannot score exactly
+        gamma = min(gamma_policy.gamma, room - generated - 1, target.verify_room(len(context) - 1)) if drafter is not None else 0
         tick = time.perf_counter()
         draft = drafter.propose(context, gamma, sampling, streams.draft) if gamma > 0 else empty_draft()
+        draft = draft.first(target.max_length - len(context))  # a tree's nodes take cache slots too
         depth = _check_draft(draft, gamma, target.vocab_size, sampling)
         tock = time.perf_counter()
         # 2. one target forward scores the last committed token and every draft node

@@ -41,6 +41,7 @@ import torch
 from tqdm import tqdm
 
 from specdec.api import SpeculativeDecoder
+from specdec.engine import AdaptiveGamma
 from specdec.errors import SpecDecError
 from specdec.types import SamplingParams
 
@@ -114,6 +115,7 @@ class LosslessnessReport:
     level: float | None  # per test: alpha / (2 * prompts); None in greedy mode
     drafter: str
     gamma: int | str
+    warnings: list[str] = field(default_factory=list)  # about the check as a whole
 
     @property
     def passed(self) -> bool:
@@ -147,6 +149,7 @@ class LosslessnessReport:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "acceptance_rate": self.acceptance_rate,
+            "warnings": self.warnings,
             "prompts": [check.to_dict() for check in self.checks],
         }
 
@@ -155,7 +158,7 @@ def check_lossless(
     speculative: SpeculativeDecoder,
     prompts: Sequence[str | Sequence[int]],
     samples: int = 1000,
-    length: int = 2,
+    length: int | None = None,
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -166,11 +169,15 @@ def check_lossless(
     """Compare `speculative` with plain decoding of its own target (no second load); see the module doc.
 
     A lossless decoder fails with probability <= alpha; greedy (temperature 0) compares exactly.
+    length: tokens per continuation; default the draft depth + 1, so that every draft position
+    (and the bonus token after a fully accepted draft) is verified. A shorter one is reported.
     """
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    check_settings(samples, length, alpha, seed)
     if speculative.drafter is None:
         raise SpecDecError("nothing to verify: the decoder has no drafter, so it already decodes plainly")
+    depth = draft_depth(speculative)
+    length = depth + 1 if length is None else length
+    check_settings(samples, length, alpha, seed)
     if isinstance(prompts, str) or not len(prompts) or any(isinstance(p, int) for p in prompts):
         raise SpecDecError("prompts must be a list of at least one prompt (each a string or a list of token ids)")
     prompt_ids = [speculative.prompt_ids(prompt) for prompt in prompts]  # validates all before sampling
@@ -196,7 +203,18 @@ def check_lossless(
             check.warnings += _exercise_warnings(drafted, accepted, length)
             checks.append(check)
     drafter = speculative.drafter.name
-    return LosslessnessReport(checks, samples, length, sampling, seed, alpha, level, drafter, speculative.gamma)
+    report = LosslessnessReport(checks, samples, length, sampling, seed, alpha, level, drafter, speculative.gamma)
+    if length < depth + 1:
+        report.warnings.append(
+            f"only draft positions 1-{length - 1} of {depth} were verified: a {length}-token continuation never "
+            f"reaches the deeper ones; use length {depth + 1} (the default) to exercise the whole draft"
+        )
+    return report
+
+
+def draft_depth(decoder: SpeculativeDecoder) -> int:
+    """How deep the decoder drafts: its γ (a tree's depth); for adaptive γ, its starting value."""
+    return decoder.gamma if isinstance(decoder.gamma, int) else AdaptiveGamma().gamma
 
 
 def check_settings(samples, length, alpha, seed) -> None:
@@ -339,7 +357,8 @@ def add_parser(commands) -> None:
     add_decoding_arguments(v)
     v.add_argument("--seed", type=int, default=0, help="base seed; every sample gets its own (default 0)")
     v.add_argument("--samples", type=int, default=1000, help="continuations per prompt and decoder (default 1000)")
-    v.add_argument("--length", type=int, default=2, help="tokens per continuation (default 2)")
+    v.add_argument("--length", type=int, default=None,
+                   help="tokens per continuation (default: the draft depth + 1, so every draft position is verified)")
     v.add_argument("--alpha", type=float, default=1e-3, help="probability that a lossless decoder fails the check (default 0.001)")
     v.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     v.set_defaults(run=run_verify)
@@ -348,7 +367,7 @@ def add_parser(commands) -> None:
 def run_verify(args) -> None:
     from specdec.cli import load_decoder
 
-    check_settings(args.samples, args.length, args.alpha, args.seed)
+    check_settings(args.samples, 1 if args.length is None else args.length, args.alpha, args.seed)
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # fail before loading
     decoder = load_decoder(args)
     report = check_lossless(
@@ -389,6 +408,7 @@ def format_report(report: LosslessnessReport) -> str:
     else:
         odds = (f"a lossless decoder fails this check with probability <= {report.alpha:g} "
                 f"(each of {2 * len(report.checks)} tests at level {report.level:.3g})")
+    lines += [f"WARNING: {w}" for w in report.warnings]
     verdict = "PASS: no difference between speculative and plain decoding detected" if report.passed else \
         "FAIL: speculative decoding differs from plain decoding"
     lines.append(f"{verdict}; {odds}")

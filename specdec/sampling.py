@@ -19,7 +19,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     """
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logits = logits.to(dtype)
-    logits = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature  # no overflow for tiny T
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / _representable(params.temperature, dtype)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
@@ -29,11 +29,21 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return probs
 
 
+def _representable(temperature: float, dtype: torch.dtype) -> float:
+    """The temperature clamped into the dtype's normal range: a temperature that would underflow to 0
+    (or overflow to inf) acts as its limit, never as 0/0 = NaN. Logit gaps are 0 or at least one
+    rounding step, so below the smallest normal number every gap already sends exp to 0 (greedy:
+    uniform over the tied best), and above the largest every scaled gap is 0 (uniform)."""
+    info = torch.finfo(dtype)
+    return min(max(temperature, info.tiny), info.max)
+
+
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p; renormalise."""
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    drop_sorted = mass_before >= top_p  # the most likely token always stays
+    drop_sorted = mass_before >= top_p
+    drop_sorted[..., 0] = False  # the most likely token always stays, even when top_p underflows to 0
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     probs = probs.masked_fill(drop, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)

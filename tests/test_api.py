@@ -58,3 +58,23 @@ def test_stats_are_consistent(decoder):
     d = stats.to_dict()
     assert d["acceptance_rate"] == stats.accepted / stats.drafted
     assert d["tokens_per_target_forward"] == 25 / stats.target_forwards
+
+
+def test_a_stop_string_inside_a_token_leaves_that_token_out():
+    """Finding: `tokens` covered more text than `text` when a stop string began inside a token.
+    The rule: `text` is exactly the text before the stop; `tokens` decode to a prefix of it."""
+    from specdec.api import demo_dir
+
+    decoder = specdec.SpeculativeDecoder(specdec.load_model(demo_dir() / "target", device="cpu"))
+    full = decoder.generate("def fibonacci(n):", max_new_tokens=40, temperature=0)
+    pieces = [decoder.tokenizer.decode(full.tokens[: i + 1]) for i in range(len(full.tokens))]
+    # a multi-character token i whose second character starts a stop string not seen earlier
+    i = next(i for i in range(1, len(pieces) - 1)
+             if len(pieces[i]) - len(pieces[i - 1]) >= 2 and full.text.find(full.text[len(pieces[i - 1]) + 1 : len(pieces[i]) + 3]) == len(pieces[i - 1]) + 1)
+    cut = len(pieces[i - 1]) + 1
+    stop = full.text[cut : len(pieces[i]) + 3]
+    result = decoder.generate("def fibonacci(n):", max_new_tokens=40, temperature=0, stop=[stop])
+    assert (result.text, result.finish_reason) == (full.text[:cut], "stop")
+    assert result.tokens == full.tokens[:i], "the token holding the stop's start is not part of the result"
+    assert result.text.startswith(decoder.tokenizer.decode(result.tokens)) and stop not in decoder.tokenizer.decode(result.tokens)
+    assert result.stats.generated_tokens == len(result.tokens)

@@ -74,3 +74,53 @@ def test_adaptive_gamma_grows_and_shrinks_within_bounds():
     assert policy.gamma == 2
     policy.update(drafted=0, accepted=0)
     assert policy.gamma == 2
+
+
+# ---- extremes: temperatures and top-p values that under- or overflow act as their limits ----------
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+MAGNITUDES = st.sampled_from([5e-324, 1e-310, 1e-300, 1e-45, 1e-38, 1e-20, 1e-7, 1e-3, 0.5, 1.0, 7.0, 1e5, 1e20, 1e38, 1e39, 1e300, 1e308])
+
+
+@st.composite
+def logit_rows(draw):
+    vocab = draw(st.integers(2, 12))
+    values = draw(st.lists(st.sampled_from([-30.0, -2.5, -1.0, 0.0, 0.25, 1.0, 3.0, 12.0]), min_size=vocab, max_size=vocab))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    return torch.tensor(values, dtype=dtype)
+
+
+@settings(max_examples=400, deadline=None)
+@given(logits=logit_rows(), temperature=MAGNITUDES, top_k=st.integers(0, 14),
+       top_p=st.one_of(MAGNITUDES.filter(lambda v: v <= 1), st.floats(1e-6, 1.0)))
+def test_probabilities_are_finite_normalised_and_in_the_allowed_support(logits, temperature, top_k, top_p):
+    probs = probs_from_logits(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+    assert torch.isfinite(probs).all() and (probs >= 0).all()
+    assert abs(float(probs.sum()) - 1) < 1e-5
+    allowed = torch.ones_like(logits, dtype=torch.bool)
+    if 0 < top_k < len(logits):  # top-k keeps the tokens at least as large as the k-th largest
+        allowed &= logits >= torch.topk(logits, top_k).values[-1]
+    assert not (probs[~allowed] > 0).any()
+    best = logits == logits.max()
+    if temperature < 1e6:  # (far above, every scaled gap rounds to 0: all tie, and which one top-p keeps is arbitrary)
+        assert (probs[best] > 0).any(), "a most likely token always keeps mass"
+    if temperature < 1e-30:  # the greedy limit: uniform over the tied most likely tokens (top-p may keep one)
+        assert not (probs[~best] > 0).any()
+        kept = probs[probs > 0]
+        torch.testing.assert_close(kept, torch.full_like(kept, 1 / len(kept)))
+    if temperature > 1e30 and top_p == 1:  # the uniform limit over the allowed set
+        torch.testing.assert_close(probs[allowed], torch.full_like(probs[allowed], 1 / int(allowed.sum())))
+    if top_p < 1e-30:  # the top-1 limit: one token, a most likely one
+        assert int((probs > 0).sum()) == 1
+        assert temperature >= 1e6 or bool(best[probs.argmax()])
+
+
+def test_vanishing_temperature_and_top_p_decode_like_greedy():
+    """Finding: a temperature of 1e-300 underflowed in float32, every probability became NaN and the
+    sampler returned the last vocabulary id forever. Its limit is greedy decoding."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.9]])
+    for params in (SamplingParams(temperature=1e-300), SamplingParams(temperature=1e-45), SamplingParams(top_p=5e-324)):
+        probs = probs_from_logits(logits, params)
+        assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]], params

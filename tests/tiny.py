@@ -6,20 +6,15 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models
-from transformers import (
-    AutoModelForCausalLM,
-    GPT2Config,
-    GPTNeoXConfig,
-    LlamaConfig,
-    MistralConfig,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-)
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from architectures import ARCHITECTURES
 
 CHARS = "abcdefghijklm n"  # 15 characters + <eos> = a 16-token vocabulary
 EOS_TEXT = "<|endoftext|>"  # the name several tokenizer classes insist on
 VOCAB = {EOS_TEXT: 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
 EOS = 0
+ALIASES = {"neox": "gpt_neox"}
 
 
 def make_tokenizer(with_eos: bool = True) -> PreTrainedTokenizerFast:
@@ -34,35 +29,27 @@ def make_tokenizer(with_eos: bool = True) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TEXT, pad_token=EOS_TEXT)
 
 
-def make_config(arch: str, vocab_size: int, layers: int = 2, hidden: int = 32, with_eos: bool = True):
+def make_config(arch: str, vocab_size: int, layers: int = 2, context: int = 64, with_eos: bool = True):
+    """A tiny config of any architecture in `architectures.ARCHITECTURES` ("neox" = gpt_neox)."""
+    config = ARCHITECTURES[ALIASES.get(arch, arch)](vocab_size, layers, context)
     eos = EOS if with_eos else None
-    common = dict(vocab_size=vocab_size, bos_token_id=None, eos_token_id=eos, pad_token_id=eos)
-    if arch == "llama":
-        return LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **common)
-    if arch == "qwen2":
-        return Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **common)
-    if arch == "mistral":  # a sliding window shorter than the test generations
-        return MistralConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, sliding_window=8,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **common)
-    if arch == "gpt2":
-        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=64, **common)
-    if arch == "neox":
-        return GPTNeoXConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                             num_attention_heads=4, max_position_embeddings=64, **common)
-    raise ValueError(arch)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = None, eos, eos
+    return config
 
 
 def save_tiny_model(directory: Path, arch: str, seed: int, vocab_rows: int = len(VOCAB),
-                    logit_scale: float = 8.0, layers: int = 2, with_eos: bool = False, noise: float = 0.0) -> Path:
+                    logit_scale: float = 8.0, layers: int = 2, with_eos: bool = False, noise: float = 0.0,
+                    context: int = 64, attn_implementation: str | None = None) -> Path:
     """Random weights; logit_scale sharpens (>1) or flattens the output distributions.
 
     vocab_rows > len(VOCAB) pads the embeddings, as real checkpoints of one family do.
     noise > 0 perturbs every weight: with the target's seed and size, a draft that agrees often but not always.
     """
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(arch, vocab_rows, layers=layers, with_eos=with_eos))
+    config = make_config(arch, vocab_rows, layers=layers, context=context, with_eos=with_eos)
+    if attn_implementation:  # recorded in config.json: the implementation the loader will pick
+        config._attn_implementation = attn_implementation
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(logit_scale)
         perturb = torch.Generator().manual_seed(seed + 10_000)

@@ -157,17 +157,20 @@ class ModelDrafter:
     def propose(
         self, context: Sequence[int], max_tokens: int, sampling: SamplingParams, rng: torch.Generator
     ) -> Draft:
-        depth = min(max_tokens, self.model.max_length - len(context))
+        depth = min(max_tokens, self.model.verify_room(len(context) - 1))
         if depth <= 0:
             return empty_draft()
+        slots = self.model.max_length - len(context)  # cache entries free once the context is in
         shape = self.tree or TreeShape(nodes=depth, width=1)  # a chain is a tree of width 1
+        if self.inner is None and (depth - 1) * shape.width > slots:  # near the context's end: too little room for a tree
+            shape = TreeShape(nodes=depth, width=1, sampled=shape.sampled)
         sampled = shape.sampled and not sampling.greedy
         depth = min(depth, shape.nodes)
         nodes = _Nodes()
         if self.inner is None:
             self._grow_levels(nodes, context, depth, shape, sampled, sampling, rng)
-        else:
-            self._grow_staged(nodes, context, depth, shape, sampled, sampling, rng)
+        else:  # the spine takes depth slots, each draft² guess one more while it is checked
+            self._grow_staged(nodes, context, depth, shape, sampled, sampling, rng, min(self.inner_gamma, slots - depth))
         if sampled or len(nodes.tokens) <= shape.nodes:
             return nodes.draft()
         return nodes.draft(keep=nodes.best(list(range(len(nodes.tokens))), shape.nodes))  # best-first cut
@@ -196,14 +199,14 @@ class ModelDrafter:
             self._branch_index.update({node: len(self._branch_tokens) - len(frontier) + j for j, node in enumerate(frontier)})
             rows = self._distributions(logits, sampling)
 
-    def _grow_staged(self, nodes: _Nodes, context, depth: int, shape: TreeShape, sampled: bool, sampling, rng) -> None:
+    def _grow_staged(self, nodes: _Nodes, context, depth: int, shape: TreeShape, sampled: bool, sampling, rng, inner_gamma: int) -> None:
         """The spine: the draft model's own continuation, decoded speculatively with the inner
         drafter (lossless for the draft model: each spine token is distributed as q given those
         before it). With a tree shape, siblings are added along the spine from the same rows."""
         spine, rows = [], []
         pending = self.sync(context)
         while len(spine) < depth:
-            guess = self.inner.propose(list(context) + spine, min(self.inner_gamma, depth - len(spine) - 1), sampling, rng)
+            guess = self.inner.propose(list(context) + spine, min(inner_gamma, depth - len(spine) - 1), sampling, rng)
             if not tree.is_chain(guess.parents):
                 raise ValueError(f"the inner drafter {self.inner.name} must propose a chain")
             guess_tokens = guess.tokens.tolist()
