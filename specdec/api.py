@@ -213,6 +213,7 @@ def load(
     tree: int | TreeShape | None = None,
     staged: bool = False,
     inner_gamma: int = 4,
+    attn_implementation: str | None = None,
 ) -> SpeculativeDecoder:
     """Load a target checkpoint and a drafter; no drafter means plain decoding.
 
@@ -220,13 +221,14 @@ def load(
     TreeShape) makes the draft model draft token trees `gamma` deep. `staged` makes the draft model
     draft with the n-gram model or prompt lookup as its own drafter (draft², Spector & Ré).
     With no target, the demo pair shipped with specdec is used, drafting with its draft model
-    (and, when staged, its n-gram model) unless told otherwise.
+    (and, when staged, its n-gram model) unless told otherwise. `attn_implementation` ("eager",
+    "sdpa", ...) applies to both models; trees are refused on a model that cannot score them exactly.
     """
     check_gamma(gamma)
     draft, ngram = _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged)
     if tree is not None and not isinstance(tree, TreeShape):
         tree = TreeShape(nodes=tree)  # validates the budget
-    target_model = load_model(target or demo_dir() / "target", device=device, dtype=dtype)
+    target_model = load_model(target or demo_dir() / "target", device=device, dtype=dtype, attn_implementation=attn_implementation)
     inner: Drafter | None = None
     if ngram is not None:
         inner = NgramDrafter(KatzTrigram.load(ngram), stochastic=ngram_stochastic)
@@ -234,7 +236,7 @@ def load(
         inner = PromptLookupDrafter()
     if draft is None:
         return SpeculativeDecoder(target_model, inner, gamma)
-    draft_model = load_model(draft, device=device or str(target_model.device), dtype=dtype)
+    draft_model = load_model(draft, device=device or str(target_model.device), dtype=dtype, attn_implementation=attn_implementation)
     drafter = ModelDrafter(draft_model, tree=tree, inner=inner if staged else None, inner_gamma=inner_gamma)
     return SpeculativeDecoder(target_model, drafter, gamma)
 

@@ -48,6 +48,7 @@ def load_decoder(args):
         args.target, draft=args.draft, ngram=args.ngram, prompt_lookup=args.prompt_lookup,
         gamma=args.depth if args.depth is not None else args.gamma, device=args.device, dtype=args.dtype,
         ngram_stochastic=not args.ngram_top1, tree=tree, staged=args.staged, inner_gamma=args.inner_gamma,
+        attn_implementation=args.attn_implementation,
     )
 
 
@@ -76,6 +77,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inner-gamma", type=_positive, default=4, help="with --staged: draft² tokens per draft-model forward (default 4)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     parser.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), float16")
+    parser.add_argument("--attn-implementation", default=None, metavar="NAME",
+                        help="eager, sdpa, flex_attention ... (default: what transformers picks for the model)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,8 +18,13 @@ distributions of the whole continuation are compared by two exact-or-classical t
   Unlike a fixed concentration bound this adapts to the support: with many rare continuations the
   empirical TV is large even under the null, and the threshold grows with it.
 
-Both tests run for every prompt, each at level alpha / (2 * prompts) (Bonferroni), so a lossless
-decoder fails the whole check with probability <= alpha (the chi-square part being asymptotic).
+The same two tests also run on the marginal distribution of each position 1..length of the
+continuation (a continuation that ended earlier, at EOS, counts as an "ended" symbol there): the
+whole continuation has many rare values when it is long, a single position has at most a
+vocabulary's, so a fault at any draft depth keeps its power to show. That is 2 * (1 + length) tests
+per prompt (2 for length 1, where the position is the continuation), each at level
+alpha / (tests * prompts) (Bonferroni), so a lossless decoder fails the whole check with
+probability <= alpha (the chi-square part being asymptotic).
 Greedy decoding (temperature 0) is deterministic: one plain and one speculative continuation per
 prompt must be token-for-token equal; no statistics, no false failures.
 
@@ -73,6 +78,7 @@ class PromptCheck:
     tv_threshold: float | None = None  # None: too few permutations to reject at this level
     tv_p_value: float | None = None
     permutations: int | None = None
+    positions: list[dict] = field(default_factory=list)  # the same tests on each position's marginal
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -93,6 +99,7 @@ class PromptCheck:
             "tv_threshold": self.tv_threshold,
             "tv_p_value": self.tv_p_value,
             "permutations": self.permutations,
+            "positions": self.positions,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "acceptance_rate": self.acceptance_rate,
@@ -112,7 +119,7 @@ class LosslessnessReport:
     sampling: SamplingParams
     seed: int
     alpha: float
-    level: float | None  # per test: alpha / (2 * prompts); None in greedy mode
+    level: float | None  # per test: alpha / (tests per prompt * prompts); None in greedy mode
     drafter: str
     gamma: int | str
     warnings: list[str] = field(default_factory=list)  # about the check as a whole
@@ -183,7 +190,7 @@ def check_lossless(
     prompt_ids = [speculative.prompt_ids(prompt) for prompt in prompts]  # validates all before sampling
     plain = SpeculativeDecoder(speculative.target)
     runs = 1 if sampling.greedy else samples
-    level = None if sampling.greedy else alpha / (2 * len(prompts))
+    level = None if sampling.greedy else alpha / (tests_per_prompt(length) * len(prompts))
     checks = []
     with tqdm(total=2 * runs * len(prompts), desc="verify", unit="sample", disable=not progress, leave=False) as bar:
         for j, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
@@ -240,20 +247,44 @@ def _sample(decoder, ids, runs, first_seed, options, texts, bar) -> tuple[Counte
     return counts, (drafted, accepted)
 
 
+def tests_per_prompt(length: int) -> int:
+    """Chi-square and TV on the whole continuation, and on each position's marginal when length > 1."""
+    return 2 * (1 + (length if length > 1 else 0))
+
+
 def _compare(check: PromptCheck, level: float, rng: np.random.Generator) -> None:
-    table, pooled = pooled_table(check.plain, check.speculative)
-    check.chi_square, check.p_value = chi_square_homogeneity(table)
-    check.cells = table.shape[1]
-    check.pooled_fraction = pooled / (2 * sum(check.plain.values()))
-    check.tv, check.tv_threshold, check.tv_p_value, check.permutations = tv_permutation_test(
-        check.plain, check.speculative, level, rng
-    )
-    check.passed = check.p_value > level and check.tv_p_value > level
+    joint = compare_samples(check.plain, check.speculative, level, rng)
+    for name, value in joint.items():
+        setattr(check, name, value)
+    length = max(map(len, check.plain | check.speculative))
+    if length > 1:
+        check.positions = [
+            {"position": i + 1, **compare_samples(_marginal(check.plain, i), _marginal(check.speculative, i), level, rng)}
+            for i in range(length)
+        ]
+    check.passed = all(p["p_value"] > level and p["tv_p_value"] > level for p in [joint, *check.positions])
     if check.pooled_fraction > 0.5:
         check.warnings.append(
             f"{check.pooled_fraction:.0%} of the samples are continuations seen fewer than {MIN_CELL} times: "
             "the check has little power here; use a shorter --length, more --samples or a --top-k"
         )
+
+
+def compare_samples(plain: Counter, speculative: Counter, level: float, rng: np.random.Generator) -> dict:
+    """Both two-sample tests on one pair of empirical distributions."""
+    table, pooled = pooled_table(plain, speculative)
+    chi_square, p_value = chi_square_homogeneity(table)
+    tv, tv_threshold, tv_p_value, permutations = tv_permutation_test(plain, speculative, level, rng)
+    return {"p_value": p_value, "chi_square": chi_square, "cells": table.shape[1], "pooled_fraction": pooled / (2 * sum(plain.values())),
+            "tv": tv, "tv_threshold": tv_threshold, "tv_p_value": tv_p_value, "permutations": permutations}
+
+
+def _marginal(counts: Counter, position: int) -> Counter:
+    """The token at `position` of each continuation; None where it had ended before (EOS)."""
+    marginal = Counter()
+    for continuation, count in counts.items():
+        marginal[continuation[position] if position < len(continuation) else None] += count
+    return marginal
 
 
 def _exercise_warnings(drafted: int, accepted: int, length: int) -> list[str]:
@@ -407,7 +438,7 @@ def format_report(report: LosslessnessReport) -> str:
         odds = "greedy continuations compared token for token (no false failures)"
     else:
         odds = (f"a lossless decoder fails this check with probability <= {report.alpha:g} "
-                f"(each of {2 * len(report.checks)} tests at level {report.level:.3g})")
+                f"(each of {tests_per_prompt(report.length) * len(report.checks)} tests at level {report.level:.3g})")
     lines += [f"WARNING: {w}" for w in report.warnings]
     verdict = "PASS: no difference between speculative and plain decoding detected" if report.passed else \
         "FAIL: speculative decoding differs from plain decoding"
@@ -429,7 +460,12 @@ def _evidence(check: PromptCheck, level: float | None) -> str:
         chi += f" <= {level:.3g}"
     if check.tv_p_value <= level:
         tv += f" <= {level:.3g}"
-    return f"{chi} · {tv}"
+    evidence = f"{chi} · {tv}"
+    if check.positions:
+        worst = min(check.positions, key=lambda p: min(p["p_value"], p["tv_p_value"]))
+        lowest = min(worst["p_value"], worst["tv_p_value"])
+        evidence += f" · by position: lowest p {lowest:.3g} at token {worst['position']}" + (f" <= {level:.3g}" if lowest <= level else "")
+    return evidence
 
 
 def _short(prompt, width: int = 32) -> str:

@@ -73,11 +73,13 @@ def test_passes_with_a_draft_model(target, near, sampling, prompts):
     report = check_lossless(decoder, prompts, samples=SAMPLES, length=2, seed=11, alpha=1e-3, progress=False, **sampling)
     assert report.passed, format_report(report)
     assert 0 < report.accepted < report.drafted, "acceptances and rejections must both be exercised"
-    assert report.level == pytest.approx(1e-3 / (2 * len(prompts)))
+    assert report.level == pytest.approx(1e-3 / (6 * len(prompts)))  # chi-square and TV: the pair, token 1, token 2
     for check in report.checks:
         assert sum(check.plain.values()) == sum(check.speculative.values()) == SAMPLES
         assert check.cells >= 2 and 0 <= check.tv <= check.tv_threshold
         assert check.p_value > report.level and check.tv_p_value > report.level
+        assert [p["position"] for p in check.positions] == [1, 2]
+        assert all(p["p_value"] > report.level and p["tv_p_value"] > report.level for p in check.positions)
     assert "PASS" in format_report(report)
 
 
@@ -109,6 +111,29 @@ def test_fails_when_the_verifier_accepts_everything(target, unrelated, monkeypat
     (check,) = report.checks
     assert check.p_value < report.level and check.tv > check.tv_threshold
     assert "FAIL" in format_report(report)
+
+
+def test_a_fault_deep_in_the_draft_is_caught_at_the_default_length(target, near, monkeypatch):
+    """A verifier whose only fault is the bonus token after a fully accepted 4-token draft (the
+    target's argmax instead of a draw): invisible to 2-token continuations, caught at the default
+    length (γ + 1) by the test on token 5's marginal."""
+    exact_verify = engine._verify
+
+    def greedy_bonus(draft, logits, sampling, streams):
+        result = exact_verify(draft, logits, sampling, streams)
+        if len(draft) == 4 and result.accepted == 4:
+            result.tokens[-1] = int(logits[-1].argmax())
+        return result
+
+    monkeypatch.setattr(engine, "_verify", greedy_bonus)
+    decoder = specdec.SpeculativeDecoder(target, near, gamma=4)
+    short = check_lossless(decoder, [REPEATING], samples=SAMPLES, length=2, seed=4, progress=False)
+    assert short.passed and short.warnings  # blind there, and it says so
+    report = check_lossless(decoder, [REPEATING], samples=SAMPLES, seed=4, progress=False)
+    assert report.length == 5 and not report.passed, format_report(report)
+    (check,) = report.checks
+    assert [p["position"] for p in check.positions if min(p["p_value"], p["tv_p_value"]) <= report.level] == [5]
+    assert "at token 5" in format_report(report)
 
 
 def test_greedy_fails_when_the_verifier_accepts_everything(target, unrelated, monkeypatch):
@@ -238,6 +263,21 @@ def test_tv_threshold_agrees_with_the_p_value():
         assert (pvalue <= level) == (tv > threshold)
 
 
+def test_default_length_covers_the_whole_draft_depth(target, near, load64, model_dirs):
+    """Finding: the default length of 2 verified only the first draft position of every sample."""
+    chain = specdec.SpeculativeDecoder(target, near, gamma=4)
+    tree = specdec.SpeculativeDecoder(target, specdec.ModelDrafter(load64(model_dirs["llama-near"]), tree=specdec.TreeShape(6)), gamma=3)
+    for decoder, depth in ((chain, 4), (tree, 3)):
+        report = check_lossless(decoder, PROMPTS[:1], samples=30, seed=2, progress=False)
+        assert report.length == depth + 1 and report.warnings == []
+        (check,) = report.checks
+        assert all(len(continuation) == depth + 1 for continuation in check.speculative)
+    report = check_lossless(chain, PROMPTS[:1], samples=30, length=2, seed=2, progress=False)
+    assert report.warnings == ["only draft positions 1-1 of 4 were verified: a 2-token continuation never reaches "
+                               "the deeper ones; use length 5 (the default) to exercise the whole draft"]
+    assert "WARNING: only draft positions 1-1 of 4" in format_report(report)
+
+
 # ---- the `specdec verify` command --------------------------------------------------------------
 
 
@@ -279,11 +319,12 @@ def test_cli_json(cli, model_dirs):
     assert len(lines) == 1
     report = json.loads(lines[0])
     assert report["passed"] is True and report["drafter"] == "prompt-lookup" and report["top_k"] == 6
-    assert report["level_per_test"] == pytest.approx(0.01 / 4)
+    assert report["level_per_test"] == pytest.approx(0.01 / (12 * 2))  # 2 tests on the whole and on each of 5 tokens, 2 prompts
     assert [p["prompt"] for p in report["prompts"]] == ["abcabcab", "hi ej"]
     first = report["prompts"][0]
     assert sum(c["plain"] for c in first["continuations"]) == sum(c["speculative"] for c in first["continuations"]) == 100
     assert {"p_value", "tv", "tv_threshold", "acceptance_rate", "warnings"} <= set(first)
+    assert report["length"] == 5 and report["warnings"] == []  # the default: gamma 4 + 1
 
 
 def test_cli_fails_with_exit_1_on_a_broken_verifier(cli, model_dirs, monkeypatch):

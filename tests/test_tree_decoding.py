@@ -102,3 +102,28 @@ def test_caches_track_committed_text_through_trees(arch, temperature, staged, mo
     if temperature or not staged:  # a greedy spine of the near copy may never miss
         assert any(path != list(range(len(path))) for path in paths), "some accepted path must leave the first branch"
     assert stats.accepted > 0  # and every iteration drops the nodes off the accepted path
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_trees_fit_the_cache_at_the_context_end(load64, model_dirs, monkeypatch, temperature):
+    """Finding: near the end of the context a tree's nodes took more cache slots than the context
+    has (a crash on models with buffers sized to it, e.g. 64 vs 66). Drafts are cut to the slots
+    left, for the target and inside the draft model; the output is still the target's."""
+    target, near = load64(model_dirs["llama"]), load64(model_dirs["llama-near"])
+    fed = []
+    real_forward = specdec.CausalLM.forward
+
+    def recording_forward(model, tokens, *args, **kwargs):
+        fed.append(model.cache_len + len(tokens))
+        return real_forward(model, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(specdec.CausalLM, "forward", recording_forward)
+    prompt = PROMPT * 4 + PROMPT[:8]  # 48 of 64 positions
+    for drafter in (specdec.ModelDrafter(near, tree=specdec.TreeShape(nodes=16, width=4)),
+                    specdec.ModelDrafter(near, tree=specdec.TreeShape(nodes=12, width=3), inner=specdec.PromptLookupDrafter(), inner_gamma=4)):
+        fed.clear()
+        result = specdec.SpeculativeDecoder(target, drafter, gamma=5).generate(prompt, max_new_tokens=30, temperature=temperature, seed=0)
+        assert len(result.tokens) == 16 and result.finish_reason == "length"
+        if not temperature:
+            assert result.tokens == reference_greedy(target, prompt, 16)
+        assert max(fed) == target.max_length, "the cache filled to the context's end, never past it"

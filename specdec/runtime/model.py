@@ -346,6 +346,8 @@ def load_model(
             trust_remote_code=False,
             output_loading_info=True,
             **({"attn_implementation": attn_implementation} if attn_implementation else {}),
+            # grouped-matmul expert kernels (MoE) take no float64: the reference loop does
+            **({"experts_implementation": "eager"} if torch_dtype == torch.float64 else {}),
         )
     except Exception as error:  # a corrupt or incomplete checkpoint: say which and why
         message = " ".join(str(error).split())  # one line, whatever the library printed
