@@ -58,7 +58,7 @@ class Draft:
     def depth(self) -> int:
         return int(tree.depths(self.parents).max()) if len(self) else 0
 
-    def first(self, count: int) -> "Draft":
+    def first(self, count: int) -> Draft:
         """The first `count` nodes. Still lossless: parents come before their children, so the cut
         is a tree, and each node keeps only siblings drawn before it, whose draws its stated
         distribution was conditioned on; nothing that was verified is dropped."""

@@ -207,3 +207,25 @@ def test_cli_vanishing_temperature_or_top_p_decodes_greedily(extreme, arch_dirs,
     for seed, drafter in enumerate([[], ["--draft", near], ["--draft", near, "--tree", 6]]):
         tokens = cli_tokens(capsys, "--target", target, *drafter, "--max-new-tokens", 30, "--seed", seed, *extreme, dtype="float32")
         assert tokens == greedy, drafter
+
+
+def test_bench_skips_token_trees_on_a_model_that_refuses_them(arch_dirs, capsys):
+    from specdec.bench.runner import BenchConfig, tree_strategies
+
+    strategies = tree_strategies(BenchConfig(), load(arch_dirs["bloom"]), load(arch_dirs["bloom-near"]), None)
+    assert [s.name for s in strategies] == ["staged γ=3 (lookup)"]
+    assert "token-tree strategies skipped: ALiBi" in capsys.readouterr().err
+    with_trees = tree_strategies(BenchConfig(), load(arch_dirs["llama"]), load(arch_dirs["llama-near"]), None)
+    assert [s.family for s in with_trees] == ["tree"] * 3 + ["staged"] * 2
+
+
+def test_the_self_check_refuses_a_mask_that_attention_ignores(arch_dirs, monkeypatch):
+    """With the old boolean mask, eager attention (which adds the mask to its scores) masked nothing:
+    the self-check must see that and refuse trees, while sdpa (which reads booleans) still passes."""
+    monkeypatch.setattr(specdec.CausalLM, "_additive", lambda model, mask: mask.to(model.device)[None, None])
+    eager = load(arch_dirs["gemma2"])
+    assert "differ from its paths computed alone" in eager.tree_refusal()
+    drafter = specdec.ModelDrafter(load(arch_dirs["gemma2-near"]), tree=specdec.TreeShape(nodes=4))
+    with pytest.raises(specdec.SpecDecError, match=r"\(gemma2, eager attention\) does not support token trees"):
+        specdec.SpeculativeDecoder(eager, drafter, gamma=2)
+    assert load(arch_dirs["llama"], attn_implementation="sdpa").tree_refusal() is None

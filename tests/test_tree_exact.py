@@ -132,6 +132,9 @@ class TableLM:
     def cache_len(self) -> int:
         return len(self.slots)
 
+    def verify_room(self, root_position: int) -> int:
+        return self.max_length - 1 - root_position
+
     def forward(self, tokens, positions=None, attention_mask=None):
         tokens, start = torch.as_tensor(tokens).tolist(), len(self.slots)
         positions = list(range(start, start + len(tokens))) if positions is None else positions.tolist()

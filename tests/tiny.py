@@ -61,10 +61,13 @@ def save_tiny_model(directory: Path, arch: str, seed: int, vocab_rows: int = len
     return directory
 
 
-if __name__ == "__main__":  # python tests/tiny.py DIR: a random target/draft pair to try the CLI on
+if __name__ == "__main__":  # python tests/tiny.py DIR [ARCH]: a random target/draft pair to try the CLI on
     import sys
 
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "tiny-pair")
-    save_tiny_model(out / "target", "llama", seed=0, layers=4, with_eos=False)
-    save_tiny_model(out / "draft", "llama", seed=1, layers=1, with_eos=False)
-    print(f"wrote {out / 'target'} and {out / 'draft'}")
+    arch = sys.argv[2] if len(sys.argv) > 2 else "llama"
+    if ALIASES.get(arch, arch) not in ARCHITECTURES:
+        sys.exit(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    save_tiny_model(out / "target", arch, seed=0, layers=4, with_eos=False)
+    save_tiny_model(out / "draft", arch, seed=1, layers=1, with_eos=False)
+    print(f"wrote {out / 'target'} and {out / 'draft'} ({arch})")

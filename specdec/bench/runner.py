@@ -8,6 +8,7 @@ plain decoding measured in the same run; greedy texts must agree across strategi
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -175,7 +176,11 @@ def tree_strategies(config: BenchConfig, target: CausalLM, draft: CausalLM, ngra
     """Token trees of the draft model, and staged drafting with each draft² (n-gram, prompt lookup),
     as a chain and as a tree."""
     new, out = config.max_new_tokens, []
-    for nodes, depth in config.trees:
+    refusal = target.tree_refusal() or draft.tree_refusal()
+    if refusal is not None:  # chains still run; trees would be refused (never scored wrong)
+        print(f"bench: token-tree strategies skipped: {refusal}", file=sys.stderr)
+    trees = config.trees if refusal is None else ()
+    for nodes, depth in trees:
         drafter = ModelDrafter(draft, tree=TreeShape(nodes, config.tree_width))
         out.append(specdec_strategy(f"tree {nodes} γ={depth}", "tree", SpeculativeDecoder(target, drafter, depth), new))
     inners = {"lookup": PromptLookupDrafter}
@@ -183,7 +188,7 @@ def tree_strategies(config: BenchConfig, target: CausalLM, draft: CausalLM, ngra
         inners = {"n-gram": lambda: NgramDrafter(ngram), **inners}
     gamma = config.staged_gamma
     for inner_name, inner in inners.items():
-        for tree in (None, TreeShape(config.staged_tree, config.tree_width)):
+        for tree in (None, TreeShape(config.staged_tree, config.tree_width)) if refusal is None else (None,):
             drafter = ModelDrafter(draft, tree=tree, inner=inner(), inner_gamma=config.inner_gamma)
             name = f"staged {'tree ' + str(tree.nodes) + ' ' if tree else ''}γ={gamma} ({inner_name})"
             out.append(specdec_strategy(name, "staged", SpeculativeDecoder(target, drafter, gamma), new))
