@@ -280,10 +280,10 @@ def compare_samples(plain: Counter, speculative: Counter, level: float, rng: np.
 
 
 def _marginal(counts: Counter, position: int) -> Counter:
-    """The token at `position` of each continuation; None where it had ended before (EOS)."""
+    """The token at `position` of each continuation; -1 where it had ended before (EOS)."""
     marginal = Counter()
     for continuation, count in counts.items():
-        marginal[continuation[position] if position < len(continuation) else None] += count
+        marginal[continuation[position] if position < len(continuation) else -1] += count
     return marginal
 
 

@@ -359,3 +359,14 @@ def test_cli_argument_errors(cli, model_dirs, capsys):
     assert code == 1 and "choose at most one drafter" in err
     code, _, err = cli("verify", "--target", model_dirs["llama"], "--prompt", "hi", *EXACT)
     assert code == 1 and "nothing to verify" in err
+
+
+def test_continuations_that_end_early_count_as_ended_at_later_positions():
+    """Marginals of continuations of unequal length (EOS, the context's end): an ended slot is -1."""
+    rng = np.random.default_rng(0)
+    plain = Counter({(1, 2, 3): 40, (1,): 30, (4, 2): 30})
+    check = losslessness.PromptCheck(prompt=[1], prompt_tokens=1, plain=plain, speculative=Counter(plain), texts={},
+                                     drafted=1, accepted=1, passed=False)
+    losslessness._compare(check, 0.01, rng)
+    assert check.passed and [p["position"] for p in check.positions] == [1, 2, 3]
+    assert losslessness._marginal(plain, 2) == Counter({3: 40, -1: 60})
