@@ -266,7 +266,8 @@ def _compare(check: PromptCheck, level: float, rng: np.random.Generator) -> None
     if check.pooled_fraction > 0.5:
         check.warnings.append(
             f"{check.pooled_fraction:.0%} of the samples are continuations seen fewer than {MIN_CELL} times: "
-            "the check has little power here; use a shorter --length, more --samples or a --top-k"
+            "the whole-continuation tests have little power here (the per-position tests still do); "
+            "more --samples or a --top-k sharpen both"
         )
 
 
