@@ -65,6 +65,7 @@ ARCHITECTURES = {
                                              residual_multiplier=0.5, attention_multiplier=0.2),
     "starcoder2": lambda v, n, c: _rope_decoder(tf.Starcoder2Config, v, n, c, sliding_window=8),
     "bloom": lambda v, n, c: tf.BloomConfig(vocab_size=v, hidden_size=HIDDEN, n_layer=n, n_head=HEADS),
+    "mpt": lambda v, n, c: tf.MptConfig(vocab_size=v, d_model=HIDDEN, n_layers=n, n_heads=HEADS, max_seq_len=c, expansion_ratio=2),
     "gpt_bigcode": lambda v, n, c: tf.GPTBigCodeConfig(vocab_size=v, n_embd=HIDDEN, n_layer=n, n_head=HEADS, n_positions=c),
     "cohere": lambda v, n, c: _rope_decoder(tf.CohereConfig, v, n, c),
 }

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.architectures
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]  # repeats, so prompt lookup has drafts to offer
 CONTEXT = 64  # every tiny config's context; ALiBi models (Bloom) have none and stop by length
 NEW = 100  # more than the context holds: generations run into its end
-TREES_REFUSED = {"bloom": "ALiBi", "falcon-alibi": "ALiBi", "gpt_neo": "its local-attention window"}
+TREES_REFUSED = {"bloom": "ALiBi", "falcon-alibi": "ALiBi", "mpt": "ALiBi", "gpt_neo": "its local-attention window"}
 # a 7-node tree below a prefix longer than the tiny sliding windows (8)
 TREE_TOKENS, TREE_PARENTS = [4, 5, 6, 7, 8, 9, 10], [-1, 0, -1, 1, 1, 2, 3]
 TREE_PREFIX = [1, 2, 3, 1, 5, 9, 2, 6, 5, 3, 5]

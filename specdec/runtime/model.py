@@ -294,7 +294,7 @@ def _context_length(config) -> int:
             original = rope.get("original_max_position_embeddings") or getattr(config, "max_position_embeddings", None)
             if original:
                 return int(original)
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
             return value
