@@ -86,6 +86,14 @@ def test_completion_matches_offline_generate(server, offline):
     assert 0 <= spec["acceptance_rate"] <= 1 and spec["tokens_per_target_forward"] >= 1
 
 
+@pytest.mark.parametrize("extreme", [{"temperature": 1e-300}, {"top_p": 5e-324}])
+def test_a_vanishing_temperature_or_top_p_serves_greedy_text(server, offline, extreme):
+    """Finding: these passed validation and underflowed to NaN (garbage text with a 200) in float32."""
+    body = {"model": MODEL, "prompt": "hi ej", "max_tokens": 20, "seed": 5, **extreme}
+    reply = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()
+    assert reply["choices"][0]["text"] == offline.generate("hi ej", max_new_tokens=20, temperature=0).text
+
+
 def test_streamed_completion_with_usage(server, offline):
     body = {"model": MODEL, "prompt": "hi ej", "max_tokens": 20, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
