@@ -187,8 +187,9 @@ def tree_strategies(config: BenchConfig, target: CausalLM, draft: CausalLM, ngra
     if ngram is not None:
         inners = {"n-gram": lambda: NgramDrafter(ngram), **inners}
     gamma = config.staged_gamma
+    staged_shapes = (None,) if refusal is not None else (None, TreeShape(config.staged_tree, config.tree_width))
     for inner_name, inner in inners.items():
-        for tree in (None, TreeShape(config.staged_tree, config.tree_width)) if refusal is None else (None,):
+        for tree in staged_shapes:
             drafter = ModelDrafter(draft, tree=tree, inner=inner(), inner_gamma=config.inner_gamma)
             name = f"staged {'tree ' + str(tree.nodes) + ' ' if tree else ''}γ={gamma} ({inner_name})"
             out.append(specdec_strategy(name, "staged", SpeculativeDecoder(target, drafter, gamma), new))

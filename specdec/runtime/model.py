@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from specdec import tree
 from specdec.errors import SpecDecError
 from specdec.runtime.cpu_matmul import use_small_batch_matmul
 
@@ -191,8 +192,8 @@ class CausalLM:
         try:
             self.reset()
             self.forward(prefix[:-1])
-            mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 1]], dtype=torch.bool)
-            positions = torch.tensor([2, 3, 3])
+            # the engine's own layout: the root (last prefix token) and two children below it
+            positions, mask = tree.tree_inputs(torch.tensor([-1, 0, 0]), len(prefix) - 1, new=3)
             tree_logits = self.forward([prefix[-1], *siblings], positions, mask)[1:]
             alone = []
             for token in siblings:
@@ -205,7 +206,7 @@ class CausalLM:
         alone = torch.stack(alone)
         error = float((tree_logits - alone).abs().max())
         # within the dtype's rounding, and far closer than a leak would be (16-bit rounding is coarse)
-        tolerance = min(TREE_CHECK_TOLERANCE.get(self.dtype, 3e-2) * max(1.0, float(alone.abs().max())),
+        tolerance = min(TREE_CHECK_TOLERANCE[self.dtype] * max(1.0, float(alone.abs().max())),
                         0.25 * float((leaked - alone[1]).abs().max()))
         if not error <= tolerance:
             return f"a 2-node tree's logits differ from its paths computed alone by {error:.3g} (> {tolerance:.3g})"
@@ -251,10 +252,10 @@ class CausalLM:
 
 
 _UNCHECKED = "unchecked"  # tree_refusal not computed yet (None means: trees are fine)
-# How far a 2-node tree's logits may be from its paths', relative to the logits' scale; 16-bit: 3e-2.
-# Loose for float64 because some models keep float32 internals (RoPE tables, norms) in float64 runs;
-# an ignored mask or a wrong position moves logits by O(1).
-TREE_CHECK_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-4}
+# How far a 2-node tree's logits may be from its paths', relative to the logits' scale. Loose for
+# float64 because some models keep float32 internals (RoPE tables, norms) in float64 runs; an ignored
+# mask or a wrong position moves logits by O(1).
+TREE_CHECK_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}
 
 
 def _known_tree_refusal(config) -> str | None:
