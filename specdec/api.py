@@ -11,7 +11,7 @@ from specdec.drafters import Drafter, ModelDrafter, NgramDrafter, PromptLookupDr
 from specdec.engine import AdaptiveGamma, FixedGamma, decode
 from specdec.errors import SpecDecError
 from specdec.ngram import KatzTrigram
-from specdec.runtime import CausalLM, check_same_vocabulary, load_model, tokenizer_fingerprint
+from specdec.runtime import CausalLM, check_same_vocabulary, choose_backend, load_model, require_trees, tokenizer_fingerprint
 from specdec.sampling import RandomStreams
 from specdec.types import GenerationStats, SamplingParams
 
@@ -105,11 +105,7 @@ class SpeculativeDecoder:
 
     @property
     def stop_token_ids(self) -> frozenset[int]:
-        """EOS ids from the tokenizer and the generation config."""
-        ids = {self.tokenizer.eos_token_id}
-        configured = getattr(getattr(self.target.model, "generation_config", None), "eos_token_id", None)
-        ids.update(configured if isinstance(configured, list) else [configured])
-        return frozenset(i for i in ids if i is not None)
+        return self.target.stop_token_ids
 
     def _deltas(self, prompt_ids, sampling, max_new_tokens, seed, stop) -> Iterator[str]:
         if self._busy:
@@ -192,13 +188,23 @@ def _tokens_within(decode_text, tokens: list[int], text: str) -> list[int]:
     return tokens[:n]
 
 
-DEMO_DIR = Path(__file__).parent / "demo_pair"  # target/, draft/, ngram.safetensors, MODELS.md
+DEMO_DIR = Path(__file__).parent / "demo_pair"  # target.gguf, draft.gguf, target/, draft/, ngram.safetensors, MODELS.md
 
 
 def demo_dir() -> Path:
     if not (DEMO_DIR / "target" / "config.json").is_file():
         raise SpecDecError("no target model given and the demo pair is not installed; pass --target DIR")
     return DEMO_DIR
+
+
+def demo_models(backend: str = "auto") -> tuple[str, str]:
+    """(target, draft) of the demo pair: GGUF files on llama.cpp unless transformers is asked for."""
+    demo = demo_dir()
+    if backend == "transformers":
+        return str(demo / "target"), str(demo / "draft")
+    if not (demo / "target.gguf").is_file():
+        raise SpecDecError("the demo pair's GGUF files are not installed; pass --backend transformers or --target")
+    return str(demo / "target.gguf"), str(demo / "draft.gguf")
 
 
 def load(
@@ -214,21 +220,32 @@ def load(
     staged: bool = False,
     inner_gamma: int = 4,
     attn_implementation: str | None = None,
+    backend: str = "auto",
+    threads: int | None = None,
+    gpu_layers: int | None = None,
+    context: int | None = None,
+    tokenizer: str | None = None,
 ) -> SpeculativeDecoder:
     """Load a target checkpoint and a drafter; no drafter means plain decoding.
 
     One drafter: a draft model, an n-gram file or prompt lookup. `tree` (a node budget or a
     TreeShape) makes the draft model draft token trees `gamma` deep. `staged` makes the draft model
     draft with the n-gram model or prompt lookup as its own drafter (draft², Spector & Ré).
-    With no target, the demo pair shipped with specdec is used, drafting with its draft model
-    (and, when staged, its n-gram model) unless told otherwise. `attn_implementation` ("eager",
-    "sdpa", ...) applies to both models; trees are refused on a model that cannot score them exactly.
+    With no target, the demo pair shipped with specdec is used (its GGUF files on llama.cpp unless
+    backend="transformers"), drafting with its draft model (and, when staged, its n-gram model)
+    unless told otherwise. A .gguf path runs on llama.cpp, a checkpoint directory on transformers;
+    `backend` overrides. The model options (see `specdec.runtime.load_model`) apply to both models;
+    trees are refused on a model that cannot score them exactly.
     """
     check_gamma(gamma)
-    draft, ngram = _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged)
+    if target is None:
+        choose_backend("", backend)  # validates the name before the demo pair is looked for
+    draft, ngram = _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged, backend)
     if tree is not None and not isinstance(tree, TreeShape):
         tree = TreeShape(nodes=tree)  # validates the budget
-    target_model = load_model(target or demo_dir() / "target", device=device, dtype=dtype, attn_implementation=attn_implementation)
+    options = dict(backend=backend, device=device, dtype=dtype, attn_implementation=attn_implementation,
+                   threads=threads, gpu_layers=gpu_layers, context=context, tokenizer=tokenizer)
+    target_model = load_model(target or demo_models(backend)[0], **options)
     inner: Drafter | None = None
     if ngram is not None:
         inner = NgramDrafter(KatzTrigram.load(ngram), stochastic=ngram_stochastic)
@@ -236,19 +253,21 @@ def load(
         inner = PromptLookupDrafter()
     if draft is None:
         return SpeculativeDecoder(target_model, inner, gamma)
-    draft_model = load_model(draft, device=device or str(target_model.device), dtype=dtype, attn_implementation=attn_implementation)
+    if device is None and target_model.backend == "transformers" and choose_backend(draft, backend) == "transformers":
+        options["device"] = str(target_model.device)  # the draft runs beside the target
+    draft_model = load_model(draft, **options)
     drafter = ModelDrafter(draft_model, tree=tree, inner=inner if staged else None, inner_gamma=inner_gamma)
     return SpeculativeDecoder(target_model, drafter, gamma)
 
 
-def _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged):
+def _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged, backend="auto"):
     """Which draft model and which n-gram file to load, with the demo pair's as defaults; refuses
     combinations that mean nothing. Returns (draft, ngram)."""
     if ngram is not None and prompt_lookup:
         raise SpecDecError("choose at most one of an n-gram file and prompt lookup")
     if target is None:
         if draft is None and (staged or (ngram is None and not prompt_lookup)):
-            draft = demo_dir() / "draft"
+            draft = demo_models(backend)[1]
         if staged and ngram is None and not prompt_lookup:
             ngram = demo_dir() / "ngram.safetensors"
     if staged and (draft is None or (ngram is None and not prompt_lookup)):
@@ -266,8 +285,8 @@ def _check_drafter(drafter: Drafter | None, target: CausalLM) -> None:
     if isinstance(drafter, ModelDrafter):
         check_same_vocabulary(target.tokenizer, drafter.model.tokenizer, f"draft model ({drafter.model.path})")
         if drafter.tree is not None:  # both models score trees: each must do so exactly, or refuse
-            target.require_trees()
-            drafter.model.require_trees()
+            require_trees(target)
+            require_trees(drafter.model)
         _check_drafter(drafter.inner, target)
     if isinstance(drafter, NgramDrafter):
         check_ngram(drafter.model, target)

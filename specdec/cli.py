@@ -9,6 +9,7 @@ import sys
 
 from specdec import losslessness
 from specdec.errors import SpecDecError
+from specdec.runtime import BACKENDS
 
 
 def _gamma(value: str) -> int | str:
@@ -48,8 +49,25 @@ def load_decoder(args):
         args.target, draft=args.draft, ngram=args.ngram, prompt_lookup=args.prompt_lookup,
         gamma=args.depth if args.depth is not None else args.gamma, device=args.device, dtype=args.dtype,
         ngram_stochastic=not args.ngram_top1, tree=tree, staged=args.staged, inner_gamma=args.inner_gamma,
-        attn_implementation=args.attn_implementation,
+        attn_implementation=args.attn_implementation, **runtime_options(args),
     )
+
+
+def runtime_options(args) -> dict:
+    """The backend and its knobs, as `specdec.load` takes them."""
+    return dict(backend=args.backend, threads=args.threads, gpu_layers=args.gpu_layers, context=args.context, tokenizer=args.tokenizer)
+
+
+def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="auto (default): a .gguf file runs on llama.cpp, a checkpoint directory on transformers")
+    parser.add_argument("--threads", type=_positive, default=None, help="CPU threads (default: every core this process may use)")
+    parser.add_argument("--gpu-layers", type=int, default=None, metavar="N",
+                        help="GGUF: layers to offload to the GPU where llama.cpp was built with one (-1 = all; default 0)")
+    parser.add_argument("--context", type=_positive, default=None, metavar="TOKENS",
+                        help="GGUF: KV cache cells (default: the trained context, at most 4096)")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="GGUF: a Hugging Face tokenizer directory to use instead of the file's own")
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,8 +80,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Models and drafter: shared by `generate`, `verify` and `serve`."""
-    parser.add_argument("--target", help="target checkpoint directory (default: the demo pair, drafting with its draft model)")
-    parser.add_argument("--draft", help="draft checkpoint directory (same tokenizer as the target)")
+    parser.add_argument("--target", help="target: a checkpoint directory or a .gguf file (default: the demo pair, drafting with its draft model)")
+    parser.add_argument("--draft", help="draft model: a checkpoint directory or a .gguf file (same tokenizer as the target)")
     parser.add_argument("--ngram", help="n-gram model file from `specdec ngram build` (a drafter, or with --staged the draft model's drafter)")
     parser.add_argument("--prompt-lookup", action="store_true", help="draft by matching the context's last tokens earlier in the context")
     parser.add_argument("--ngram-top1", action="store_true", help="with --ngram: propose the top token instead of sampling")
@@ -79,6 +97,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), float16")
     parser.add_argument("--attn-implementation", default=None, metavar="NAME",
                         help="eager, sdpa, flex_attention ... (default: what transformers picks for the model)")
+    add_runtime_arguments(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,8 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--staged-tree", type=int, default=4, help="nodes of the staged-tree strategies (default 4)")
     bench.add_argument("--no-peers", action="store_true", help="skip Hugging Face generate()")
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--device", default=None, help="transformers: cpu (default), cuda, cuda:N")
     bench.add_argument("--dtype", default=None)
+    add_runtime_arguments(bench)
     bench.add_argument("--out", default="bench-out", help="output folder (bench.json, bench.md, *.png)")
     bench.set_defaults(run=run_bench_command)
 
@@ -230,7 +250,7 @@ def run_bench_command(args) -> None:
         max_new_tokens=args.max_new_tokens, modes=("greedy", "sampled") if args.mode == "both" else (args.mode,),
         temperature=args.temperature, top_k=args.top_k, gammas=gammas, trees=trees, tree_width=args.tree_width,
         staged_gamma=args.staged_gamma, staged_tree=args.staged_tree, peers=not args.no_peers, seed=args.seed,
-        device=args.device, dtype=args.dtype,
+        device=args.device, dtype=args.dtype, **runtime_options(args),
     )
     data = run_bench(config)
     paths = write_report(data, args.out)

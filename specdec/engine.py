@@ -11,7 +11,7 @@ import torch
 from specdec import tree
 from specdec.drafters.base import Drafter, empty_draft
 from specdec.errors import SpecDecError
-from specdec.runtime import CausalLM
+from specdec.runtime import CausalLM, Sequence
 from specdec.sampling import RandomStreams, probs_from_logits
 from specdec.types import Draft, GenerationStats, SamplingParams
 from specdec.verify import verify_tree, verify_tree_greedy
@@ -73,18 +73,26 @@ def decode(
 ) -> Iterator[StepResult]:
     """Yield what each iteration commits; the last yield carries a finish reason.
 
-    Invariant at the top of every iteration: the target cache holds context[:-1]; the last
+    Invariant at the top of every iteration: the target's sequence holds context[:-1]; the last
     committed token is fed together with the next draft (a chain or a tree), so accepted tokens
     are never recomputed. A tree's depth, not its size, is bounded by the gamma policy.
+    The generation owns one sequence slot of the target, released when it ends.
     """
+    sequence = target.sequence()
+    try:
+        yield from _decode(target, sequence, drafter, prompt, sampling, max_new_tokens, gamma_policy, streams, stats, stop_tokens)
+    finally:
+        sequence.release()
+
+
+def _decode(target, sequence: Sequence, drafter, prompt, sampling, max_new_tokens, gamma_policy, streams, stats, stop_tokens):
     context = list(prompt)
     room = min(max_new_tokens, target.max_length - len(context))
-    target.reset()
     if drafter is not None:
         drafter.reset()
     started = time.perf_counter()
     if len(context) > 1:  # the prefill is not counted in target_forwards: those are per iteration
-        target.forward(context[:-1])
+        sequence.forward(context[:-1], last=1)
     stats.prefill_seconds = time.perf_counter() - started
     generated = 0
     while generated < room:
@@ -97,11 +105,11 @@ def decode(
         depth = _check_draft(draft, gamma, target.vocab_size, sampling)
         tock = time.perf_counter()
         # 2. one target forward scores the last committed token and every draft node
-        logits = _score(target, context[-1], draft)  # [len(draft) + 1, vocab]
+        logits = _score(sequence, context[-1], draft)  # [len(draft) + 1, vocab]
         result = _verify(draft, logits, sampling, streams)
         # 3. drop the rejected nodes: the cache keeps context[:-1] + last + the accepted path, contiguous
-        kept = target.cache_len - len(draft)
-        target.keep(kept, [kept + node for node in result.path])
+        kept = sequence.cache_len - len(draft)
+        sequence.keep(kept, [kept + node for node in result.path])
         stats.target_forwards += 1
         stats.draft_forwards = drafter.forwards if drafter is not None else 0
         stats.draft_seconds += tock - tick
@@ -132,11 +140,11 @@ def _check_draft(draft: Draft, gamma: int, vocab_size: int, sampling: SamplingPa
     return depth
 
 
-def _score(target: CausalLM, last: int, draft: Draft) -> torch.Tensor:
-    """Feed the last committed token (the root) and the draft's nodes in one forward under the tree mask."""
-    parents = torch.cat([torch.tensor([-1]), draft.parents + 1])  # the root becomes node 0
-    positions, mask = tree.tree_inputs(parents, target.cache_len, new=len(parents))
-    return target.forward(torch.cat([torch.tensor([last]), draft.tokens]), positions, mask)
+def _score(sequence: Sequence, last: int, draft: Draft) -> torch.Tensor:
+    """Feed the last committed token (the root) and the draft's nodes in one forward, as a tree."""
+    root = sequence.cache_len
+    parents = [root - 1] + tree.entries(draft.parents, root).tolist()
+    return sequence.forward(torch.cat([torch.tensor([last]), draft.tokens]), parents)
 
 
 def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, streams: RandomStreams):

@@ -51,30 +51,7 @@ def path_to(parents: torch.Tensor, node: int) -> list[int]:
     return path[::-1]
 
 
-def ancestors(parents: torch.Tensor) -> torch.Tensor:
-    """[n, n] bool: entry [i, j] is True when j is i or one of its ancestors."""
-    n = parents.numel()
-    rows: list[list[bool]] = []
-    for i, parent in enumerate(parents.tolist()):
-        row = list(rows[parent]) if parent >= 0 else [False] * n
-        row[i] = True
-        rows.append(row)
-    return torch.tensor(rows, dtype=torch.bool).reshape(n, n)
-
-
-def tree_inputs(parents: torch.Tensor, prefix_len: int, new: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Positions and attention mask to feed the last `new` nodes of a tree whose other nodes are cached.
-
-    The cache holds `prefix_len` entries of committed text, then one entry per earlier node, in
-    node order; the root is the last committed token, at position prefix_len - 1. A node attends to
-    the committed text, its ancestors and itself, at position prefix_len + depth - 1 (each node's
-    logits are then those of its own path computed alone). Returns positions [new] and a mask
-    [new, prefix_len + n], or None when the plain causal mask is the same (a chain).
-    """
-    n = parents.numel()
-    positions = torch.tensor(_depths(parents.tolist())[n - new :], dtype=torch.long) + (prefix_len - 1)
-    if is_chain(parents):
-        return positions, None
-    mask = torch.ones(new, prefix_len + n, dtype=torch.bool)
-    mask[:, prefix_len:] = ancestors(parents)[n - new :]
-    return positions, mask
+def entries(parents: torch.Tensor, root: int) -> torch.Tensor:
+    """Node parents as cache entries, for a tree whose root is entry `root` and whose node i is
+    entry root + 1 + i (the runtime protocol's parents)."""
+    return torch.where(parents < 0, torch.full_like(parents, root), parents + root + 1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -27,6 +29,15 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     dirs["llama-eos"] = str(save_tiny_model(root / "llama-eos", "llama", seed=24, logit_scale=3.0, with_eos=True))  # greedy EOS after 12 tokens
     dirs["llama-padded"] = str(save_tiny_model(root / "llama-padded", "llama", seed=8, vocab_rows=24, layers=1))
     return dirs
+
+
+@pytest.fixture(scope="session")
+def gguf_models() -> dict[str, str]:
+    """GGUF files: the demo pair (f16) and its draft model converted in float32 (tests/data, see
+    tests/data/README.md), for llama.cpp."""
+    demo = Path(specdec.__file__).parent / "demo_pair"
+    return {"gguf-f16": str(demo / "target.gguf"), "gguf-draft-f16": str(demo / "draft.gguf"),
+            "gguf-f32": str(Path(__file__).parent / "data" / "draft-f32.gguf"), "hf-draft": str(demo / "draft")}
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,8 @@ import pytest
 import torch
 
 import specdec
+import specdec.runtime
+from specdec.runtime.hf import HFSequence
 from architectures import ARCHITECTURES
 from specdec import tree
 from specdec.ngram import KatzTrigram
@@ -103,23 +105,21 @@ def test_tree_self_check_per_attention_implementation(arch, implementation, arch
         assert refusal is not None and TREES_REFUSED[arch] in refusal
         assert not exact, "refused, yet a tree would have been exact"
         with pytest.raises(specdec.SpecDecError, match="does not support token trees"):
-            model.require_trees()
+            specdec.runtime.require_trees(model)
     else:
         assert refusal is None and exact
 
 
 def seven_node_tree_is_exact(model: specdec.CausalLM) -> bool:
     parents = torch.tensor(TREE_PARENTS)
-    model.reset()
-    model.forward(TREE_PREFIX)
-    positions, mask = tree.tree_inputs(parents, len(TREE_PREFIX), new=len(TREE_TOKENS))
+    sequence = model.sequence()
+    sequence.forward(TREE_PREFIX)
     try:
-        tree_logits = model.forward(TREE_TOKENS, positions=positions, attention_mask=mask)
+        tree_logits = sequence.forward(TREE_TOKENS, tree.entries(parents, len(TREE_PREFIX) - 1).tolist())
     except Exception:
         return False
     for node in range(len(TREE_TOKENS)):
-        model.reset()
-        alone = model.forward(TREE_PREFIX + [TREE_TOKENS[i] for i in tree.path_to(parents, node)])[-1]
+        alone = model.sequence().forward(TREE_PREFIX + [TREE_TOKENS[i] for i in tree.path_to(parents, node)])[-1]
         if not torch.allclose(tree_logits[node], alone, rtol=0, atol=1e-6):
             return False
     return True
@@ -151,9 +151,9 @@ def test_longrope_recomputes_the_cache_when_the_context_crosses_the_switch(arch_
     assert switch == CONTEXT // 2
     sequence = [(7 * i) % 16 for i in range(switch + 4)]
     for length in range(switch - 2, switch + 4):
-        model.reset()
-        model.forward(sequence[: length - 1])
-        logits = model.forward(sequence[length - 1 : length])[-1]
+        fed = model.sequence()
+        fed.forward(sequence[: length - 1])
+        logits = fed.forward(sequence[length - 1 : length])[-1]
         with torch.inference_mode():
             expected = model.model(torch.tensor([sequence[:length]])).logits[0, -1]
         torch.testing.assert_close(logits, expected, rtol=0, atol=1e-8, msg=f"sequence length {length}")
@@ -222,7 +222,7 @@ def test_bench_skips_token_trees_on_a_model_that_refuses_them(arch_dirs, capsys)
 def test_the_self_check_refuses_a_mask_that_attention_ignores(arch_dirs, monkeypatch):
     """With the old boolean mask, eager attention (which adds the mask to its scores) masked nothing:
     the self-check must see that and refuse trees, while sdpa (which reads booleans) still passes."""
-    monkeypatch.setattr(specdec.CausalLM, "_additive", lambda model, mask: mask.to(model.device)[None, None])
+    monkeypatch.setattr(HFSequence, "_additive", lambda sequence, mask: mask.to(sequence.owner.device)[None, None])
     eager = load(arch_dirs["gemma2"])
     assert "differ from its paths computed alone" in eager.tree_refusal()
     drafter = specdec.ModelDrafter(load(arch_dirs["gemma2-near"]), tree=specdec.TreeShape(nodes=4))

@@ -335,7 +335,9 @@ def test_no_target_uses_the_demo_pair_with_its_draft(model_dirs, tmp_path, monke
     assert "demo pair is not installed" in capsys.readouterr().err
     shutil.copytree(model_dirs["llama"], tmp_path / "demo" / "target")
     shutil.copytree(model_dirs["llama-near"], tmp_path / "demo" / "draft")
-    assert main(["generate", "abc", "--temperature", "0", "--max-new-tokens", "12", "--json"]) == 0
+    assert main(["generate", "abc"]) == 1  # the default backend runs the demo's GGUF files
+    assert "GGUF files are not installed" in capsys.readouterr().err
+    assert main(["generate", "abc", "--temperature", "0", "--max-new-tokens", "12", "--json", "--backend", "transformers"]) == 0
     demo = json.loads(capsys.readouterr().out)
     assert demo["stats"]["draft_forwards"] > 0
     assert main(["generate", "abc", "--temperature", "0", "--max-new-tokens", "12", "--json", "--target", model_dirs["llama"]]) == 0

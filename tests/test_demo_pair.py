@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 import specdec
 from specdec.api import DEMO_DIR
@@ -13,12 +12,14 @@ from specdec.api import DEMO_DIR
 
 @pytest.fixture(scope="module")
 def demo():
-    return specdec.load(device="cpu")  # no target: the demo pair, drafting with its draft model
+    return specdec.load(backend="transformers", device="cpu")  # no target: the demo pair, drafting with its draft model
 
 
 def test_demo_pair_files_and_sizes():
-    total = sum(p.stat().st_size for p in DEMO_DIR.rglob("*") if p.is_file())
-    assert total <= 60e6, f"demo pair is {total / 1e6:.1f} MB"
+    checkpoints = sum(p.stat().st_size for name in ("target", "draft") for p in (DEMO_DIR / name).rglob("*") if p.is_file())
+    assert checkpoints <= 60e6, f"the demo checkpoints are {checkpoints / 1e6:.1f} MB"
+    gguf = sum((DEMO_DIR / f"{name}.gguf").stat().st_size for name in ("target", "draft"))
+    assert gguf <= 60e6, f"the demo GGUF files are {gguf / 1e6:.1f} MB"
     for name in ("target", "draft"):
         report = json.loads((DEMO_DIR / name / "training.json").read_text())
         assert report["heldout_loss"] is not None and report["steps"] > 0
@@ -26,11 +27,10 @@ def test_demo_pair_files_and_sizes():
 
 
 def test_demo_pair_shapes(demo):
-    target_params = sum(p.numel() for p in demo.target.model.parameters())
-    draft_params = sum(p.numel() for p in demo.drafter.model.model.parameters())
+    target_params, draft_params = demo.target.parameters, demo.drafter.model.parameters
     assert 20e6 <= target_params <= 40e6
     assert draft_params <= target_params / 8
-    assert demo.target.dtype == demo.drafter.model.dtype == torch.float32  # fp16 on disk, fp32 on CPU
+    assert demo.target.dtype == demo.drafter.model.dtype == "float32"  # fp16 on disk, fp32 on CPU
 
 
 def test_demo_generate_matches_plain_greedy(demo):
@@ -42,5 +42,17 @@ def test_demo_generate_matches_plain_greedy(demo):
 
 
 def test_demo_ngram_matches_the_demo_tokenizer(demo):
-    decoder = specdec.load(ngram=str(DEMO_DIR / "ngram.safetensors"), device="cpu")
+    decoder = specdec.load(ngram=str(DEMO_DIR / "ngram.safetensors"), backend="transformers", device="cpu")
     assert decoder.generate("import os\n", max_new_tokens=8, temperature=0).stats.drafted > 0
+
+
+def test_the_default_demo_runs_on_llama_cpp_and_agrees_with_transformers(demo):
+    """No model arguments: the demo pair's GGUF files (f16) on llama.cpp. Its greedy text equals the
+    transformers demo's (float32 compute of the same f16 weights) on these prompts."""
+    gguf = specdec.load(threads=1)
+    assert gguf.target.backend == gguf.drafter.model.backend == "llamacpp"
+    assert (gguf.target.dtype, gguf.target.vocab_size, gguf.target.max_length) == ("F16", demo.target.vocab_size, demo.target.max_length)
+    for prompt in ("def fibonacci(n):", "import os\n\ndef list_files(path):"):
+        ours = gguf.generate(prompt, max_new_tokens=48, temperature=0)
+        assert ours.tokens == demo.generate(prompt, max_new_tokens=48, temperature=0).tokens
+        assert ours.stats.acceptance_rate > 0.2

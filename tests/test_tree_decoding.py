@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import specdec
+from specdec.runtime.hf import HFSequence
 from conftest import ARCHS, reference_greedy
 from specdec import engine
 from specdec.ngram import KatzTrigram
@@ -111,13 +112,13 @@ def test_trees_fit_the_cache_at_the_context_end(load64, model_dirs, monkeypatch,
     left, for the target and inside the draft model; the output is still the target's."""
     target, near = load64(model_dirs["llama"]), load64(model_dirs["llama-near"])
     fed = []
-    real_forward = specdec.CausalLM.forward
+    real_forward = HFSequence.forward
 
-    def recording_forward(model, tokens, *args, **kwargs):
-        fed.append(model.cache_len + len(tokens))
-        return real_forward(model, tokens, *args, **kwargs)
+    def recording_forward(sequence, tokens, *args, **kwargs):
+        fed.append(sequence.cache_len + len(tokens))
+        return real_forward(sequence, tokens, *args, **kwargs)
 
-    monkeypatch.setattr(specdec.CausalLM, "forward", recording_forward)
+    monkeypatch.setattr(HFSequence, "forward", recording_forward)
     prompt = PROMPT * 4 + PROMPT[:8]  # 48 of 64 positions
     for drafter in (specdec.ModelDrafter(near, tree=specdec.TreeShape(nodes=16, width=4)),
                     specdec.ModelDrafter(near, tree=specdec.TreeShape(nodes=12, width=3), inner=specdec.PromptLookupDrafter(), inner_gamma=4)):

@@ -116,45 +116,51 @@ def test_greedy_tree_follows_the_target_argmax():
 
 
 class TableLM:
-    """A stand-in for CausalLM: its next-token distribution after a history is a Conditional table
-    (history counted after the prompt). Like a transformer, it learns a new token's history only
-    from the entries the mask lets it attend to, and it checks that those are exactly the token's
-    ancestors at consecutive positions; truncate and keep edit its cache like the real one."""
+    """A stand-in for a runtime: its next-token distribution after a history is a Conditional table
+    (history counted after the prompt). Like a transformer, a new entry learns its history only
+    from its parent entry; truncate and keep edit its cache like the real ones."""
 
     def __init__(self, table: Conditional, prompt, max_length: int = 64):
         self.table, self.prompt, self.max_length, self.vocab_size = table, tuple(prompt), max_length, table.vocab
-        self.reset()
 
-    def reset(self):
-        self.slots: list[tuple[int, tuple]] = []  # (position, history through this token) per cache entry
-
-    @property
-    def cache_len(self) -> int:
-        return len(self.slots)
+    def sequence(self) -> TableSequence:
+        return TableSequence(self)
 
     def verify_room(self, root_position: int) -> int:
         return self.max_length - 1 - root_position
 
-    def forward(self, tokens, positions=None, attention_mask=None):
-        tokens, start = torch.as_tensor(tokens).tolist(), len(self.slots)
-        positions = list(range(start, start + len(tokens))) if positions is None else positions.tolist()
+
+class TableSequence:
+    def __init__(self, owner: TableLM):
+        self.owner = owner
+        self.entries: list[tuple[int, tuple]] = []  # (position, history through this token) per cache entry
+
+    @property
+    def cache_len(self) -> int:
+        return len(self.entries)
+
+    def forward(self, tokens, parents=None, last=None):
+        tokens, start = torch.as_tensor(tokens).tolist(), len(self.entries)
+        parents = list(range(start - 1, start + len(tokens) - 1)) if parents is None else list(parents)
         rows = []
-        for j, (token, position) in enumerate(zip(tokens, positions)):
-            seen = [i for i in range(start + j) if attention_mask is None or attention_mask[j, i]]
-            parent = max(seen, key=lambda i: self.slots[i][0], default=None)
-            history = (self.slots[parent][1] if parent is not None else ()) + (token,)
-            ancestors = [i for i in range(start + j) if history[: len(self.slots[i][1])] == self.slots[i][1]
-                         and self.slots[i][0] == len(self.slots[i][1]) - 1]
-            assert seen == ancestors and position == len(history) - 1, "a token must see exactly its ancestors"
-            self.slots.append((position, history))
-            rows.append(torch.log(self.table(history[len(self.prompt):])))
-        return torch.stack(rows)
+        for token, parent in zip(tokens, parents):
+            assert -1 <= parent < len(self.entries), "a parent must be an earlier entry"
+            position, history = self.entries[parent] if parent >= 0 else (-1, ())
+            self.entries.append((position + 1, history + (token,)))
+            rows.append(torch.log(self.owner.table(history[len(self.owner.prompt):] + (token,))))
+        rows = torch.stack(rows)
+        return rows[-last:] if last else rows
 
     def truncate(self, length: int):
-        del self.slots[length:]
+        del self.entries[length:]
 
     def keep(self, start: int, indices):
-        self.slots = self.slots[:start] + [self.slots[i] for i in indices]
+        kept = [self.entries[i] for i in indices]
+        assert all(position == start + k for k, (position, _) in enumerate(kept)), "the kept path must follow the text"
+        self.entries = self.entries[:start] + kept
+
+    def release(self):
+        self.entries = None
 
 
 class TableDrafter:

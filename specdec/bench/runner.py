@@ -21,7 +21,7 @@ from specdec.api import SpeculativeDecoder, load
 from specdec.bench.prompts import file_prompts, humaneval_prompts
 from specdec.drafters import ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
 from specdec.errors import SpecDecError
-from specdec.runtime import CausalLM
+from specdec.runtime import CausalLM, choose_backend
 from specdec.types import GenerationStats, SamplingParams
 
 
@@ -46,8 +46,13 @@ class BenchConfig:
     inner_gamma: int = 4  # draft² tokens per draft-model forward when staged
     peers: bool = True
     seed: int = 0
-    device: str | None = "cpu"
+    device: str | None = None  # transformers: cpu unless asked
     dtype: str | None = None
+    backend: str = "auto"
+    threads: int | None = None
+    gpu_layers: int | None = None
+    context: int | None = None
+    tokenizer: str | None = None
     cost_ks: tuple[int, ...] = tuple(range(1, 17))
     progress: bool = True
 
@@ -87,59 +92,32 @@ def specdec_strategy(name, family, decoder: SpeculativeDecoder, max_new_tokens: 
     return Strategy(name, family, decoder.gamma if decoder.drafter else None, uses_draft, run)
 
 
-class ForwardCounter:
-    """Counts top-level forward calls of a Hugging Face model (for the peers, whose loops we do not own)."""
-
-    def __init__(self, model):
-        self.calls = 0
-        model.register_forward_hook(self._hook)
-
-    def _hook(self, module, args, output):
-        self.calls += 1
-
-
-def peer_strategy(name, target: CausalLM, max_new_tokens: int, stop_ids: frozenset[int], assistant: CausalLM | None = None,
-                  target_counter=None, draft_counter=None, **extra) -> Strategy:
-    """Hugging Face generate() on the very same model objects."""
+def peer_strategy(peer) -> Strategy:
+    """Another implementation's loop (see `CausalLM.peers`), measured like ours."""
 
     def run(prompt_ids, sampling, seed) -> Run:
-        ids = torch.tensor([prompt_ids], device=target.device)
-        options = dict(max_new_tokens=max_new_tokens, attention_mask=torch.ones_like(ids),
-                       eos_token_id=sorted(stop_ids) or None, pad_token_id=min(stop_ids, default=0))
-        if sampling.greedy:
-            options.update(do_sample=False, temperature=None, top_k=None, top_p=None)
-        else:
-            options.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
-        if assistant is not None:
-            options["assistant_model"] = assistant.model
-        torch.manual_seed(seed)  # generate() draws from the global generator
-        before_t, before_d = target_counter.calls, draft_counter.calls if draft_counter else 0
-        started = time.perf_counter()
-        with torch.inference_mode():
-            out = target.model.generate(ids, **options, **extra)
-        seconds = time.perf_counter() - started
-        tokens = out[0, len(prompt_ids):].tolist()
-        for i, token in enumerate(tokens):
-            if token in stop_ids:
-                tokens = tokens[:i]
-                break
-        drafts = (draft_counter.calls - before_d) if draft_counter else 0
-        return Run(tokens, seconds, GenerationStats(target_forwards=target_counter.calls - before_t, draft_forwards=drafts))
+        out = peer.run(prompt_ids, sampling, seed)
+        return Run(out.tokens, out.seconds, GenerationStats(target_forwards=out.target_forwards, draft_forwards=out.draft_forwards))
 
-    return Strategy(name, "peer", None, assistant is not None, run)
+    return Strategy(peer.name, "peer", None, peer.uses_draft_model, run)
 
 
 def build_strategies(config: BenchConfig):
     """Load the models once and make every strategy over them."""
-    draft_dir, ngram_path = config.draft, config.ngram
-    if config.target is None:
-        from specdec.api import demo_dir
+    target_path, draft_path, ngram_path = config.target, config.draft, config.ngram
+    if target_path is None:
+        from specdec.api import demo_dir, demo_models
 
         demo = demo_dir()
-        draft_dir = draft_dir or str(demo / "draft")
+        target_path, demo_draft = demo_models(config.backend)
+        draft_path = draft_path or demo_draft
         if ngram_path is None and (demo / "ngram.safetensors").is_file():
             ngram_path = str(demo / "ngram.safetensors")
-    base = load(config.target, draft=draft_dir, device=config.device, dtype=config.dtype)
+    device = config.device  # transformers: the CPU unless asked (not CUDA just because it is there)
+    if device is None and choose_backend(target_path, config.backend) == "transformers":
+        device = "cpu"
+    base = load(target_path, draft=draft_path, device=device, dtype=config.dtype, backend=config.backend,
+                threads=config.threads, gpu_layers=config.gpu_layers, context=config.context, tokenizer=config.tokenizer)
     target, model_drafter = base.target, base.drafter
     new = config.max_new_tokens
     strategies = [specdec_strategy("plain", "plain", SpeculativeDecoder(target), new)]
@@ -160,15 +138,7 @@ def build_strategies(config: BenchConfig):
         strategies.append(specdec_strategy(f"n-gram γ={config.ngram_gamma}", "ngram",
                                            SpeculativeDecoder(target, NgramDrafter(ngram), config.ngram_gamma), new))
     if config.peers:
-        stop_ids = base.stop_token_ids
-        target_counter = ForwardCounter(target.model)
-        strategies.append(peer_strategy("HF generate", target, new, stop_ids, target_counter=target_counter))
-        if model_drafter is not None:
-            draft_counter = ForwardCounter(model_drafter.model.model)
-            strategies.append(peer_strategy("HF assisted", target, new, stop_ids, assistant=model_drafter.model,
-                                            target_counter=target_counter, draft_counter=draft_counter))
-        strategies.append(peer_strategy("HF prompt lookup", target, new, stop_ids, target_counter=target_counter,
-                                        prompt_lookup_num_tokens=10))
+        strategies += [peer_strategy(peer) for peer in target.peers(model_drafter.model if model_drafter else None, new)]
     return target, model_drafter.model if model_drafter else None, strategies
 
 
@@ -204,19 +174,19 @@ def forward_costs(model: CausalLM, context: list[int], ks, repeats: int = 9, war
 
     The ks are measured round-robin after a warm-up, so drift and cache effects hit every k alike.
     """
-    model.reset()
-    model.forward(context)
+    sequence = model.sequence()
+    sequence.forward(context, last=1)
     new = (context * (max(ks) // max(len(context), 1) + 1))[: max(ks)]
     times: dict[int, list[float]] = {k: [] for k in ks}
     for round_ in range(warmup + repeats):
         for k in ks:
             started = time.perf_counter()
-            model.forward(new[:k])
+            sequence.forward(new[:k])
             elapsed = time.perf_counter() - started
-            model.truncate(len(context))
+            sequence.truncate(len(context))
             if round_ >= warmup:
                 times[k].append(elapsed)
-    model.reset()
+    sequence.release()
     return {k: statistics.median(t) for k, t in times.items()}
 
 
@@ -225,9 +195,6 @@ def forward_costs(model: CausalLM, context: list[int], ks, repeats: int = 9, war
 
 def run_bench(config: BenchConfig) -> dict:
     """Everything `specdec bench` reports, as plain data (see report.py for the table and plots)."""
-    import transformers
-
-    transformers.logging.set_verbosity_error()  # generate() warns about flags we set on purpose
     prompts = file_prompts(config.prompts) if config.prompts else humaneval_prompts()
     if config.limit is not None:
         if config.limit < 1:
@@ -272,9 +239,8 @@ def run_bench(config: BenchConfig) -> dict:
 
 
 def model_facts(model: CausalLM) -> dict:
-    params = sum(p.numel() for p in model.model.parameters())
-    return {"path": model.path, "parameters": params, "weight_bytes": model.weight_bytes, "dtype": str(model.dtype),
-            "vocab_size": model.vocab_size, "context": model.max_length}
+    return {"path": model.path, "backend": model.backend, "parameters": model.parameters, "weight_bytes": model.weight_bytes,
+            "dtype": model.dtype, "vocab_size": model.vocab_size, "context": model.max_length, "threads": getattr(model, "threads", None)}
 
 
 def machine_description() -> dict:

@@ -140,7 +140,9 @@ class ModelDrafter:
         self.reset()
 
     def reset(self) -> None:
-        self.model.reset()
+        if getattr(self, "cache", None) is not None:
+            self.cache.release()
+        self.cache = self.model.sequence()  # the draft model's sequence slot
         if self.inner is not None:
             self.inner.reset()
         self._cached: list[int] = []  # the committed token behind each leading cache entry
@@ -244,18 +246,17 @@ class ModelDrafter:
         """Feed the pending committed tokens and a first draft chain below them in one causal forward.
 
         Returns the logits after the last committed token and after each chain token."""
-        logits = self.model.forward(list(pending) + list(chain))
+        logits = self.cache.forward(list(pending) + list(chain), last=len(chain) + 1)
         self._own_forwards += 1
         self._cached += pending
         self._branch_tokens, self._branch_parents = list(chain), tree.chain_parents(len(chain)).tolist()
         self._branch_index = {}
-        return logits[len(pending) - 1 :]
+        return logits
 
     def _feed(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
-        """Feed draft nodes (parents in branch indices) in one forward under the tree mask."""
-        all_parents = torch.tensor(self._branch_parents + parents, dtype=torch.long)
-        positions, mask = tree.tree_inputs(all_parents, len(self._cached), new=len(tokens))
-        logits = self.model.forward(tokens, positions, mask)
+        """Feed draft nodes (parents in branch indices) in one forward, as a tree."""
+        root = len(self._cached) - 1  # the last committed token's entry; branch node j is entry root + 1 + j
+        logits = self.cache.forward(tokens, tree.entries(torch.tensor(parents, dtype=torch.long), root).tolist())
         self._own_forwards += 1
         self._branch_tokens += tokens
         self._branch_parents += parents
@@ -264,7 +265,7 @@ class ModelDrafter:
     def _drop_branch_tail(self, count: int) -> None:
         if count:
             del self._branch_tokens[-count:], self._branch_parents[-count:]
-            self.model.truncate(self.model.cache_len - count)
+            self.cache.truncate(self.cache.cache_len - count)
 
     def sync(self, context: Sequence[int]) -> list[int]:
         """Bring the cache back to the committed text; return the tokens to feed next.
@@ -280,12 +281,12 @@ class ModelDrafter:
         while shared < limit and self._cached[shared] == context[shared]:
             shared += 1
         if shared < len(self._cached):  # not a continuation of the cached text (a new prompt)
-            self.model.truncate(shared)
+            self.cache.truncate(shared)
             del self._cached[shared:]
             path = []
         else:
             path = self._follow_branch(context[shared:-1])
-            self.model.keep(shared, [shared + node for node in path])
+            self.cache.keep(shared, [shared + node for node in path])
             self._cached += [self._branch_tokens[node] for node in path]
         self._branch_tokens, self._branch_parents = [], []
         return list(context[len(self._cached) :])

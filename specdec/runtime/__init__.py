@@ -1,6 +1,74 @@
-"""Models behind the project's own interface: explicit positions, masks and cache control."""
+"""Models behind one protocol (`base.CausalLM`): Hugging Face transformers or llama.cpp."""
 
-from specdec.runtime.model import CausalLM, load_model
+from __future__ import annotations
+
+import os
+
+from specdec.errors import SpecDecError
+from specdec.runtime.base import CausalLM, Sequence, require_trees
 from specdec.runtime.vocab import check_same_vocabulary, tokenizer_fingerprint
 
-__all__ = ["CausalLM", "load_model", "check_same_vocabulary", "tokenizer_fingerprint"]
+BACKENDS = ("auto", "transformers", "llamacpp")
+
+__all__ = ["CausalLM", "Sequence", "BACKENDS", "load_model", "choose_backend", "require_trees",
+           "check_same_vocabulary", "tokenizer_fingerprint"]
+
+
+def choose_backend(path: str | os.PathLike, backend: str = "auto") -> str:
+    """"auto": a .gguf file runs on llama.cpp, anything else (a checkpoint directory) on transformers."""
+    if backend not in BACKENDS:
+        raise SpecDecError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    return "llamacpp" if str(path).lower().endswith(".gguf") else "transformers"
+
+
+def load_model(
+    path: str | os.PathLike,
+    backend: str = "auto",
+    device: str | None = None,
+    dtype: str | None = None,
+    attn_implementation: str | None = None,
+    threads: int | None = None,
+    gpu_layers: int | None = None,
+    context: int | None = None,
+    tokenizer: str | os.PathLike | None = None,
+) -> CausalLM:
+    """Load a model on the backend its path (or `backend`) selects.
+
+    transformers: a checkpoint directory; device, dtype and attn_implementation apply.
+    llamacpp: a .gguf file; gpu_layers (layers offloaded where the build has a GPU backend; -1 = all)
+    and context (KV cells, default min(4096, the trained context)) apply.
+    threads: CPU threads (torch's for transformers). tokenizer (llamacpp): a Hugging Face tokenizer
+    directory to use instead of the one in the GGUF file.
+    """
+    if isinstance(threads, bool) or (threads is not None and (not isinstance(threads, int) or threads < 1)):
+        raise SpecDecError(f"threads must be a positive integer, got {threads!r}")
+    hf_tokenizer = _load_tokenizer(tokenizer) if tokenizer is not None else None
+    if choose_backend(path, backend) == "llamacpp":
+        ignored = [name for name, value in (("device", device), ("dtype", dtype), ("attn_implementation", attn_implementation)) if value]
+        if ignored:
+            raise SpecDecError(f"{', '.join(ignored)} apply to transformers checkpoints; a GGUF file fixes its types "
+                               "(use gpu_layers to offload to a GPU)")
+        from specdec.runtime.llamacpp import LlamaCppModel
+
+        return LlamaCppModel(path, threads=threads, gpu_layers=gpu_layers or 0, context=context, tokenizer=hf_tokenizer)
+    if gpu_layers is not None or context is not None or tokenizer is not None:
+        raise SpecDecError("gpu_layers, context and tokenizer apply to GGUF files on llama.cpp; "
+                           "a checkpoint directory has its own tokenizer (use device to choose a GPU)")
+    from specdec.runtime.hf import load_model as load_hf
+
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    return load_hf(path, device=device, dtype=dtype, attn_implementation=attn_implementation)
+
+
+def _load_tokenizer(directory: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+    except Exception as error:
+        raise SpecDecError(f"could not load a tokenizer from {directory}: {' '.join(str(error).split())}") from error

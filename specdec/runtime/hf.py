@@ -1,16 +1,14 @@
-"""A local Hugging Face causal LM with a KV cache that only its caller moves.
+"""A local Hugging Face causal LM behind the runtime protocol (`specdec.runtime.base`).
 
-`CausalLM.forward` feeds new tokens at explicit positions, optionally under an attention mask over
-cached + new tokens (a token tree); `truncate` and `keep` edit the cache. That is everything the engine needs, so
-tree attention or another runtime can slot in behind the same four methods.
+Each `HFSequence` owns a DynamicCache; entries carry explicit positions and parents, and a token
+tree is fed under an attention mask built from those parents.
 
 Exactness across architectures (each point is a way a well-known implementation went wrong):
 - A tree mask is handed to the model as an additive float mask (0 where a token may attend, the
   dtype's minimum elsewhere): eager attention adds the mask to the scores, so a boolean mask there
   would mask nothing; sdpa and flex attention read the additive form the same way.
 - Whether trees are exact on a model is checked once, on first use, by `tree_refusal`: known
-  position schemes that trees cannot follow are refused by name, then a 2-node tree must give
-  each node the logits of its own path computed alone.
+  position schemes that trees cannot follow are refused by name, then `base.tree_check` must pass.
 - RoPE that depends on the sequence length: "longrope" (Phi-3) switches every position to its long
   factors once the sequence passes `original_max_position_embeddings`, and Hugging Face recomputes
   the whole cache at that moment; so does `forward`, and `verify_room` keeps one forward from
@@ -20,26 +18,27 @@ Exactness across architectures (each point is a way a well-known implementation 
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from specdec import tree
 from specdec.errors import SpecDecError
+from specdec.runtime import base
 from specdec.runtime.cpu_matmul import use_small_batch_matmul
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-class CausalLM:
-    """One model, one sequence, one KV cache.
+class HFModel:
+    """A transformers model and its tokenizer; logits are restricted to the tokenizer's real
+    vocabulary (padding rows dropped)."""
 
-    Invariant: the cache holds exactly `cache_len` entries, entry i for the token fed at the i-th
-    slot; logits come back restricted to the tokenizer's real vocabulary (padding rows dropped).
-    """
+    backend = "transformers"
 
     def __init__(self, model, tokenizer, path: str = ""):
         self.model = model.eval()
@@ -53,30 +52,18 @@ class CausalLM:
             )
         self.max_length = _context_length(model.config)
         self.rope_switch = _longrope_switch(model.config)  # None, or the first position that runs long factors
-        self._device = model.device  # fixed: the model is moved before it is wrapped (HF's property is slow)
+        self.device = model.device  # fixed: the model is moved before it is wrapped (HF's property is slow)
+        self.torch_dtype = model.dtype
+        self.dtype = str(model.dtype).removeprefix("torch.")
+        self.parameters = sum(p.numel() for p in model.parameters())
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.tree_tolerance = TREE_CHECK_TOLERANCE[self.torch_dtype]
+        self.stop_token_ids = _stop_token_ids(model, tokenizer)
+        self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._tree_refusal: str | None = _UNCHECKED  # see tree_refusal()
-        self.reset()
 
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
-
-    @property
-    def cache_len(self) -> int:
-        return self._cache.get_seq_length()
-
-    def reset(self) -> None:
-        # Plain full layers, even for sliding-window models: the window is applied by the attention
-        # mask, and a full layer can be cut back exactly (a sliding layer's counters cannot).
-        self._cache = DynamicCache()
-        self._slot_positions = torch.zeros(0, dtype=torch.long)  # the position each cache entry was fed at
-        self._slot_tokens = torch.zeros(0, dtype=torch.long)  # the token each cache entry was fed
-        self._long_rope = False  # the cache was computed with longrope's long factors
+    def sequence(self) -> HFSequence:
+        return HFSequence(self)
 
     @property
     def attn_implementation(self) -> str:
@@ -95,122 +82,49 @@ class CausalLM:
             room = min(room, self.rope_switch - 1 - root_position)
         return max(room, 0)
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        tokens: torch.Tensor | list[int],  # [n]
-        positions: torch.Tensor | None = None,  # [n]; default: cache_len, cache_len + 1, ...
-        attention_mask: torch.Tensor | None = None,  # [n, cache_len + n] bool, True = may attend; default causal
-    ) -> torch.Tensor:
-        """Append the new tokens to the cache and return their next-token logits: [n, vocab] on the CPU."""
-        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).cpu()
-        n, start = tokens.numel(), self.cache_len
-        if positions is None:
-            positions = torch.arange(start, start + n)
-        positions = positions.cpu()
-        if int(positions.max()) >= self.max_length:
-            raise SpecDecError(f"position {int(positions.max())} is beyond the model's context of {self.max_length}")
-        if start + n > self.max_length:  # some models keep buffers sized to the context, indexed by slot
-            raise SpecDecError(f"{n} new tokens after {start} cached ones overflow the model's context of {self.max_length}")
-        if attention_mask is not None and attention_mask.shape != (n, start + n):
-            raise ValueError(f"attention_mask must be [{n}, {start + n}], got {list(attention_mask.shape)}")
-        if self.rope_switch is not None and not self._long_rope and int(positions.max()) >= self.rope_switch:
-            return self._forward_recomputing_cache(tokens, positions, attention_mask)
-        return self._forward(tokens, positions, attention_mask)
-
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        mask = None
-        if attention_mask is not None:
-            mask = self._layer_masks(attention_mask, torch.cat([self._slot_positions, positions]), positions)
-        out = self.model(
-            input_ids=tokens.to(self.device)[None],
-            position_ids=positions.to(self.device)[None],
-            attention_mask=mask,
-            past_key_values=self._cache,
-            use_cache=True,
-        )
-        self._slot_positions = torch.cat([self._slot_positions, positions])
-        self._slot_tokens = torch.cat([self._slot_tokens, tokens])
-        logits = out.logits[0, :, : self.vocab_size]
-        return logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32).cpu()
-
-    def _forward_recomputing_cache(self, tokens, positions, attention_mask) -> torch.Tensor:
-        """The first forward past longrope's switch: feed the cached tokens again with the new
-        ones, so that every key is computed with the long factors, as Hugging Face does."""
-        cached, cached_positions = self._slot_tokens, self._slot_positions
-        old = cached.numel()
-        if not torch.equal(cached_positions, torch.arange(old)):
-            raise ValueError("the cache must hold plain text (no tree nodes) when the context crosses the RoPE switch")
-        if attention_mask is not None:
-            full = torch.ones(old + tokens.numel(), old + tokens.numel(), dtype=torch.bool).tril()
-            full[old:] = attention_mask
-            attention_mask = full
-        self.reset()
-        self._long_rope = True
-        return self._forward(torch.cat([cached, tokens]), torch.cat([cached_positions, positions]), attention_mask)[old:]
-
-    def _layer_masks(self, mask: torch.Tensor, key_positions: torch.Tensor, positions: torch.Tensor):
-        """An explicit mask replaces the model's own, so apply its sliding window here: a query at
-        position p sees keys at positions > p - window. Models mixing full and sliding layers get
-        one mask per layer type. Keys are placed by the positions they were fed at: while a tree
-        is in the cache, an entry's slot is not its position."""
-        window = self.sliding_window
-        if window is not None:
-            windowed = mask & (key_positions[None, :] > positions[:, None] - window)
-            if "full_attention" in (getattr(self.model.config, "layer_types", None) or []):
-                return {"full_attention": self._additive(mask), "sliding_attention": self._additive(windowed)}
-            mask = windowed
-        return self._additive(mask)
-
-    def _additive(self, mask: torch.Tensor) -> torch.Tensor:
-        """[n, keys] bool -> [1, 1, n, keys] float: 0 where a token may attend, the dtype's minimum
-        elsewhere. Every attention implementation adds a float mask to its scores; eager attention
-        would add a boolean one too (True as 1), masking nothing."""
-        dtype = self.dtype
-        additive = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
-        return additive.to(self.device)[None, None]
-
     def tree_refusal(self) -> str | None:
-        """Why token trees cannot be scored exactly on this model, or None when they can.
-
-        Checked once per model: position schemes trees cannot follow are refused by name; then a
-        2-node tree (two siblings below a prefix) must give each node the logits of its own path
-        computed alone, within the dtype's rounding. Costs three tiny forwards."""
+        """Why token trees cannot be scored exactly on this model, or None when they can: position
+        schemes trees cannot follow are refused by name, then `base.tree_check` runs (once)."""
         if self._tree_refusal is _UNCHECKED:
-            self._tree_refusal = _known_tree_refusal(self.model.config) or self._two_node_tree_check()
-            self.reset()
+            self._tree_refusal = _known_tree_refusal(self.model.config) or base.tree_check(self)
         return self._tree_refusal
 
-    def require_trees(self) -> None:
-        reason = self.tree_refusal()
-        if reason is not None:
-            raise SpecDecError(f"{self.describe()} does not support token trees ({reason}); use a chain")
+    def peers(self, draft: HFModel | None, max_new_tokens: int) -> list[base.Peer]:
+        """Hugging Face generate() on the very same model objects: plain, assisted by the draft
+        model, and its prompt lookup. Forwards are counted with hooks on the models."""
+        import transformers
 
-    def _two_node_tree_check(self) -> str | None:
-        prefix = [i % self.vocab_size for i in (1, 2, 3)]
-        siblings = [4 % self.vocab_size, 5 % self.vocab_size]
-        try:
-            self.reset()
-            self.forward(prefix[:-1])
-            # the engine's own layout: the root (last prefix token) and two children below it
-            positions, mask = tree.tree_inputs(torch.tensor([-1, 0, 0]), len(prefix) - 1, new=3)
-            tree_logits = self.forward([prefix[-1], *siblings], positions, mask)[1:]
-            alone = []
-            for token in siblings:
-                self.reset()
-                alone.append(self.forward(prefix + [token])[-1])
-            self.reset()
-            leaked = self.forward(prefix + siblings)[-1]  # the second sibling seeing the first: what a broken mask gives
-        except Exception as error:  # a model whose attention cannot take the mask at all
-            return f"a 2-node tree failed: {type(error).__name__}: {' '.join(str(error).split())[:200]}"
-        alone = torch.stack(alone)
-        error = float((tree_logits - alone).abs().max())
-        # within the dtype's rounding, and far closer than a leak would be (16-bit rounding is coarse)
-        tolerance = min(TREE_CHECK_TOLERANCE[self.dtype] * max(1.0, float(alone.abs().max())),
-                        0.25 * float((leaked - alone[1]).abs().max()))
-        if not error <= tolerance:
-            return f"a 2-node tree's logits differ from its paths computed alone by {error:.3g} (> {tolerance:.3g})"
-        return None
+        transformers.logging.set_verbosity_error()  # generate() warns about flags set on purpose
+        target_forwards, draft_forwards = _ForwardCounter(self.model), _ForwardCounter(draft.model) if draft else None
+        peers = [base.Peer("HF generate", False, self._generate_peer(max_new_tokens, target_forwards))]
+        if draft is not None:
+            peers.append(base.Peer("HF assisted", True, self._generate_peer(
+                max_new_tokens, target_forwards, draft_forwards, assistant_model=draft.model)))
+        peers.append(base.Peer("HF prompt lookup", False, self._generate_peer(max_new_tokens, target_forwards, prompt_lookup_num_tokens=10)))
+        return peers
+
+    def _generate_peer(self, max_new_tokens: int, target_forwards: _ForwardCounter, draft_forwards=None, **extra):
+        stop_ids = self.stop_token_ids
+
+        def run(prompt_ids: list[int], sampling, seed: int) -> base.PeerRun:
+            ids = torch.tensor([prompt_ids], device=self.device)
+            options = dict(max_new_tokens=max_new_tokens, attention_mask=torch.ones_like(ids),
+                           eos_token_id=sorted(stop_ids) or None, pad_token_id=min(stop_ids, default=0))
+            if sampling.greedy:
+                options.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+            else:
+                options.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+            torch.manual_seed(seed)  # generate() draws from the global generator
+            before_t, before_d = target_forwards.calls, draft_forwards.calls if draft_forwards else 0
+            started = time.perf_counter()
+            with torch.inference_mode():
+                out = self.model.generate(ids, **options, **extra)
+            seconds = time.perf_counter() - started
+            drafts = (draft_forwards.calls - before_d) if draft_forwards else 0
+            return base.PeerRun(base.cut_at_stop(out[0, len(prompt_ids):].tolist(), stop_ids), seconds,
+                                target_forwards.calls - before_t, drafts)
+
+        return run
 
     @property
     def sliding_window(self) -> int | None:
@@ -219,6 +133,124 @@ class CausalLM:
             return None
         window = getattr(config, "sliding_window", None)
         return window if isinstance(window, int) and window > 0 else None
+
+
+class HFSequence:
+    """One sequence slot of an HFModel: a DynamicCache plus each entry's position, token and parent.
+
+    Invariant: the cache holds exactly `cache_len` entries, entry i for the i-th token fed; the
+    first `_trunk` entries are a chain (plain text), which every later entry attends to in full."""
+
+    def __init__(self, owner: HFModel):
+        self.owner = owner
+        # Plain full layers, even for sliding-window models: the window is applied by the attention
+        # mask, and a full layer can be cut back exactly (a sliding layer's counters cannot).
+        self._cache = DynamicCache()
+        self._positions: list[int] = []
+        self._tokens: list[int] = []
+        self._parents: list[int] = []
+        self._trunk = 0
+        self._long_rope = False  # the cache was computed with longrope's long factors
+
+    @property
+    def cache_len(self) -> int:
+        return len(self._tokens)
+
+    def release(self) -> None:
+        self._cache = None
+
+    @torch.inference_mode()
+    def forward(self, tokens, parents=None, last: int | None = None) -> torch.Tensor:
+        tokens = [int(t) for t in torch.as_tensor(tokens).reshape(-1).tolist()]
+        n, start = len(tokens), self.cache_len
+        parents = base.chain_parents(start, n) if parents is None else [int(p) for p in parents]
+        if len(parents) != n:
+            raise ValueError(f"{n} tokens need {n} parents, got {len(parents)}")
+        base.check_parents(parents, start)
+        all_parents = self._parents + parents
+        positions = []
+        for i, parent in enumerate(parents):
+            positions.append(0 if parent < 0 else (self._positions[parent] if parent < start else positions[parent - start]) + 1)
+        max_length = self.owner.max_length
+        if max(positions, default=0) >= max_length:
+            raise SpecDecError(f"position {max(positions)} is beyond the model's context of {max_length}")
+        if start + n > max_length:  # some models keep buffers sized to the context, indexed by slot
+            raise SpecDecError(f"{n} new tokens after {start} cached ones overflow the model's context of {max_length}")
+        switch = self.owner.rope_switch
+        if switch is not None and not self._long_rope and max(positions, default=0) >= switch:
+            return self._forward_recomputing_cache(tokens, positions, all_parents, last)
+        return self._forward(tokens, positions, all_parents, last)
+
+    def _forward(self, tokens: list[int], positions: list[int], all_parents: list[int], last: int | None) -> torch.Tensor:
+        owner, start = self.owner, self.cache_len
+        mask = self._mask(all_parents, start, positions)
+        keep = {"logits_to_keep": last} if last and owner.takes_logits_to_keep else {}
+        out = owner.model(
+            input_ids=torch.tensor([tokens], device=owner.device),
+            position_ids=torch.tensor([positions], device=owner.device),
+            attention_mask=mask,
+            past_key_values=self._cache,
+            use_cache=True,
+            **keep,
+        )
+        self._positions += positions
+        self._tokens += tokens
+        self._parents = all_parents
+        self._extend_trunk()
+        logits = out.logits[0, -last:] if last else out.logits[0]
+        logits = logits[:, : owner.vocab_size]
+        return logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32).cpu()
+
+    def _extend_trunk(self) -> None:
+        while self._trunk < len(self._parents) and self._parents[self._trunk] == self._trunk - 1:
+            self._trunk += 1
+
+    def _mask(self, all_parents: list[int], start: int, positions: list[int]):
+        """None when the new entries continue a chain (the model's causal mask is the same);
+        otherwise each new entry attends to its ancestors and itself."""
+        n = len(positions)
+        if self._trunk == start and all(all_parents[start + j] == start + j - 1 for j in range(n)):
+            return None
+        mask = torch.zeros(n, start + n, dtype=torch.bool)
+        for j in range(n):
+            entry = start + j
+            while entry >= self._trunk:
+                mask[j, entry] = True
+                entry = all_parents[entry]
+            mask[j, : entry + 1] = True
+        return self._layer_masks(mask, torch.tensor(self._positions + positions), torch.tensor(positions))
+
+    def _forward_recomputing_cache(self, tokens, positions, all_parents, last) -> torch.Tensor:
+        """The first forward past longrope's switch: feed the cached tokens again with the new
+        ones, so that every key is computed with the long factors, as Hugging Face does."""
+        old = self.cache_len
+        if self._trunk != old:
+            raise ValueError("the cache must hold plain text (no tree nodes) when the context crosses the RoPE switch")
+        cached, cached_positions = self._tokens, self._positions
+        self.__init__(self.owner)
+        self._long_rope = True
+        logits = self._forward(cached + tokens, cached_positions + positions, all_parents, last)
+        return logits if last else logits[old:]
+    def _layer_masks(self, mask: torch.Tensor, key_positions: torch.Tensor, positions: torch.Tensor):
+        """An explicit mask replaces the model's own, so apply its sliding window here: a query at
+        position p sees keys at positions > p - window. Models mixing full and sliding layers get
+        one mask per layer type. Keys are placed by the positions they were fed at: while a tree
+        is in the cache, an entry's slot is not its position."""
+        window = self.owner.sliding_window
+        if window is not None:
+            windowed = mask & (key_positions[None, :] > positions[:, None] - window)
+            if "full_attention" in (getattr(self.owner.model.config, "layer_types", None) or []):
+                return {"full_attention": self._additive(mask), "sliding_attention": self._additive(windowed)}
+            mask = windowed
+        return self._additive(mask)
+
+    def _additive(self, mask: torch.Tensor) -> torch.Tensor:
+        """[n, keys] bool -> [1, 1, n, keys] float: 0 where a token may attend, the dtype's minimum
+        elsewhere. Every attention implementation adds a float mask to its scores; eager attention
+        would add a boolean one too (True as 1), masking nothing."""
+        dtype = self.owner.torch_dtype
+        additive = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+        return additive.to(self.owner.device)[None, None]
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` cache entries."""
@@ -230,25 +262,40 @@ class CausalLM:
     def keep(self, start: int, indices: list[int]) -> None:
         """Keep the first `start` entries, then the entries at `indices` (each >= start), moved
         to contiguous slots in the given order (tree compaction: the accepted path stays)."""
-        if not 0 <= start <= self.cache_len or any(not start <= i < self.cache_len for i in indices):
-            raise ValueError(f"cannot keep entries {indices} after {start} of a cache of {self.cache_len}")
+        indices = [int(i) for i in indices]
+        base.check_kept_path(self._parents, start, indices, self.cache_len)
         end = start + len(indices)
         moved = indices != list(range(start, end))  # a chain's path is already in place
         index = torch.tensor(indices, dtype=torch.long)
+        device = self.owner.device
         for layer in self._cache.layers:
             if getattr(layer, "keys", None) is None or not layer.keys.numel():
                 continue
             if moved:
-                layer.keys[..., start:end, :] = layer.keys.index_select(-2, index.to(self.device))
-                layer.values[..., start:end, :] = layer.values.index_select(-2, index.to(self.device))
+                layer.keys[..., start:end, :] = layer.keys.index_select(-2, index.to(device))
+                layer.values[..., start:end, :] = layer.values.index_select(-2, index.to(device))
             layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
-        self._slot_positions = torch.cat([self._slot_positions[:start], self._slot_positions[index]])
-        self._slot_tokens = torch.cat([self._slot_tokens[:start], self._slot_tokens[index]])
+        self._positions = self._positions[:start] + [self._positions[i] for i in indices]
+        self._tokens = self._tokens[:start] + [self._tokens[i] for i in indices]
+        self._parents = self._parents[:start] + base.chain_parents(start, len(indices))
+        self._trunk = min(self._trunk, start)
+        self._extend_trunk()
         self._long_rope = self._long_rope and end > 0  # an emptied cache starts short again, as after reset()
 
     def cache_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(keys, values) per layer, [batch, heads, cache_len, head_dim]: for tests and tools."""
         return [(layer.keys, layer.values) for layer in self._cache.layers]
+
+
+class _ForwardCounter:
+    """Counts top-level forward calls of a Hugging Face model (for peers, whose loops we do not own)."""
+
+    def __init__(self, model):
+        self.calls = 0
+        model.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        self.calls += 1
 
 
 _UNCHECKED = "unchecked"  # tree_refusal not computed yet (None means: trees are fine)
@@ -268,6 +315,14 @@ def _known_tree_refusal(config) -> str | None:
     if implementation.startswith("flash") or "flash_attention" in implementation:
         return f"{implementation} takes no arbitrary attention mask"
     return None
+
+
+def _stop_token_ids(model, tokenizer) -> frozenset[int]:
+    """EOS ids from the tokenizer and the generation config."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return frozenset(i for i in ids if i is not None)
 
 
 def _rope_parameters(config) -> list[dict]:
@@ -332,7 +387,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 def load_model(
     path: str | os.PathLike, device: str | None = None, dtype: str | torch.dtype | None = None,
     attn_implementation: str | None = None,
-) -> CausalLM:
+) -> HFModel:
     """Load a local checkpoint directory: config.json, *.safetensors, tokenizer files.
 
     Never downloads, never runs remote code, never unpickles: `.bin` weights are refused.
@@ -366,7 +421,7 @@ def load_model(
         raise SpecDecError(f"{path}: the safetensors files lack weights {', '.join(missing[:3])}{more}")
     if torch.device(device).type == "cpu":
         use_small_batch_matmul(model)
-    return CausalLM(model.to(device), tokenizer, str(path))
+    return HFModel(model.to(device), tokenizer, str(path))
 
 
 def _check_checkpoint_dir(path: Path) -> None:

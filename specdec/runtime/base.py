@@ -1,0 +1,187 @@
+"""The runtime protocol: everything the engine, drafters, API, bench and server may use of a model.
+
+A runtime (Hugging Face transformers, llama.cpp) holds one loaded model and hands out *sequences*:
+slots with their own KV cache, several at once. A sequence's cache is a list of entries, one per
+token fed. Every entry has a parent entry (the token before it on its path) and sits at position
+parent's position + 1, attending to its ancestors and itself only: a chain of text is entries whose
+parent is the entry before; a token tree is entries whose parents branch. Nothing above
+`specdec.runtime` touches a backend's own objects.
+
+`tree_check` is shared: on any runtime, a 2-node tree must give each node the logits of its own
+path computed alone before trees are used there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence as Seq
+
+import torch
+
+from specdec.errors import SpecDecError
+from specdec.types import SamplingParams
+
+
+class Tokenizer(Protocol):
+    """The part of a Hugging Face tokenizer specdec uses; the GGUF tokenizer implements the same."""
+
+    eos_token_id: int | None
+    chat_template: str | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Seq[int], skip_special_tokens: bool = True) -> str: ...
+
+    def get_vocab(self) -> dict[str, int]: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool) -> list[int]: ...
+
+    def __len__(self) -> int: ...
+
+
+class Sequence(Protocol):
+    """One sequence slot. Invariant: the cache holds exactly `cache_len` entries, in feeding order."""
+
+    cache_len: int
+
+    def forward(self, tokens: Seq[int] | torch.Tensor, parents: Seq[int] | None = None, last: int | None = None) -> torch.Tensor:
+        """Append entries for `tokens` and return next-token logits, [n, vocab] float on the CPU.
+
+        parents[i]: the entry index token i follows (-1: none, position 0); every parent is an
+        earlier entry, cached or new. Default: a chain after the last entry. `last`: return only
+        the last `last` rows (a prefill needs none of the others)."""
+        ...
+
+    def keep(self, start: int, indices: Seq[int]) -> None:
+        """Keep the first `start` entries, then the entries at `indices`, which must be a chain
+        below entry start - 1, moved to slots start, start + 1, ... (a tree's accepted path stays)."""
+        ...
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` entries."""
+        ...
+
+    def release(self) -> None:
+        """Free the slot; the sequence must not be used afterwards."""
+        ...
+
+
+class CausalLM(Protocol):
+    """A loaded model: facts about it, and sequences to decode in."""
+
+    path: str
+    backend: str  # "transformers" or "llamacpp"
+    tokenizer: Tokenizer
+    vocab_size: int  # rows of logits: the tokenizer's real vocabulary
+    max_length: int  # positions a sequence may fill (prompt, generated tokens and draft nodes)
+    weight_bytes: int  # bytes of weights one forward reads
+    parameters: int
+    dtype: str  # "float32", "float16", "q4_k" ...
+    stop_token_ids: frozenset[int]  # end-of-generation tokens (EOS, EOT ...)
+    tree_tolerance: float  # how far a tree node's logits may be from its path's alone, relative to their scale
+
+    def sequence(self) -> Sequence:
+        """A new empty sequence slot."""
+        ...
+
+    def describe(self) -> str:
+        """The path and how the model runs, for messages."""
+        ...
+
+    def verify_room(self, root_position: int) -> int:
+        """How many positions after `root_position` may be fed in one forward with it."""
+        ...
+
+    def tree_refusal(self) -> str | None:
+        """Why token trees cannot be scored exactly on this model, or None when they can."""
+        ...
+
+    def peers(self, draft: CausalLM | None, max_new_tokens: int) -> list[Peer]:
+        """The backend's own generation loops on the same loaded models, for `bench` to compare with."""
+        ...
+
+
+@dataclass
+class PeerRun:
+    tokens: list[int]  # generated ids, cut before the first stop token
+    seconds: float
+    target_forwards: int  # counted where the peer's loop can be watched
+    draft_forwards: int = 0
+
+
+@dataclass
+class Peer:
+    """Another implementation's generation on the same models: run(prompt ids, sampling, seed)."""
+
+    name: str
+    uses_draft_model: bool
+    run: Callable[[list[int], SamplingParams, int], PeerRun]
+
+
+def cut_at_stop(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
+    for i, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[:i]
+    return tokens
+
+
+def require_trees(model: CausalLM) -> None:
+    reason = model.tree_refusal()
+    if reason is not None:
+        raise SpecDecError(f"{model.describe()} does not support token trees ({reason}); use a chain")
+
+
+def tree_check(model: CausalLM) -> str | None:
+    """A 2-node tree (two siblings below a prefix) must give each node the logits of its own path
+    computed alone, within the model's rounding and far closer than a leaked mask would be (16-bit
+    rounding is coarse). Returns why not, or None. Costs four tiny forwards."""
+    prefix = [i % model.vocab_size for i in (1, 2, 3)]
+    siblings = [4 % model.vocab_size, 5 % model.vocab_size]
+    try:
+        tree = model.sequence()
+        tree.forward(prefix)
+        # two children of the last prefix entry, in one forward: the engine's layout
+        tree_logits = tree.forward(siblings, parents=[len(prefix) - 1] * 2)
+        tree.release()
+        alone = torch.stack([_last_logits(model, prefix + [token]) for token in siblings])
+        leaked = _last_logits(model, prefix + siblings)  # the second sibling seeing the first: what a broken mask gives
+    except SpecDecError:
+        raise
+    except Exception as error:  # a model whose attention cannot take the tree at all
+        return f"a 2-node tree failed: {type(error).__name__}: {' '.join(str(error).split())[:200]}"
+    error = float((tree_logits - alone).abs().max())
+    tolerance = min(model.tree_tolerance * max(1.0, float(alone.abs().max())), 0.25 * float((leaked - alone[1]).abs().max()))
+    if not error <= tolerance:
+        return f"a 2-node tree's logits differ from its paths computed alone by {error:.3g} (> {tolerance:.3g})"
+    return None
+
+
+def _last_logits(model: CausalLM, tokens: list[int]) -> torch.Tensor:
+    sequence = model.sequence()
+    try:
+        return sequence.forward(tokens, last=1)[0]
+    finally:
+        sequence.release()
+
+
+def chain_parents(start: int, n: int) -> list[int]:
+    """Parents of n entries appended as a chain after `start` cached ones."""
+    return list(range(start - 1, start + n - 1))
+
+
+def check_parents(parents: Seq[int], start: int) -> None:
+    """Every parent of the entries start, start + 1, ... is -1 or an earlier entry."""
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < start + i:
+            raise ValueError(f"entry {start + i} cannot follow entry {parent}: parents must be -1 or earlier entries")
+
+
+def check_kept_path(parents: Seq[int], start: int, indices: Seq[int], length: int) -> None:
+    """`indices` (entries >= start) must be a chain below entry start - 1, for `keep`."""
+    if not 0 <= start <= length:
+        raise ValueError(f"cannot keep {start} entries of a cache of {length}")
+    above = start - 1
+    for index in indices:
+        if not start <= index < length or parents[index] != above:
+            raise ValueError(f"cannot keep entries {list(indices)} after {start}: they must be a chain below entry {start - 1}")
+        above = index

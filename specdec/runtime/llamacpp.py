@@ -1,0 +1,388 @@
+"""A GGUF model on llama.cpp (through llama-cpp-python's low-level bindings) behind the runtime protocol.
+
+Sequences and trees map onto llama.cpp's sequence ids in one unified KV cache (`kv_unified`, so
+copying a sequence id onto cells is bookkeeping, not a copy of keys and values):
+
+- A *branch* is a sequence id whose cells are exactly one root-to-tip path: positions 0..tip, one
+  cell each. A sequence slot starts with one branch, its *base*, which holds the committed text.
+- A new entry extends its parent's branch when the parent is that branch's tip; otherwise it opens a
+  branch: the path down to the deepest cached ancestor is copied onto a fresh id (`seq_cp` over
+  positions 0..that ancestor), and every new ancestor in the same batch carries the id too.
+- A token's first id is its own branch, and llama.cpp attends from a token to the cells holding its
+  first id at positions up to its own: exactly its ancestors and itself. All branches of a batch
+  agree below the batch (they were copied from the same cells), which llama.cpp requires of
+  sequence ids that share a token.
+- `keep` puts the base id on the accepted path (`seq_cp` from the path's branch), drops the base's
+  other cells and every other branch (`seq_rm`); freed cells are reused.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec.errors import SpecDecError
+from specdec.runtime import base
+
+MAX_SEQUENCE_IDS = 64  # branch ids shared by all sequences of a model (llama.cpp allows 256)
+DEFAULT_CONTEXT = 4096  # cells of the KV cache unless asked (the training context when shorter)
+BATCH = 128  # tokens (and logits rows: llama.cpp keeps vocab x BATCH floats) per llama_decode; longer inputs go in pieces
+
+
+def _bindings():
+    try:
+        import llama_cpp
+    except ImportError as error:  # the package compiles llama.cpp at install; a user may have skipped it
+        raise SpecDecError("GGUF models run on llama.cpp: pip install llama-cpp-python (see the README)") from error
+    _start(llama_cpp)
+    return llama_cpp
+
+
+_log: collections.deque[str] = collections.deque(maxlen=20)  # llama.cpp's last warnings and errors
+_callback = None
+
+
+def _start(llama_cpp) -> None:
+    """Initialise the backend once and route llama.cpp's log into `_log` (not the terminal)."""
+    global _callback
+    if _callback is not None:
+        return
+
+    def record(level, text, _user_data):
+        if level >= 3 and text:  # GGML_LOG_LEVEL_WARN and above
+            _log.append(text.decode("utf-8", "replace").strip())
+
+    _callback = llama_cpp.llama_log_callback(record)
+    llama_cpp.llama_log_set(_callback, ctypes.c_void_p(0))
+    llama_cpp.llama_backend_init()
+
+
+def _last_log() -> str:
+    lines = [line for line in _log if line]
+    return f": {lines[-1]}" if lines else ""
+
+
+class LlamaCppModel:
+    """A GGUF file loaded by llama.cpp: one model, one context whose KV cells all sequences share."""
+
+    backend = "llamacpp"
+
+    def __init__(self, path: str | os.PathLike, threads: int | None = None, gpu_layers: int = 0,
+                 context: int | None = None, tokenizer=None):
+        self.llama_cpp = lib = _bindings()
+        self.path = str(path)
+        _check_gguf_file(Path(path))
+        self._weights = _Weights(lib, Path(path), gpu_layers)
+        self._model = self._weights.model
+        if lib.llama_model_is_recurrent(self._model) or lib.llama_model_is_hybrid(self._model):
+            raise SpecDecError(f"{path}: recurrent models cannot take back rejected draft tokens; specdec needs an attention model")
+        self._vocab = self._weights.vocab
+        self.vocab_size = lib.llama_vocab_n_tokens(self._vocab)
+        self.tokenizer = tokenizer or GGUFTokenizer(self._weights)
+        if len(self.tokenizer) != self.vocab_size:
+            raise SpecDecError(f"{path}: the model has {self.vocab_size} tokens but the tokenizer has {len(self.tokenizer)}")
+        trained = lib.llama_model_n_ctx_train(self._model)
+        self.max_length = min(context or DEFAULT_CONTEXT, trained) if trained > 0 else (context or DEFAULT_CONTEXT)
+        self.weight_bytes = lib.llama_model_size(self._model)
+        self.parameters = lib.llama_model_n_params(self._model)
+        description = _text(lambda buf, size: lib.llama_model_desc(self._model, buf, size))
+        self.architecture, _, rest = description.partition(" ")
+        self.dtype = rest.partition(" ")[2] or rest  # "F16", "Q4_K - Medium" ...
+        self.tree_tolerance = 1e-4 if self.dtype.upper() == "F32" else 3e-2
+        self.stop_token_ids = frozenset(i for i in range(self.vocab_size) if lib.llama_vocab_is_eog(self._vocab, i))
+        self.threads = threads or len(os.sched_getaffinity(0))
+        self._context = self._new_context(lib, self.threads)
+        self._memory = lib.llama_get_memory(self._context)
+        self._batch = lib.llama_batch_init(BATCH, 0, MAX_SEQUENCE_IDS)
+        self._free_ids = list(range(MAX_SEQUENCE_IDS - 1, -1, -1))  # a stack: low ids first
+        self._tree_refusal: str | None | object = _UNCHECKED
+
+    def _new_context(self, lib, threads: int):
+        params = lib.llama_context_default_params()
+        params.n_ctx = self.max_length
+        params.n_batch = params.n_ubatch = params.n_outputs_max = BATCH
+        params.n_seq_max = MAX_SEQUENCE_IDS
+        params.kv_unified = True  # one cell pool for all ids: a tree's branches share their prefix cells
+        params.swa_full = True  # sliding-window layers keep every cell, so any cell can be taken back
+        params.n_threads = params.n_threads_batch = threads
+        params.no_perf = True
+        context = lib.llama_init_from_model(self._model, params)
+        if not context:
+            raise SpecDecError(f"llama.cpp could not create a context of {self.max_length} cells for {self.path}{_last_log()}")
+        return context
+
+    def __del__(self):
+        lib = getattr(self, "llama_cpp", None)
+        if lib is None:
+            return
+        if getattr(self, "_batch", None) is not None:
+            lib.llama_batch_free(self._batch)
+        if getattr(self, "_context", None):
+            lib.llama_free(self._context)
+
+    def sequence(self) -> LlamaCppSequence:
+        return LlamaCppSequence(self)
+
+    def describe(self) -> str:
+        return f"{self.path} ({self.architecture} {self.dtype}, llama.cpp)"
+
+    def verify_room(self, root_position: int) -> int:
+        return max(self.max_length - 1 - root_position, 0)
+
+    def tree_refusal(self) -> str | None:
+        if self._tree_refusal is _UNCHECKED:
+            self._tree_refusal = base.tree_check(self)
+        return self._tree_refusal
+
+    def set_threads(self, threads: int) -> None:
+        self.threads = threads
+        self.llama_cpp.llama_set_n_threads(self._context, threads, threads)
+
+    # ---- sequence ids and decoding, for LlamaCppSequence
+
+    def take_id(self) -> int:
+        if not self._free_ids:
+            raise SpecDecError(f"a token tree needs more than llama.cpp's {MAX_SEQUENCE_IDS} sequence ids; use fewer nodes")
+        return self._free_ids.pop()
+
+    def drop_id(self, seq_id: int, from_position: int = -1) -> None:
+        """Remove the id from its cells at positions >= from_position (all of them: -1)."""
+        if not self.llama_cpp.llama_memory_seq_rm(self._memory, seq_id, from_position, -1):
+            raise SpecDecError(f"llama.cpp could not remove cells of sequence {seq_id} from position {from_position}")
+        if from_position < 0:
+            self._free_ids.append(seq_id)
+
+    def copy_id(self, source: int, target: int, start: int, end: int) -> None:
+        """Add `target` to the cells of `source` at positions [start, end)."""
+        self.llama_cpp.llama_memory_seq_cp(self._memory, source, target, start, end)
+
+    def decode(self, tokens: list[int], positions: list[int], ids: list[list[int]], outputs: int) -> torch.Tensor:
+        """One llama_decode per BATCH tokens; returns the logits of the last `outputs` tokens."""
+        lib, batch, rows = self.llama_cpp, self._batch, []
+        first_output = len(tokens) - outputs
+        for start in range(0, len(tokens), BATCH):
+            end = min(start + BATCH, len(tokens))
+            batch.n_tokens = end - start
+            for j, i in enumerate(range(start, end)):
+                batch.token[j], batch.pos[j] = tokens[i], positions[i]
+                batch.n_seq_id[j] = len(ids[i])
+                for k, seq_id in enumerate(ids[i]):
+                    batch.seq_id[j][k] = seq_id
+                batch.logits[j] = i >= first_output
+            _log.clear()
+            status = lib.llama_decode(self._context, batch)
+            if status != 0:
+                full = " (the KV cache is full)" if status == 1 else ""
+                raise SpecDecError(f"llama.cpp could not decode {end - start} tokens of {self.path}{full}{_last_log()}")
+            n_out = max(0, end - max(start, first_output))
+            if n_out:
+                logits = lib.llama_get_logits(self._context)
+                rows.append(torch.from_numpy(np.ctypeslib.as_array(logits, shape=(n_out, self.vocab_size)).copy()))
+        return torch.cat(rows) if rows else torch.zeros(0, self.vocab_size)
+
+
+class LlamaCppSequence:
+    """One sequence slot on a LlamaCppModel; see the module docstring for how branches work.
+
+    Invariant: every entry's `home` branch holds its whole path; `tips[b]` is the deepest entry of
+    branch b; the base branch holds the committed text (the entries of `keep`'s chain)."""
+
+    def __init__(self, owner: LlamaCppModel):
+        self.owner = owner
+        self.base = owner.take_id()
+        self._positions: list[int] = []
+        self._parents: list[int] = []
+        self._home: list[int] = []
+        self._tips: dict[int, int] = {self.base: -1}
+
+    @property
+    def cache_len(self) -> int:
+        return len(self._positions)
+
+    def release(self) -> None:
+        for branch in self._tips:
+            self.owner.drop_id(branch)
+        self._tips = {}
+
+    def forward(self, tokens, parents=None, last: int | None = None) -> torch.Tensor:
+        tokens = [int(t) for t in torch.as_tensor(tokens).reshape(-1).tolist()]
+        n, start = len(tokens), self.cache_len
+        parents = base.chain_parents(start, n) if parents is None else [int(p) for p in parents]
+        if len(parents) != n:
+            raise ValueError(f"{n} tokens need {n} parents, got {len(parents)}")
+        base.check_parents(parents, start)
+        if any(not 0 <= t < self.owner.vocab_size for t in tokens):
+            raise ValueError(f"token ids must be in [0, {self.owner.vocab_size})")
+        if start + n > self.owner.max_length:
+            raise SpecDecError(f"{n} new tokens after {start} cached ones overflow the context of {self.owner.max_length}")
+        ids: list[list[int]] = []
+        for i, parent in enumerate(parents):
+            self._parents.append(parent)
+            self._positions.append(0 if parent < 0 else self._positions[parent] + 1)
+            ids.append([self._branch_for(start + i, start, ids)])
+        positions = self._positions[start:]
+        try:
+            return self.owner.decode(tokens, positions, ids, n if last is None else min(last, n))
+        except SpecDecError:  # the cells' state is unknown: start the sequence over, empty
+            self.release()
+            self.__init__(self.owner)
+            raise
+
+    def _branch_for(self, entry: int, start: int, ids: list[list[int]]) -> int:
+        """The branch of a new entry: its parent's when the parent is that branch's tip, else a new
+        one holding the parent's path (cached cells by seq_cp, new ancestors by carrying its id)."""
+        parent = self._parents[entry]
+        home = self._home[parent] if parent >= 0 else self.base
+        if parent < 0 and self._tips[self.base] != -1:
+            raise ValueError("only the first entry of a sequence may have no parent")
+        if self._tips[home] == parent:
+            self._home.append(home)
+        else:
+            home = self.owner.take_id()
+            ancestor = parent
+            while ancestor >= start:  # new ancestors in this batch carry the branch too
+                ids[ancestor - start].append(home)
+                ancestor = self._parents[ancestor]
+            if ancestor >= 0:
+                self.owner.copy_id(self._home[ancestor], home, -1, self._positions[ancestor] + 1)
+            self._home.append(home)
+        self._tips[home] = entry
+        return home
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.cache_len:
+            raise ValueError(f"cannot truncate a cache of {self.cache_len} entries to {length}")
+        self.keep(length, [])
+
+    def keep(self, start: int, indices) -> None:
+        indices = [int(i) for i in indices]
+        base.check_kept_path(self._parents, start, indices, self.cache_len)
+        owner, first_position = self.owner, (self._positions[start - 1] + 1 if start else 0)
+        if indices:
+            last = indices[-1]
+            branch, end = self._home[last], self._positions[last] + 1
+            if branch == self.base:
+                owner.drop_id(self.base, end)
+            else:
+                owner.drop_id(self.base, first_position)
+                owner.copy_id(branch, self.base, first_position, end)
+        else:
+            owner.drop_id(self.base, first_position)
+        for branch in [b for b in self._tips if b != self.base]:
+            owner.drop_id(branch)
+        self._positions = self._positions[:start] + [self._positions[i] for i in indices]
+        self._parents = self._parents[:start] + base.chain_parents(start, len(indices))
+        self._home = [self.base] * len(self._positions)
+        self._tips = {self.base: len(self._positions) - 1}
+
+
+_UNCHECKED = object()
+
+
+def _text(fill, size: int = 256) -> str:
+    """A string from a llama.cpp function that writes into a buffer and returns its length."""
+    buffer = ctypes.create_string_buffer(size)
+    length = fill(buffer, size)
+    if length >= size:
+        return _text(fill, length + 1)
+    return buffer.raw[: max(length, 0)].decode("utf-8", "replace")
+
+
+def _check_gguf_file(path: Path) -> None:
+    if not path.is_file():
+        raise SpecDecError(f"model file not found: {path}")
+    with open(path, "rb") as handle:
+        magic = handle.read(4)
+    if magic != b"GGUF":
+        raise SpecDecError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+
+
+class _Weights:
+    """A llama_model, freed when the last holder (the model, its tokenizer) lets go."""
+
+    def __init__(self, lib, path: Path, gpu_layers: int):
+        self.lib = lib
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = gpu_layers
+        _log.clear()
+        self.model = lib.llama_model_load_from_file(os.fsencode(path), params)
+        if not self.model:
+            raise SpecDecError(f"llama.cpp could not load {path}{_last_log()}")
+        self.vocab = lib.llama_model_get_vocab(self.model)
+
+    def __del__(self):
+        if getattr(self, "model", None):
+            self.lib.llama_model_free(self.model)
+
+
+class GGUFTokenizer:
+    """The tokenizer stored in a GGUF file, through llama.cpp, with the Hugging Face methods specdec uses."""
+
+    def __init__(self, weights: _Weights):
+        self._weights = weights  # keeps the llama_model alive as long as the tokenizer
+        lib, model, vocab = weights.lib, weights.model, weights.vocab
+        self._lib, self._vocab = lib, vocab
+        self._size = lib.llama_vocab_n_tokens(vocab)
+        eos = lib.llama_vocab_eos(vocab)
+        bos = lib.llama_vocab_bos(vocab)
+        self.eos_token_id = eos if eos >= 0 else None
+        self.bos_token_id = bos if bos >= 0 else None
+        template = lib.llama_model_chat_template(model, None)
+        self.chat_template = template.decode("utf-8") if template else None
+        self._pieces: dict[tuple[int, bool], bytes] = {}
+
+    def __len__(self) -> int:
+        return self._size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        ids = (self._lib.llama_token * capacity)()
+        count = self._lib.llama_tokenize(self._vocab, data, len(data), ids, capacity, add_special_tokens, True)
+        if count < 0:  # the buffer was too small: -count is the size needed
+            return self._encode_into(data, -count, add_special_tokens)
+        return list(ids[:count])
+
+    def _encode_into(self, data: bytes, capacity: int, add_special_tokens: bool) -> list[int]:
+        ids = (self._lib.llama_token * capacity)()
+        count = self._lib.llama_tokenize(self._vocab, data, len(data), ids, capacity, add_special_tokens, True)
+        return list(ids[:count])
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return b"".join(self._piece(int(i), not skip_special_tokens) for i in ids).decode("utf-8", "replace")
+
+    def _piece(self, token: int, special: bool) -> bytes:
+        key = (token, special)
+        if key not in self._pieces:
+            if not 0 <= token < self._size:
+                raise ValueError(f"token id {token} is outside the vocabulary of {self._size}")
+            buffer = ctypes.create_string_buffer(64)
+            length = self._lib.llama_token_to_piece(self._vocab, token, buffer, 64, 0, special)
+            if length < 0:
+                buffer = ctypes.create_string_buffer(-length)
+                length = self._lib.llama_token_to_piece(self._vocab, token, buffer, -length, 0, special)
+            self._pieces[key] = buffer.raw[:length]
+        return self._pieces[key]
+
+    def get_vocab(self) -> dict[str, int]:
+        vocab = {}
+        for i in range(self._size):
+            vocab.setdefault(self._lib.llama_vocab_get_text(self._vocab, i).decode("utf-8", "replace"), i)
+        return vocab
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = True):
+        """Render the GGUF's chat template (Jinja, sandboxed) and tokenize it as given."""
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        if not self.chat_template:
+            raise SpecDecError("the model has no chat template")
+        special = {name: self.decode([i], skip_special_tokens=False) if i is not None else ""
+                   for name, i in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id))}
+        text = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **special)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
