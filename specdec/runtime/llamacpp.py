@@ -177,7 +177,7 @@ class LlamaCppModel:
             _log.clear()
             status = lib.llama_decode(self._context, batch)
             if status != 0:
-                full = " (the KV cache is full)" if status == 1 else ""
+                full = f" (the KV cache of {self.max_length} cells, shared by this model's open sequences, is full)" if status == 1 else ""
                 raise SpecDecError(f"llama.cpp could not decode {end - start} tokens of {self.path}{full}{_last_log()}")
             n_out = max(0, end - max(start, first_output))
             if n_out:
@@ -208,6 +208,10 @@ class LlamaCppSequence:
         for branch in self._tips:
             self.owner.drop_id(branch)
         self._tips = {}
+
+    def __del__(self):  # a sequence dropped without release() gives its cells back too
+        if getattr(self, "_tips", None):
+            self.release()
 
     def forward(self, tokens, parents=None, last: int | None = None) -> torch.Tensor:
         tokens = [int(t) for t in torch.as_tensor(tokens).reshape(-1).tolist()]

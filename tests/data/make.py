@@ -1,0 +1,49 @@
+"""Rebuild the GGUF test models in tests/data (committed; this records how they were made).
+
+    python tests/data/make.py LLAMA_CPP_DIR
+
+- draft-f32.gguf: the demo draft checkpoint converted in float32, so that llama.cpp and
+  transformers run the very same weights (tests/test_llamacpp.py compares them).
+- near-f16.gguf: the demo draft with every weight perturbed (seeded noise of 0.3 of each tensor's
+  standard deviation), in f16: a fast drafter for the float32 draft that agrees with it only
+  sometimes, so the distribution tests see acceptances and rejections.
+LLAMA_CPP_DIR: a llama.cpp source tree (scripts/convert_to_gguf.py explains where one comes from).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+HERE = Path(__file__).parent
+DEMO_DRAFT = HERE.parent.parent / "specdec" / "demo_pair" / "draft"
+CONVERT = HERE.parent.parent / "scripts" / "convert_to_gguf.py"
+NOISE = 0.3
+
+
+def convert(model: Path, out: Path, outtype: str, llama_cpp: str) -> None:
+    subprocess.run([sys.executable, str(CONVERT), str(model), str(out), "--llama-cpp", llama_cpp, "--outtype", outtype,
+                    "--pre", "gpt-2"], check=True)
+
+
+def near_copy(directory: Path) -> Path:
+    model = AutoModelForCausalLM.from_pretrained(DEMO_DRAFT, dtype=torch.float32)
+    noise = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(NOISE * weight.std() * torch.randn(weight.shape, generator=noise))
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(DEMO_DRAFT).save_pretrained(directory)
+    return directory
+
+
+if __name__ == "__main__":
+    llama_cpp = sys.argv[1]
+    convert(DEMO_DRAFT, HERE / "draft-f32.gguf", "f32", llama_cpp)
+    with tempfile.TemporaryDirectory() as tmp:
+        convert(near_copy(Path(tmp)), HERE / "near-f16.gguf", "f16", llama_cpp)
