@@ -2,8 +2,10 @@
 
     python scripts/convert_to_gguf.py --llama-cpp LLAMA_CPP_DIR MODEL_DIR OUT.gguf [--outtype f16] [--pre gpt-2]
 
-LLAMA_CPP_DIR is a llama.cpp source tree with convert_hf_to_gguf.py and gguf-py (the one vendored in
-llama-cpp-python's source package: scripts/llama_cpp_source.sh prints where it unpacked it). The
+LLAMA_CPP_DIR is a llama.cpp source tree with convert_hf_to_gguf.py and gguf-py: the one vendored in
+llama-cpp-python's source package, which benchmarks/build_llama_cpp_tools.sh unpacks into
+llama.cpp-src/llama_cpp_python-VERSION/vendor/llama.cpp (the converter needs sentencepiece and gguf
+installed). The
 converter names a BPE pre-tokenizer by hashing how the tokenizer splits a test string and refuses
 tokenizers it has not seen; `--pre` names it for such a tokenizer (the demo pair's is a byte-level
 BPE with GPT-2's split pattern and no prefix space: `gpt-2`). Afterwards the GGUF's tokenizer

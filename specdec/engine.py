@@ -76,13 +76,16 @@ def decode(
     Invariant at the top of every iteration: the target's sequence holds context[:-1]; the last
     committed token is fed together with the next draft (a chain or a tree), so accepted tokens
     are never recomputed. A tree's depth, not its size, is bounded by the gamma policy.
-    The generation owns one sequence slot of the target, released when it ends.
+    The generation owns one sequence slot of the target, released when it ends; the drafter is
+    reset at both ends.
     """
     sequence = target.sequence()
     try:
         yield from _decode(target, sequence, drafter, prompt, sampling, max_new_tokens, gamma_policy, streams, stats, stop_tokens)
-    finally:
+    finally:  # the caches go back to their models (llama.cpp's cells are shared by all sequences)
         sequence.release()
+        if drafter is not None:
+            drafter.reset()
 
 
 def _decode(target, sequence: Sequence, drafter, prompt, sampling, max_new_tokens, gamma_policy, streams, stats, stop_tokens):
@@ -108,8 +111,9 @@ def _decode(target, sequence: Sequence, drafter, prompt, sampling, max_new_token
         logits = _score(sequence, context[-1], draft)  # [len(draft) + 1, vocab]
         result = _verify(draft, logits, sampling, streams)
         # 3. drop the rejected nodes: the cache keeps context[:-1] + last + the accepted path, contiguous
-        kept = sequence.cache_len - len(draft)
-        sequence.keep(kept, [kept + node for node in result.path])
+        if len(draft):
+            kept = sequence.cache_len - len(draft)
+            sequence.keep(kept, [kept + node for node in result.path])
         stats.target_forwards += 1
         stats.draft_forwards = drafter.forwards if drafter is not None else 0
         stats.draft_seconds += tock - tick
@@ -142,9 +146,11 @@ def _check_draft(draft: Draft, gamma: int, vocab_size: int, sampling: SamplingPa
 
 def _score(sequence: Sequence, last: int, draft: Draft) -> torch.Tensor:
     """Feed the last committed token (the root) and the draft's nodes in one forward, as a tree."""
+    if not len(draft):  # plain decoding: one token, continuing the chain
+        return sequence.forward([last])
     root = sequence.cache_len
     parents = [root - 1] + tree.entries(draft.parents, root).tolist()
-    return sequence.forward(torch.cat([torch.tensor([last]), draft.tokens]), parents)
+    return sequence.forward([last] + draft.tokens.tolist(), parents)
 
 
 def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, streams: RandomStreams):

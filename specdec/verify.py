@@ -74,6 +74,8 @@ def verify_tree_greedy(
 ) -> VerifyResult:
     """Follow the target's argmax down the tree while some child carries it; then emit that argmax."""
     choices = target_logits.argmax(dim=-1).tolist()
+    if not len(tokens):  # no draft: plain greedy decoding
+        return VerifyResult(accepted=0, tokens=choices[:1], path=[])
     path, node = [], -1
     while True:
         matches = [c for c in tree.children(parents, node) if int(tokens[c]) == choices[node + 1]]

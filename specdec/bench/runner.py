@@ -243,6 +243,23 @@ def model_facts(model: CausalLM) -> dict:
             "dtype": model.dtype, "vocab_size": model.vocab_size, "context": model.max_length, "threads": getattr(model, "threads", None)}
 
 
+def read_bandwidth(threads: int = 1, megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes per second that summing a large float32 array reads (median of repeats), with `threads`
+    torch threads: the bound on plain decoding, which reads every weight once per token."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        data = torch.ones(megabytes * 2**20 // 4)
+        times = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            float(data.sum())
+            times.append(time.perf_counter() - started)
+        return data.numel() * 4 / statistics.median(times[1:])
+    finally:
+        torch.set_num_threads(previous)
+
+
 def machine_description() -> dict:
     import os
     import platform

@@ -22,7 +22,7 @@ class Drafter(Protocol):
     forwards: int  # model forwards spent since reset(); 0 for model-free drafters
 
     def reset(self) -> None:
-        """A new generation begins."""
+        """A generation begins or has ended: forget (and give back) what the last one cached."""
 
     def propose(
         self, context: Sequence[int], max_tokens: int, sampling: SamplingParams, rng: torch.Generator

@@ -107,6 +107,7 @@ class PeerRun:
     seconds: float
     target_forwards: int  # counted where the peer's loop can be watched
     draft_forwards: int = 0
+    prefill_seconds: float | None = None  # the prompt's share of `seconds`, where it could be timed apart
 
 
 @dataclass

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -138,6 +139,26 @@ class LlamaCppModel:
         if self._tree_refusal is _UNCHECKED:
             self._tree_refusal = base.tree_check(self)
         return self._tree_refusal
+
+    def peers(self, draft, max_new_tokens: int) -> list[base.Peer]:
+        """llama-cpp-python's own generate() on the same file and threads: plain, and with its
+        prompt-lookup draft (LlamaPromptLookupDecoding; it has no draft-model speculation).
+        Each peer loads the file once more (mmap: the weights' pages are shared)."""
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        def load(**extra):
+            _log.clear()
+            try:
+                return Llama(model_path=self.path, n_ctx=self.max_length, n_threads=self.threads,
+                             n_threads_batch=self.threads, verbose=False, **extra)
+            except Exception as error:
+                raise SpecDecError(f"llama-cpp-python could not load {self.path}: {error}{_last_log()}") from error
+
+        # with a draft model, Llama keeps logits for n_batch rows but writes one per position: n_batch = n_ctx
+        lookup = load(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10), n_batch=self.max_length)
+        return [base.Peer("llama-cpp-python generate", False, _generate_peer(load(n_batch=BATCH), max_new_tokens, self.stop_token_ids)),
+                base.Peer("llama-cpp-python prompt lookup", False, _generate_peer(lookup, max_new_tokens, self.stop_token_ids))]
 
     def set_threads(self, threads: int) -> None:
         self.threads = threads
@@ -283,6 +304,39 @@ class LlamaCppSequence:
         self._parents = self._parents[:start] + base.chain_parents(start, len(indices))
         self._home = [self.base] * len(self._positions)
         self._tips = {self.base: len(self._positions) - 1}
+
+
+def _generate_peer(llm, max_new_tokens: int, stop_ids: frozenset[int]):
+    """Llama.generate() with plain temperature / top-k / top-p sampling (its other samplers off);
+    decodes are counted by wrapping its context's decode."""
+    counter = {"decodes": 0}
+    decode = llm._ctx.decode
+
+    def counted(batch):
+        counter["decodes"] += 1
+        return decode(batch)
+
+    llm._ctx.decode = counted
+
+    def run(prompt_ids: list[int], sampling, seed: int) -> base.PeerRun:
+        llm.reset()  # no reuse of the previous prompt's cache: every run prefills, as ours do
+        llm.set_seed(seed)
+        tokens = []
+        started = time.perf_counter()
+        llm.eval(prompt_ids[:-1])  # the prefill, as the engine's (generate() then reuses it)
+        prefill_seconds = time.perf_counter() - started
+        before = counter["decodes"]
+        for token in llm.generate(prompt_ids, temp=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                  min_p=0.0, typical_p=1.0, repeat_penalty=1.0):
+            if token in stop_ids:
+                break
+            tokens.append(token)
+            if len(tokens) >= max_new_tokens:
+                break
+        seconds = time.perf_counter() - started
+        return base.PeerRun(tokens, seconds, counter["decodes"] - before, prefill_seconds=prefill_seconds)
+
+    return run
 
 
 _UNCHECKED = object()
