@@ -204,6 +204,17 @@ def run_cli(*argv) -> tuple[int, str]:
     return done.returncode, done.stderr
 
 
+def test_a_quantized_file_loads_and_decodes_losslessly(gguf, gguf_models):
+    """Q8_0 weights: trees pass the tree check, and greedy tree drafting equals plain decoding."""
+    quantized = specdec.load_model(gguf_models["gguf-q8_0"], threads=1)
+    assert quantized.dtype == "Q8_0" and quantized.weight_bytes < gguf["draft"].weight_bytes
+    assert quantized.tree_refusal() is None
+    reference = SpeculativeDecoder(quantized).generate(PROMPTS[1], max_new_tokens=40, temperature=0)
+    drafted = SpeculativeDecoder(quantized, ModelDrafter(gguf["near"], tree=TreeShape(nodes=6, width=2)), 3)
+    result = drafted.generate(PROMPTS[1], max_new_tokens=40, temperature=0)
+    assert result.tokens == reference.tokens and result.stats.accepted > 0
+
+
 def test_a_checkpoint_directory_on_the_llamacpp_backend_is_refused(model_dirs):
     with pytest.raises(specdec.SpecDecError, match="model file not found"):
         specdec.load(model_dirs["llama"], backend="llamacpp")
@@ -232,3 +243,31 @@ def test_mismatched_vocabularies_are_refused(gguf, model_dirs):
     tiny = specdec.load_model(model_dirs["llama"], device="cpu")
     with pytest.raises(specdec.SpecDecError, match="tokenizer does not match|tokenizer has tokens the target lacks"):
         SpeculativeDecoder(gguf["target"], ModelDrafter(tiny))
+
+
+def test_the_server_serves_gguf_models(gguf):
+    """Completions (whole and streamed) equal offline generation; chat renders the template through
+    the GGUF tokenizer."""
+    import httpx
+
+    from specdec.server import create_app
+    from test_server import CHAT_TEMPLATE, LiveServer, sse_events
+
+    decoder = SpeculativeDecoder(gguf["target"], ModelDrafter(gguf["draft"]), gamma=3)
+    want = SpeculativeDecoder(gguf["target"]).generate(PROMPTS[0], max_new_tokens=24, temperature=0)
+    live = LiveServer(create_app(decoder, "demo"))
+    try:
+        body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0}
+        reply = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()
+        assert reply["choices"][0]["text"] == want.text and reply["speculative"]["accepted"] > 0
+        with httpx.stream("POST", live.url + "/v1/completions", json=body | {"stream": True}, timeout=60) as response:
+            events = sse_events(response)
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want.text
+        chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}
+        assert httpx.post(live.url + "/v1/chat/completions", json=chat, timeout=60).status_code == 400  # no template in the file
+        gguf["target"].tokenizer.chat_template = CHAT_TEMPLATE
+        reply = httpx.post(live.url + "/v1/chat/completions", json=chat, timeout=60).json()
+        assert reply["choices"][0]["message"]["role"] == "assistant" and 0 < reply["usage"]["completion_tokens"] <= 8
+    finally:
+        gguf["target"].tokenizer.chat_template = None
+        live.stop()

@@ -4,6 +4,8 @@
 
 - draft-f32.gguf: the demo draft checkpoint converted in float32, so that llama.cpp and
   transformers run the very same weights (tests/test_llamacpp.py compares them).
+- draft-q8_0.gguf: the demo draft quantized to Q8_0 by the converter: a quantized file loads and
+  its trees pass the tree check.
 - near-f16.gguf: the demo draft with every weight perturbed (seeded noise of 0.3 of each tensor's
   standard deviation), in f16: a fast drafter for the float32 draft that agrees with it only
   sometimes, so the distribution tests see acceptances and rejections.
@@ -45,5 +47,6 @@ def near_copy(directory: Path) -> Path:
 if __name__ == "__main__":
     llama_cpp = sys.argv[1]
     convert(DEMO_DRAFT, HERE / "draft-f32.gguf", "f32", llama_cpp)
+    convert(DEMO_DRAFT, HERE / "draft-q8_0.gguf", "q8_0", llama_cpp)
     with tempfile.TemporaryDirectory() as tmp:
         convert(near_copy(Path(tmp)), HERE / "near-f16.gguf", "f16", llama_cpp)
