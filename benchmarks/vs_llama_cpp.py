@@ -93,6 +93,15 @@ def tool_contestants(target_path: str, draft_path: str, threads: int) -> dict:
     return {name: runner(kind, extra) for name, (kind, extra) in kinds.items()}
 
 
+def attempt(run, *arguments) -> dict | None:
+    """One run; a llama.cpp program that fails is reported and left out, not fatal."""
+    try:
+        return run(*arguments)
+    except RuntimeError as error:
+        print(f"skipped: {str(error)[:300]}", file=sys.stderr)
+        return None
+
+
 def measure(args) -> dict:
     prompts = humaneval_prompts()[: args.limit]
     results = {"config": vars(args) | {"out": str(args.out)}, "runs": {}, "bandwidth": {}}
@@ -107,15 +116,17 @@ def measure(args) -> dict:
                                          "bound_tokens_per_second": bandwidth / target.weight_bytes}
         for mode, sampling in MODES.items():
             for name, run in contestants.items():  # warm-up: every code path once, not recorded
-                run(prompts[0], target.tokenizer.encode(prompts[0])[-8:], sampling, 0, 8)
+                attempt(run, prompts[0], target.tokenizer.encode(prompts[0]), sampling, 0, 16)
             runs = results["runs"].setdefault(f"{mode} · {threads} thread{'s' if threads > 1 else ''}", {})
             for i, prompt in enumerate(prompts):
                 ids = target.tokenizer.encode(prompt)
                 for name, run in contestants.items():
-                    record = run(prompt, ids, sampling, args.seed + i, args.max_new_tokens)
-                    record["load"] = os.getloadavg()[0]
-                    runs.setdefault(name, []).append(record)
+                    record = attempt(run, prompt, ids, sampling, args.seed + i, args.max_new_tokens)
+                    if record is not None:
+                        record["load"] = os.getloadavg()[0]
+                        runs.setdefault(name, []).append(record | {"prompt": i})
                 print(f"{mode} {threads}t prompt {i + 1}/{len(prompts)} load {os.getloadavg()[0]:.2f}", file=sys.stderr)
+            save(args.out, results)
     return results
 
 
@@ -131,16 +142,24 @@ def summarize(results: dict) -> str:
                   "| contestant | tok/s (median) | × specdec plain | acceptance |", "| --- | --- | --- | --- |"]
         for name, rs in runs.items():
             rates = [r["tokens"] / r["seconds"] for r in rs if r["seconds"] > 0]
-            ratios = [(r["tokens"] / r["seconds"]) / (p["tokens"] / p["seconds"]) for r, p in zip(rs, plain) if r["seconds"] > 0]
+            plain_rate = {p["prompt"]: p["tokens"] / p["seconds"] for p in plain}
+            ratios = [(r["tokens"] / r["seconds"]) / plain_rate[r["prompt"]] for r in rs if r["seconds"] > 0]
             drafted = sum(r.get("drafted") or 0 for r in rs)
             acceptance = f"{sum(r.get('accepted') or 0 for r in rs) / drafted:.2f}" if drafted else "–"
             lines.append(f"| {name} | {statistics.median(rates):.0f} | {statistics.median(ratios):.2f} | {acceptance} |")
         greedy_check = [name for name, rs in runs.items() if "token_ids" in rs[0] and window.startswith("greedy")
                         and any(r["token_ids"] != p["token_ids"] for r, p in zip(rs, plain))]
+        lines.append(f"\n{min(map(len, runs.values()))}–{max(map(len, runs.values()))} prompts per contestant "
+                     "(a llama.cpp program that printed no timing line is left out for that prompt).")
         if window.startswith("greedy"):
             lines.append(f"\nGreedy token ids equal to specdec plain for every in-process contestant: "
                          f"{'yes' if not greedy_check else 'no: ' + ', '.join(greedy_check)}")
     return "\n".join(lines)
+
+
+def save(out: Path, results: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
 
 
 def main() -> None:
@@ -157,8 +176,7 @@ def main() -> None:
     started = time.time()
     results = measure(args)
     results["seconds"] = time.time() - started
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    save(args.out, results)
     table = summarize(results)
     (args.out / "results.md").write_text(table + "\n")
     print(table)
