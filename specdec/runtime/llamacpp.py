@@ -160,10 +160,6 @@ class LlamaCppModel:
         return [base.Peer("llama-cpp-python generate", False, _generate_peer(load(n_batch=BATCH), max_new_tokens, self.stop_token_ids)),
                 base.Peer("llama-cpp-python prompt lookup", False, _generate_peer(lookup, max_new_tokens, self.stop_token_ids))]
 
-    def set_threads(self, threads: int) -> None:
-        self.threads = threads
-        self.llama_cpp.llama_set_n_threads(self._context, threads, threads)
-
     # ---- sequence ids and decoding, for LlamaCppSequence
 
     def take_id(self) -> int:
@@ -245,15 +241,14 @@ class LlamaCppSequence:
             raise ValueError(f"token ids must be in [0, {self.owner.vocab_size})")
         if start + n > self.owner.max_length:
             raise SpecDecError(f"{n} new tokens after {start} cached ones overflow the context of {self.owner.max_length}")
-        ids: list[list[int]] = []
-        for i, parent in enumerate(parents):
-            self._parents.append(parent)
-            self._positions.append(0 if parent < 0 else self._positions[parent] + 1)
-            ids.append([self._branch_for(start + i, start, ids)])
-        positions = self._positions[start:]
         try:
-            return self.owner.decode(tokens, positions, ids, n if last is None else min(last, n))
-        except SpecDecError:  # the cells' state is unknown: start the sequence over, empty
+            ids: list[list[int]] = []
+            for i, parent in enumerate(parents):
+                self._parents.append(parent)
+                self._positions.append(0 if parent < 0 else self._positions[parent] + 1)
+                ids.append([self._branch_for(start + i, start, ids)])
+            return self.owner.decode(tokens, self._positions[start:], ids, n if last is None else min(last, n))
+        except Exception:  # half-assigned ids or cells in an unknown state: start the sequence over, empty
             self.release()
             self.__init__(self.owner)
             raise
@@ -287,6 +282,8 @@ class LlamaCppSequence:
     def keep(self, start: int, indices) -> None:
         indices = [int(i) for i in indices]
         base.check_kept_path(self._parents, start, indices, self.cache_len)
+        if any(home != self.base for home in self._home[:start]):
+            raise ValueError(f"the first {start} entries must be committed text (a chain) to keep a path after them")
         owner, first_position = self.owner, (self._positions[start - 1] + 1 if start else 0)
         if indices:
             last = indices[-1]
