@@ -32,14 +32,20 @@ def alone(model, tokens: list[int]) -> torch.Tensor:
     return logits
 
 
+def fed_tree(model):
+    """A new sequence holding PREFIX, then the 7-node tree below its last token in one forward;
+    returns the sequence and the tree's logits."""
+    sequence = model.sequence()
+    sequence.forward(PREFIX)
+    return sequence, sequence.forward(TREE_TOKENS, tree.entries(torch.tensor(TREE_PARENTS), len(PREFIX) - 1).tolist())
+
+
 @pytest.mark.parametrize("runtime", ARCHS + GGUF, indirect=True)
 def test_every_tree_node_matches_its_path_alone(runtime):
     """One forward of a whole tree: each node's logits are its own path's."""
     model, atol = runtime
     parents = torch.tensor(TREE_PARENTS)
-    sequence = model.sequence()
-    sequence.forward(PREFIX)
-    tree_logits = sequence.forward(TREE_TOKENS, tree.entries(parents, len(PREFIX) - 1).tolist())
+    sequence, tree_logits = fed_tree(model)
     for node in range(len(TREE_TOKENS)):
         path = [TREE_TOKENS[i] for i in tree.path_to(parents, node)]
         torch.testing.assert_close(tree_logits[node], alone(model, PREFIX + path), rtol=0, atol=atol)
@@ -69,9 +75,7 @@ def test_keep_compacts_a_tree_path(runtime):
     """After keeping the path to node 6 (nodes 0 1 3 6), the next token sees exactly that path."""
     model, atol = runtime
     parents = torch.tensor(TREE_PARENTS)
-    sequence = model.sequence()
-    sequence.forward(PREFIX)
-    sequence.forward(TREE_TOKENS, tree.entries(parents, len(PREFIX) - 1).tolist())
+    sequence, _ = fed_tree(model)
     path = tree.path_to(parents, 6)
     assert path == [0, 1, 3, 6]
     sequence.keep(len(PREFIX), [len(PREFIX) + i for i in path])

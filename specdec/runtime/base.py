@@ -170,11 +170,17 @@ def chain_parents(start: int, n: int) -> list[int]:
     return list(range(start - 1, start + n - 1))
 
 
-def check_parents(parents: Seq[int], start: int) -> None:
-    """Every parent of the entries start, start + 1, ... is -1 or an earlier entry."""
+def new_entries(tokens, parents: Seq[int] | None, start: int) -> tuple[list[int], list[int]]:
+    """A forward's tokens and parents as lists (parents default to a chain after `start` cached
+    entries), checked: one parent per token, each -1 or an earlier entry."""
+    tokens = [int(t) for t in torch.as_tensor(tokens).reshape(-1).tolist()]
+    parents = chain_parents(start, len(tokens)) if parents is None else [int(p) for p in parents]
+    if len(parents) != len(tokens):
+        raise ValueError(f"{len(tokens)} tokens need {len(tokens)} parents, got {len(parents)}")
     for i, parent in enumerate(parents):
         if not -1 <= parent < start + i:
             raise ValueError(f"entry {start + i} cannot follow entry {parent}: parents must be -1 or earlier entries")
+    return tokens, parents
 
 
 def check_kept_path(parents: Seq[int], start: int, indices: Seq[int], length: int) -> None:

@@ -231,12 +231,9 @@ class LlamaCppSequence:
             self.release()
 
     def forward(self, tokens, parents=None, last: int | None = None) -> torch.Tensor:
-        tokens = [int(t) for t in torch.as_tensor(tokens).reshape(-1).tolist()]
-        n, start = len(tokens), self.cache_len
-        parents = base.chain_parents(start, n) if parents is None else [int(p) for p in parents]
-        if len(parents) != n:
-            raise ValueError(f"{n} tokens need {n} parents, got {len(parents)}")
-        base.check_parents(parents, start)
+        start = self.cache_len
+        tokens, parents = base.new_entries(tokens, parents, start)
+        n = len(tokens)
         if any(not 0 <= t < self.owner.vocab_size for t in tokens):
             raise ValueError(f"token ids must be in [0, {self.owner.vocab_size})")
         if start + n > self.owner.max_length:
