@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from specdec.drafters import Drafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
-from specdec.engine import AdaptiveGamma, FixedGamma, decode
+from specdec.engine import AdaptiveGamma, DecodeState, Engine, FixedGamma, StepResult
 from specdec.errors import SpecDecError
 from specdec.ngram import KatzTrigram
 from specdec.runtime import CausalLM, check_same_vocabulary, choose_backend, load_model, require_trees, tokenizer_fingerprint
@@ -74,6 +74,19 @@ class SpeculativeDecoder:
         stop: Sequence[str] = (),
     ) -> Stream:
         """Text deltas as they are committed. Temperature 0 is greedy; a seed makes sampling repeatable."""
+        return Stream(self._deltas(self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop)))
+
+    def request(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 128,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+    ) -> Generation:
+        """A checked generation, not started: run it with `stream`, or in a batch with an `Engine`."""
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         prompt_ids = self.prompt_ids(prompt)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -83,7 +96,13 @@ class SpeculativeDecoder:
         stop = [stop] if isinstance(stop, str) else list(stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise SpecDecError("stop strings must be non-empty strings")
-        return Stream(self._deltas(prompt_ids, sampling, max_new_tokens, seed, stop))
+        gamma_policy = AdaptiveGamma() if self.gamma == "auto" else FixedGamma(self.gamma)
+        state = DecodeState(prompt_ids, sampling, max_new_tokens, gamma_policy, RandomStreams(seed),
+                            GenerationStats(prompt_tokens=len(prompt_ids)), self.stop_token_ids)
+        return Generation(state, TextAssembler(self.tokenizer, prompt_ids, stop))
+
+    def engine(self) -> Engine:
+        return Engine(self.target, self.drafter)
 
     def prompt_ids(self, prompt) -> list[int]:
         """Token ids of a prompt (text or ids), checked: not empty, in the vocabulary, shorter than the context."""
@@ -107,47 +126,77 @@ class SpeculativeDecoder:
     def stop_token_ids(self) -> frozenset[int]:
         return self.target.stop_token_ids
 
-    def _deltas(self, prompt_ids, sampling, max_new_tokens, seed, stop) -> Iterator[str]:
+    def _deltas(self, generation: Generation) -> Iterator[str]:
         if self._busy:
             raise SpecDecError("this decoder is already generating; finish the other stream first")
         self._busy = True
+        engine = self.engine()
         try:
-            return (yield from self._generate(prompt_ids, sampling, max_new_tokens, seed, stop))
+            generation.open(engine)
+            while not generation.done:
+                step = engine.step([generation.state])[0]
+                delta = generation.add(step)
+                if delta:
+                    yield delta
+            return generation.result()
         finally:
+            engine.close(generation.state)
             self._busy = False
 
-    def _generate(self, prompt_ids, sampling, max_new_tokens, seed, stop) -> Iterator[str]:
-        stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        gamma_policy = AdaptiveGamma() if self.gamma == "auto" else FixedGamma(self.gamma)
-        started = time.perf_counter()
-        steps = decode(
-            self.target, self.drafter, prompt_ids, sampling, max_new_tokens,
-            gamma_policy, RandomStreams(seed), stats, self.stop_token_ids,
-        )
-        tokens: list[int] = []
-        text = ""
-        emitted = 0  # characters of text already yielded
-        finish_reason = "length"
-        decode_text = _continuation_decoder(self.tokenizer, prompt_ids)
-        for step in steps:
-            tokens += step.tokens
-            text = decode_text(tokens)
-            cut = _first_stop(text, stop, max(0, emitted - max(map(len, stop), default=0)))
-            if cut is not None:
-                text, finish_reason = text[:cut], "stop"
-                tokens = _tokens_within(decode_text, tokens, text)
-            elif step.finish_reason:
-                finish_reason = step.finish_reason
-            safe = len(text) if (cut is not None or step.finish_reason) else _safe_length(text, stop)
-            if safe > emitted:
-                yield text[emitted:safe]
-                emitted = safe
-            if cut is not None:
-                break
-        steps.close()
-        stats.generated_tokens = len(tokens)
-        stats.total_seconds = time.perf_counter() - started
-        return GenerationResult(text=text, tokens=tokens, finish_reason=finish_reason, stats=stats)
+
+class Generation:
+    """One request: its decoding state and its text so far. `add` each step's result until `done`."""
+
+    def __init__(self, state: DecodeState, text: TextAssembler):
+        self.state, self.text = state, text
+        self.started = 0.0
+
+    def open(self, engine: Engine) -> None:
+        """Prefill on `engine` (which must `close` the state when the generation ends)."""
+        self.started = time.perf_counter()
+        engine.open(self.state)
+
+    @property
+    def done(self) -> bool:
+        return self.text.finish_reason is not None or self.state.finish_reason is not None
+
+    def add(self, step: StepResult) -> str:
+        """The text delta this step's tokens make visible ('' when none)."""
+        return self.text.add(step)
+
+    def result(self) -> GenerationResult:
+        stats = self.state.stats
+        stats.generated_tokens = len(self.text.tokens)
+        stats.total_seconds = time.perf_counter() - self.started
+        return GenerationResult(text=self.text.text, tokens=self.text.tokens, finish_reason=self.text.finish_reason or self.state.finish_reason or "length", stats=stats)
+
+
+class TextAssembler:
+    """Committed tokens to text deltas: a stop string cuts the text (and the tokens) where it
+    begins; a half-decoded character or a possible start of a stop string is held back."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
+        self.decode_text = _continuation_decoder(tokenizer, prompt_ids)
+        self.stop = stop
+        self.tokens: list[int] = []
+        self.text = ""
+        self.emitted = 0  # characters of text already given out
+        self.finish_reason: str | None = None
+
+    def add(self, step: StepResult) -> str:
+        self.tokens += step.tokens
+        text = self.decode_text(self.tokens)
+        cut = _first_stop(text, self.stop, max(0, self.emitted - max(map(len, self.stop), default=0)))
+        if cut is not None:
+            text, self.finish_reason = text[:cut], "stop"
+            self.tokens = _tokens_within(self.decode_text, self.tokens, text)
+        elif step.finish_reason:
+            self.finish_reason = step.finish_reason
+        self.text = text
+        safe = len(text) if self.finish_reason else _safe_length(text, self.stop)
+        delta = text[self.emitted:safe] if safe > self.emitted else ""
+        self.emitted = max(self.emitted, safe)
+        return delta
 
 
 def _first_stop(text: str, stop: list[str], start: int) -> int | None:

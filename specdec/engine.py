@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence as Seq
 
 import torch
 
 from specdec import tree
-from specdec.drafters.base import Drafter, empty_draft
+from specdec.drafters.base import Drafter, DraftRequest, DraftSlot, empty_draft
 from specdec.errors import SpecDecError
 from specdec.runtime import CausalLM, Sequence
+from specdec.runtime.base import Feed
 from specdec.sampling import RandomStreams, probs_from_logits
 from specdec.types import Draft, GenerationStats, SamplingParams
 from specdec.verify import verify_tree, verify_tree_greedy
@@ -54,16 +55,141 @@ class AdaptiveGamma:
 
 @dataclass
 class StepResult:
-    """The tokens one iteration committed, and why generation ended there (None: it goes on)."""
+    """The tokens one iteration committed, and why generation ended there (None: it goes on).
+    drafted / accepted: the draft's depth and how many of its tokens were kept."""
 
     tokens: list[int]
     finish_reason: str | None = None
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class DecodeState:
+    """One generation between steps: everything `Engine.step` needs for its row of a batch.
+
+    Invariant between steps (while `sequence` is open): the target's sequence holds context[:-1];
+    the last committed token is fed together with the next draft (a chain or a tree), so accepted
+    tokens are never recomputed.
+    """
+
+    prompt: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    gamma_policy: FixedGamma | AdaptiveGamma
+    streams: RandomStreams
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    stop_tokens: frozenset[int] = frozenset()
+    context: list[int] = field(default_factory=list)
+    room: int = 0  # tokens this generation may still emit at most, from the start
+    generated: int = 0
+    finish_reason: str | None = None
+    sequence: Sequence | None = None  # the target's slot
+    draft_slot: DraftSlot | None = None
+
+
+class Engine:
+    """Runs generations in steps over one target and one drafter (or none: plain decoding).
+
+    `open` prefills a generation, `step` advances a whole batch of them by one iteration each:
+    drafts for every row (draft-model forwards shared across rows), one target forward scoring
+    every row's chain or tree, then per-row verification and commit; `close` gives the slots back.
+    A tree's depth, not its size, is bounded by the gamma policy.
+    """
+
+    def __init__(self, target: CausalLM, drafter: Drafter | None):
+        self.target, self.drafter = target, drafter
+
+    def open(self, state: DecodeState) -> None:
+        state.context = list(state.prompt)
+        state.room = min(state.max_new_tokens, self.target.max_length - len(state.context))
+        started = time.perf_counter()
+        state.sequence = self.target.sequence()
+        try:
+            if len(state.context) > 1:  # the prefill is not counted in target_forwards: those are per iteration
+                state.sequence.forward(state.context[:-1], last=1)
+            if self.drafter is not None:
+                state.draft_slot = self.drafter.open(state.context)
+        except BaseException:
+            self.close(state)
+            raise
+        state.stats.prefill_seconds = time.perf_counter() - started
+        if state.room <= 0:
+            state.finish_reason = "length"
+
+    def close(self, state: DecodeState) -> None:
+        """Give the slots back (llama.cpp's cells are shared by all sequences); safe to repeat."""
+        if state.sequence is not None:
+            state.sequence.release()
+            state.sequence = None
+        if state.draft_slot is not None:
+            self.drafter.close(state.draft_slot)
+            state.draft_slot = None
+
+    def step(self, states: list[DecodeState], gamma_cap: int | None = None) -> list[StepResult]:
+        """One iteration for every state (each open and unfinished). gamma_cap bounds every row's
+        draft depth (a batch-wide policy's choice; 0 = plain decoding this step)."""
+        gammas = [self._gamma(state, gamma_cap) for state in states]
+        tick = time.perf_counter()
+        drafts = self._drafts(states, gammas)
+        tock = time.perf_counter()
+        # one target forward scores every row's last committed token and draft nodes
+        rows = self.target.forward_batch([_feed(state.sequence, state.context[-1], draft) for state, draft in zip(states, drafts)])
+        results = [self._advance(state, gamma, draft, logits) for state, gamma, draft, logits in zip(states, gammas, drafts, rows)]
+        done = time.perf_counter()
+        for state in states:  # every row waited for the whole batch
+            state.stats.draft_seconds += tock - tick
+            state.stats.verify_seconds += done - tock
+        return results
+
+    def _gamma(self, state: DecodeState, cap: int | None) -> int:
+        """γ never asks for more than the room left (the verify adds one token itself), nor for
+        positions that one forward with the root cannot score exactly."""
+        if self.drafter is None:
+            return 0
+        gamma = min(state.gamma_policy.gamma, state.room - state.generated - 1, self.target.verify_room(len(state.context) - 1))
+        return max(0, gamma if cap is None else min(gamma, cap))
+
+    def _drafts(self, states: list[DecodeState], gammas: list[int]) -> list[Draft]:
+        drafts = [empty_draft() for _ in states]
+        asked = [i for i, gamma in enumerate(gammas) if gamma > 0]
+        if asked:
+            requests = [DraftRequest(states[i].draft_slot, states[i].context, gammas[i], states[i].sampling, states[i].streams.draft) for i in asked]
+            for i, draft in zip(asked, self.drafter.propose(requests)):
+                state = states[i]
+                draft = draft.first(self.target.max_length - len(state.context))  # a tree's nodes take cache slots too
+                _check_draft(draft, gammas[i], self.target.vocab_size, state.sampling)
+                drafts[i] = draft
+        return drafts
+
+    def _advance(self, state: DecodeState, gamma: int, draft: Draft, logits: torch.Tensor) -> StepResult:
+        result = _verify(draft, logits, state.sampling, state.streams)
+        # drop the rejected nodes: the cache keeps context[:-1] + last + the accepted path, contiguous
+        if len(draft):
+            kept = state.sequence.cache_len - len(draft)
+            state.sequence.keep(kept, [kept + node for node in result.path])
+        stats = state.stats
+        stats.target_forwards += 1
+        stats.draft_forwards = state.draft_slot.forwards if state.draft_slot is not None else 0
+        stats.record(draft.depth, result.accepted, gamma, nodes=len(draft))
+        state.gamma_policy.update(draft.depth, result.accepted)
+        # commit, cutting at a stop token or at the length limit
+        step = _commit(result.tokens, state.room - state.generated, state.stop_tokens)
+        state.context += step.tokens
+        state.generated += len(step.tokens)
+        if step.finish_reason is None and state.generated >= state.room:
+            step.finish_reason = "length"
+        state.finish_reason = step.finish_reason
+        step.drafted, step.accepted = draft.depth, result.accepted
+        if step.finish_reason is None and state.draft_slot is not None:
+            self.drafter.accept(state.draft_slot, step.tokens)
+        return step
 
 
 def decode(
     target: CausalLM,
     drafter: Drafter | None,
-    prompt: Sequence[int],
+    prompt: Seq[int],
     sampling: SamplingParams,
     max_new_tokens: int,
     gamma_policy,
@@ -71,65 +197,18 @@ def decode(
     stats: GenerationStats,
     stop_tokens: frozenset[int] = frozenset(),
 ) -> Iterator[StepResult]:
-    """Yield what each iteration commits; the last yield carries a finish reason.
-
-    Invariant at the top of every iteration: the target's sequence holds context[:-1]; the last
-    committed token is fed together with the next draft (a chain or a tree), so accepted tokens
-    are never recomputed. A tree's depth, not its size, is bounded by the gamma policy.
-    The generation owns one sequence slot of the target, released when it ends; the drafter is
-    reset at both ends.
-    """
-    sequence = target.sequence()
+    """One generation as a batch of one: yield what each iteration commits; the last yield carries
+    a finish reason. The slots are given back however the iteration ends."""
+    engine = Engine(target, drafter)
+    state = DecodeState(list(prompt), sampling, max_new_tokens, gamma_policy, streams, stats, stop_tokens)
+    engine.open(state)
     try:
-        yield from _decode(target, sequence, drafter, prompt, sampling, max_new_tokens, gamma_policy, streams, stats, stop_tokens)
-    finally:  # the caches go back to their models (llama.cpp's cells are shared by all sequences)
-        sequence.release()
-        if drafter is not None:
-            drafter.reset()
-
-
-def _decode(target, sequence: Sequence, drafter, prompt, sampling, max_new_tokens, gamma_policy, streams, stats, stop_tokens):
-    context = list(prompt)
-    room = min(max_new_tokens, target.max_length - len(context))
-    if drafter is not None:
-        drafter.reset()
-    started = time.perf_counter()
-    if len(context) > 1:  # the prefill is not counted in target_forwards: those are per iteration
-        sequence.forward(context[:-1], last=1)
-    stats.prefill_seconds = time.perf_counter() - started
-    generated = 0
-    while generated < room:
-        # 1. draft; γ never asks for more than the room left (the verify adds one token itself),
-        #    nor for positions that one forward with the root cannot score exactly
-        gamma = min(gamma_policy.gamma, room - generated - 1, target.verify_room(len(context) - 1)) if drafter is not None else 0
-        tick = time.perf_counter()
-        draft = drafter.propose(context, gamma, sampling, streams.draft) if gamma > 0 else empty_draft()
-        draft = draft.first(target.max_length - len(context))  # a tree's nodes take cache slots too
-        depth = _check_draft(draft, gamma, target.vocab_size, sampling)
-        tock = time.perf_counter()
-        # 2. one target forward scores the last committed token and every draft node
-        logits = _score(sequence, context[-1], draft)  # [len(draft) + 1, vocab]
-        result = _verify(draft, logits, sampling, streams)
-        # 3. drop the rejected nodes: the cache keeps context[:-1] + last + the accepted path, contiguous
-        if len(draft):
-            kept = sequence.cache_len - len(draft)
-            sequence.keep(kept, [kept + node for node in result.path])
-        stats.target_forwards += 1
-        stats.draft_forwards = drafter.forwards if drafter is not None else 0
-        stats.draft_seconds += tock - tick
-        stats.verify_seconds += time.perf_counter() - tock
-        stats.record(depth, result.accepted, gamma, nodes=len(draft))
-        gamma_policy.update(depth, result.accepted)
-        # 4. commit, cutting at a stop token or at the length limit
-        step = _commit(result.tokens, room - generated, stop_tokens)
-        context += step.tokens
-        generated += len(step.tokens)
-        if step.finish_reason is None and generated >= room:
-            step.finish_reason = "length"
-        yield step
-        if step.finish_reason:
-            return
-    yield StepResult([], "length")
+        if state.finish_reason:
+            yield StepResult([], state.finish_reason)
+        while state.finish_reason is None:
+            yield engine.step([state])[0]
+    finally:
+        engine.close(state)
 
 
 def _check_draft(draft: Draft, gamma: int, vocab_size: int, sampling: SamplingParams) -> int:
@@ -144,13 +223,13 @@ def _check_draft(draft: Draft, gamma: int, vocab_size: int, sampling: SamplingPa
     return depth
 
 
-def _score(sequence: Sequence, last: int, draft: Draft) -> torch.Tensor:
-    """Feed the last committed token (the root) and the draft's nodes in one forward, as a tree."""
+def _feed(sequence: Sequence, last: int, draft: Draft) -> Feed:
+    """The last committed token (the root) and the draft's nodes, as a tree in one forward."""
     if not len(draft):  # plain decoding: one token, continuing the chain
-        return sequence.forward([last])
+        return Feed(sequence, [last])
     root = sequence.cache_len
     parents = [root - 1] + tree.entries(draft.parents, root).tolist()
-    return sequence.forward([last] + draft.tokens.tolist(), parents)
+    return Feed(sequence, [last] + draft.tokens.tolist(), parents)
 
 
 def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, streams: RandomStreams):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from specdec.drafters.base import ContextDrafter
 from specdec.types import Draft
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(ContextDrafter):
     """Proposes the known greedy continuation, except a wrong token at chosen absolute positions.
 
     `expected` is prompt + reference continuation; a draft token at sequence position i in
@@ -15,15 +16,11 @@ class ScriptedDrafter:
     """
 
     name = "scripted"
-    forwards = 0
 
     def __init__(self, expected: list[int], wrong_at: set[int], vocab_size: int):
         self.expected, self.wrong_at, self.vocab_size = expected, wrong_at, vocab_size
 
-    def reset(self) -> None:
-        pass
-
-    def propose(self, context, max_tokens, sampling, rng) -> Draft:
+    def propose_one(self, context, max_tokens, sampling, rng) -> Draft:
         start = len(context)
         assert list(context) == self.expected[:start], "the engine committed something the reference did not"
         tokens = []

@@ -102,7 +102,7 @@ def test_caches_track_committed_text_through_trees(arch, temperature, staged, mo
     stats, _ = decode_checking_caches(model_dirs, arch, temperature, make_drafter)
     if temperature or not staged:  # a greedy spine of the near copy may never miss
         assert any(path != list(range(len(path))) for path in paths), "some accepted path must leave the first branch"
-    assert stats.accepted > 0  # and every iteration drops the nodes off the accepted path
+    assert sum(s.accepted for s in stats) > 0  # and every iteration drops the nodes off the accepted path
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -15,6 +15,8 @@ import specdec.drafters.model as model_module
 import specdec.verify as verify_module
 from specdec import tree
 from specdec.drafters import ModelDrafter, PromptLookupDrafter, TreeShape
+from specdec.drafters.base import ContextDrafter, DraftRequest
+from specdec.runtime.base import forward_each
 from specdec.types import Draft, SamplingParams
 from specdec.verify import verify_tree, verify_tree_greedy
 from test_verify_exact import CASES, Conditional, completions, enumerator, target_joint  # noqa: F401 (enumerator: a fixture)
@@ -129,6 +131,9 @@ class TableLM:
     def verify_room(self, root_position: int) -> int:
         return self.max_length - 1 - root_position
 
+    def forward_batch(self, feeds):
+        return forward_each(feeds)
+
 
 class TableSequence:
     def __init__(self, owner: TableLM):
@@ -163,18 +168,15 @@ class TableSequence:
         self.entries = None
 
 
-class TableDrafter:
+class TableDrafter(ContextDrafter):
     """A stochastic inner drafter (draft²) sampling a chain from its own table, with its probs."""
 
-    name, forwards = "table", 0
+    name = "table"
 
     def __init__(self, table: Conditional, prompt):
         self.table, self.prompt = table, tuple(prompt)
 
-    def reset(self):
-        pass
-
-    def propose(self, context, max_tokens, sampling, rng):
+    def propose_one(self, context, max_tokens, sampling, rng):
         history, tokens, probs = tuple(context[len(self.prompt):]), [], []
         for _ in range(max_tokens):
             probs.append(self.table(history))
@@ -204,7 +206,8 @@ def drafter_iteration_deviation(enumerator, name) -> float:
 
     def iteration():
         drafter = ModelDrafter(TableLM(draft, DRAFTER_PROMPT), tree=options.get("tree"), inner=inner(), inner_gamma=2)
-        proposal = drafter.propose(list(DRAFTER_PROMPT), depth, SamplingParams(temperature=1.0), rng=None)
+        slot = drafter.open(DRAFTER_PROMPT)
+        proposal, = drafter.propose([DraftRequest(slot, list(DRAFTER_PROMPT), depth, SamplingParams(temperature=1.0), None)])
         paths = [tree.path_to(proposal.parents, node) for node in range(len(proposal))]
         histories = [()] + [tuple(proposal.tokens[path].tolist()) for path in paths]
         target_probs = torch.stack([target(h) for h in histories])

@@ -24,9 +24,11 @@ from typing import Sequence
 import torch
 
 from specdec import tree
-from specdec.drafters.base import Drafter, empty_draft
+from specdec.drafters.base import ContextDrafter, DraftRequest, DraftSlot, empty_draft
 from specdec.errors import SpecDecError
 from specdec.runtime import CausalLM
+from specdec.runtime import base as runtime
+from specdec.runtime.base import Feed, forward_together
 from specdec.sampling import probs_from_logits, sample
 from specdec.types import Draft, SamplingParams
 from specdec.verify import verify_chain, verify_greedy
@@ -129,37 +131,58 @@ def _settled(nodes: _Nodes, frontier: list[int], budget: int) -> bool:
     return nodes.scores[kept[-1]] >= max(nodes.scores[i] for i in frontier)
 
 
-class ModelDrafter:
-    """Drafts with a smaller model; see the module docstring for chain, tree and staged growth."""
+@dataclass
+class _Slot(DraftSlot):
+    """The draft model's state for one generation. Its cache holds `cached` committed entries, then
+    the draft nodes fed last (`branch_tokens` / `branch_parents`, parents in branch indices, -1 =
+    the last committed entry). `pending`: committed tokens not fed yet."""
 
-    def __init__(self, model: CausalLM, tree: TreeShape | None = None, inner: Drafter | None = None, inner_gamma: int = 4):
+    cache: runtime.Sequence = None
+    cached: int = 0
+    pending: list[int] = field(default_factory=list)
+    branch_tokens: list[int] = field(default_factory=list)
+    branch_parents: list[int] = field(default_factory=list)
+    branch_index: dict[int, int] = field(default_factory=dict)  # tree node -> branch index, while growing
+
+
+class ModelDrafter:
+    """Drafts with a smaller model; see the module docstring for chain, tree and staged growth.
+    Rows of a batch grow side by side: their draft forwards at each level go into one forward."""
+
+    def __init__(self, model: CausalLM, tree: TreeShape | None = None, inner: ContextDrafter | None = None, inner_gamma: int = 4):
         if isinstance(inner_gamma, bool) or not isinstance(inner_gamma, int) or inner_gamma < 1:
             raise SpecDecError(f"the inner draft length must be a positive integer, got {inner_gamma!r}")
         self.model, self.tree, self.inner, self.inner_gamma = model, tree, inner, inner_gamma
         self.name = "draft-model" + (f"+{inner.name}" if inner else "") + (f" tree {tree.nodes}" if tree else "")
-        self.reset()
 
-    def reset(self) -> None:
-        if getattr(self, "cache", None) is not None:
-            self.cache.release()
-        self.cache = self.model.sequence()  # the draft model's sequence slot
-        if self.inner is not None:
-            self.inner.reset()
-        self._cached: list[int] = []  # the committed token behind each leading cache entry
-        self._branch_tokens: list[int] = []  # draft nodes in the cache after those, in cache order
-        self._branch_parents: list[int] = []  # their parents in branch indices, -1 = the last committed token
-        self._branch_index: dict[int, int] = {}  # tree node -> branch index, for the nodes being grown
-        self._own_forwards = 0
+    def open(self, prompt: Sequence[int]) -> _Slot:
+        """A slot with the prompt prefilled up to its last token (which the first proposal feeds)."""
+        slot = _Slot(cache=self.model.sequence(), pending=list(prompt))
+        if 1 < len(prompt) <= self.model.max_length:  # a longer prompt leaves the draft model no room: it never drafts
+            slot.cache.forward(prompt[:-1], last=1)
+            slot.cached, slot.pending = len(prompt) - 1, [prompt[-1]]
+        return slot
 
-    @property
-    def forwards(self) -> int:
-        """Draft-model forwards, plus the inner drafter's own (0 for n-gram and prompt lookup)."""
-        return self._own_forwards + (self.inner.forwards if self.inner is not None else 0)
+    def close(self, slot: _Slot) -> None:
+        slot.cache.release()
 
-    def propose(
-        self, context: Sequence[int], max_tokens: int, sampling: SamplingParams, rng: torch.Generator
-    ) -> Draft:
-        depth = min(max_tokens, self.model.verify_room(len(context) - 1))
+    def accept(self, slot: _Slot, tokens: list[int]) -> None:
+        """The branch nodes spelling the committed tokens move next to the committed entries and the
+        rest are dropped; a cache entry is never recomputed. The last committed token always stays
+        pending, so the next forward yields the distribution after the whole text."""
+        path = self._follow_branch(slot, tokens[:-1])
+        slot.cache.keep(slot.cached, [slot.cached + node for node in path])
+        slot.cached += len(path)
+        slot.pending += tokens[len(path):]
+        slot.branch_tokens, slot.branch_parents = [], []
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        return forward_together(self.model, [self._grow(request) for request in requests])
+
+    def _grow(self, request: DraftRequest):
+        """One row's draft, as a generator of its draft-model forwards (see `forward_together`)."""
+        slot, context, sampling, rng = request.slot, request.context, request.sampling, request.rng
+        depth = min(request.max_tokens, self.model.verify_room(len(context) - 1))
         if depth <= 0:
             return empty_draft()
         slots = self.model.max_length - len(context)  # cache entries free once the context is in
@@ -170,20 +193,20 @@ class ModelDrafter:
         depth = min(depth, shape.nodes)
         nodes = _Nodes()
         if self.inner is None:
-            self._grow_levels(nodes, context, depth, shape, sampled, sampling, rng)
+            yield from self._grow_levels(slot, nodes, depth, shape, sampled, sampling, rng)
         else:  # the spine takes depth slots, each draft² guess one more while it is checked
-            self._grow_staged(nodes, context, depth, shape, sampled, sampling, rng, min(self.inner_gamma, slots - depth))
+            yield from self._grow_staged(slot, nodes, context, depth, shape, sampled, sampling, rng, min(self.inner_gamma, slots - depth))
         if sampled or len(nodes.tokens) <= shape.nodes:
             return nodes.draft()
         return nodes.draft(keep=nodes.best(list(range(len(nodes.tokens))), shape.nodes))  # best-first cut
 
-    def _grow_levels(self, nodes: _Nodes, context, depth: int, shape: TreeShape, sampled: bool, sampling, rng) -> None:
+    def _grow_levels(self, slot: _Slot, nodes: _Nodes, depth: int, shape: TreeShape, sampled: bool, sampling, rng):
         """Level by level: the frontier's children join the tree; the best `width` of them are fed
         to the draft model in one forward, which gives their own distributions for the next level.
         Sampled trees keep every child drawn, so their budget is spent while growing: a level gets
         what is left after reserving one node for each deeper level."""
         frontier = [-1]  # the root: its distribution comes from feeding the pending committed tokens
-        rows = self._distributions(self._feed_committed(self.sync(context))[-1:], sampling)
+        rows = self._distributions((yield from self._feed_committed(slot))[-1:], sampling)
         for level in range(1, depth + 1):
             allowed = shape.nodes - len(nodes.tokens) - (depth - level) if sampled else math.inf
             new = []
@@ -196,33 +219,32 @@ class ModelDrafter:
                 return
             if sampled:  # feed only the nodes the remaining budget can give children
                 frontier = frontier[: max(1, math.ceil((allowed - len(new) + 1) / shape.width))]
-            parents = [self._branch_index[nodes.parents[i]] if nodes.parents[i] >= 0 else -1 for i in frontier]
-            logits = self._feed([nodes.tokens[i] for i in frontier], parents)
-            self._branch_index.update({node: len(self._branch_tokens) - len(frontier) + j for j, node in enumerate(frontier)})
+            parents = [slot.branch_index[nodes.parents[i]] if nodes.parents[i] >= 0 else -1 for i in frontier]
+            logits = yield from self._feed(slot, [nodes.tokens[i] for i in frontier], parents)
+            slot.branch_index.update({node: len(slot.branch_tokens) - len(frontier) + j for j, node in enumerate(frontier)})
             rows = self._distributions(logits, sampling)
 
-    def _grow_staged(self, nodes: _Nodes, context, depth: int, shape: TreeShape, sampled: bool, sampling, rng, inner_gamma: int) -> None:
+    def _grow_staged(self, slot: _Slot, nodes: _Nodes, context, depth: int, shape: TreeShape, sampled: bool, sampling, rng, inner_gamma: int):
         """The spine: the draft model's own continuation, decoded speculatively with the inner
         drafter (lossless for the draft model: each spine token is distributed as q given those
         before it). With a tree shape, siblings are added along the spine from the same rows."""
         spine, rows = [], []
-        pending = self.sync(context)
         while len(spine) < depth:
-            guess = self.inner.propose(list(context) + spine, min(inner_gamma, depth - len(spine) - 1), sampling, rng)
+            guess = self.inner.propose_one(list(context) + spine, min(inner_gamma, depth - len(spine) - 1), sampling, rng)
             if not tree.is_chain(guess.parents):
                 raise ValueError(f"the inner drafter {self.inner.name} must propose a chain")
             guess_tokens = guess.tokens.tolist()
             if not spine:
-                logits = self._feed_committed(pending, guess_tokens)
+                logits = yield from self._feed_committed(slot, guess_tokens)
             else:
-                parents = [len(self._branch_tokens) - 1 + j for j in range(len(guess_tokens) + 1)]
-                logits = self._feed([spine[-1]] + guess_tokens, parents)
+                parents = [len(slot.branch_tokens) - 1 + j for j in range(len(guess_tokens) + 1)]
+                logits = yield from self._feed(slot, [spine[-1]] + guess_tokens, parents)
             q = self._distributions(logits, sampling)  # [len(guess) + 1, vocab]
             if not sampled:  # deterministic children: the spine is the draft's most likely continuation
                 result = verify_greedy(guess.tokens, logits)
             else:
                 result = verify_chain(guess.tokens, guess.probs, q, rng, rng)
-            self._drop_branch_tail(len(guess_tokens) - result.accepted)  # the rejected guesses
+            self._drop_branch_tail(slot, len(guess_tokens) - result.accepted)  # the rejected guesses
             spine += result.tokens
             rows += list(q[: result.accepted + 1])
         for i, (token, q) in enumerate(zip(spine, rows)):
@@ -242,60 +264,38 @@ class ModelDrafter:
         """q after the sampling transform; in greedy mode the plain softmax, used only to rank nodes."""
         return torch.softmax(logits, dim=-1) if sampling.greedy else probs_from_logits(logits, sampling)
 
-    def _feed_committed(self, pending: list[int], chain: list[int] = ()) -> torch.Tensor:
+    def _feed_committed(self, slot: _Slot, chain: list[int] = ()):
         """Feed the pending committed tokens and a first draft chain below them in one causal forward.
 
         Returns the logits after the last committed token and after each chain token."""
-        logits = self.cache.forward(list(pending) + list(chain), last=len(chain) + 1)
-        self._own_forwards += 1
-        self._cached += pending
-        self._branch_tokens, self._branch_parents = list(chain), tree.chain_parents(len(chain)).tolist()
-        self._branch_index = {}
+        logits = yield Feed(slot.cache, slot.pending + list(chain), last=len(chain) + 1)
+        slot.forwards += 1
+        slot.cached += len(slot.pending)
+        slot.pending = []
+        slot.branch_tokens, slot.branch_parents = list(chain), tree.chain_parents(len(chain)).tolist()
+        slot.branch_index = {}
         return logits
 
-    def _feed(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
+    def _feed(self, slot: _Slot, tokens: list[int], parents: list[int]):
         """Feed draft nodes (parents in branch indices) in one forward, as a tree."""
-        root = len(self._cached) - 1  # the last committed token's entry; branch node j is entry root + 1 + j
-        logits = self.cache.forward(tokens, tree.entries(torch.tensor(parents, dtype=torch.long), root).tolist())
-        self._own_forwards += 1
-        self._branch_tokens += tokens
-        self._branch_parents += parents
+        root = slot.cached - 1  # the last committed token's entry; branch node j is entry root + 1 + j
+        logits = yield Feed(slot.cache, tokens, tree.entries(torch.tensor(parents, dtype=torch.long), root).tolist())
+        slot.forwards += 1
+        slot.branch_tokens += tokens
+        slot.branch_parents += parents
         return logits
 
-    def _drop_branch_tail(self, count: int) -> None:
+    def _drop_branch_tail(self, slot: _Slot, count: int) -> None:
         if count:
-            del self._branch_tokens[-count:], self._branch_parents[-count:]
-            self.cache.truncate(self.cache.cache_len - count)
+            del slot.branch_tokens[-count:], slot.branch_parents[-count:]
+            slot.cache.truncate(slot.cache.cache_len - count)
 
-    def sync(self, context: Sequence[int]) -> list[int]:
-        """Bring the cache back to the committed text; return the tokens to feed next.
-
-        The cache holds committed tokens (`_cached`), then the draft nodes fed last time. The
-        nodes on the path the target accepted move next to the committed entries and the rest are
-        dropped; a cache entry is never recomputed. Invariant afterwards: the cache holds
-        context[:len(_cached)] and at least the last context token is pending, so the next forward
-        yields the distribution after the whole context.
-        """
-        shared = 0
-        limit = min(len(self._cached), len(context) - 1)
-        while shared < limit and self._cached[shared] == context[shared]:
-            shared += 1
-        if shared < len(self._cached):  # not a continuation of the cached text (a new prompt)
-            self.cache.truncate(shared)
-            del self._cached[shared:]
-            path = []
-        else:
-            path = self._follow_branch(context[shared:-1])
-            self.cache.keep(shared, [shared + node for node in path])
-            self._cached += [self._branch_tokens[node] for node in path]
-        self._branch_tokens, self._branch_parents = [], []
-        return list(context[len(self._cached) :])
-
-    def _follow_branch(self, tokens: Sequence[int]) -> list[int]:
+    @staticmethod
+    def _follow_branch(slot: _Slot, tokens: Sequence[int]) -> list[int]:
         """The cached draft nodes spelling the longest prefix of `tokens`, root side first."""
         path, node = [], -1
         for token in tokens:
-            match = [i for i, (t, p) in enumerate(zip(self._branch_tokens, self._branch_parents)) if p == node and t == token]
+            match = [i for i, (t, p) in enumerate(zip(slot.branch_tokens, slot.branch_parents)) if p == node and t == token]
             if not match:
                 break
             node = match[0]

@@ -6,27 +6,23 @@ from typing import Sequence
 
 import torch
 
+from specdec.drafters.base import ContextDrafter
 from specdec.ngram import KatzTrigram
 from specdec.sampling import probs_from_logits, sample
 from specdec.types import Draft, SamplingParams
 
 
-class NgramDrafter:
+class NgramDrafter(ContextDrafter):
     """stochastic=True samples from the n-gram's distribution after the target's sampling transform
     (so q is exact); stochastic=False proposes the top token (point mass). Greedy mode is always top-1.
     """
-
-    forwards = 0
 
     def __init__(self, model: KatzTrigram, stochastic: bool = True):
         self.model = model
         self.stochastic = stochastic
         self.name = "ngram" if stochastic else "ngram-top1"
 
-    def reset(self) -> None:
-        pass
-
-    def propose(
+    def propose_one(
         self, context: Sequence[int], max_tokens: int, sampling: SamplingParams, rng: torch.Generator
     ) -> Draft:
         context = list(context[-2:])  # a trigram looks at two tokens

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from specdec.drafters.base import empty_draft
+from specdec.drafters.base import ContextDrafter, empty_draft
 from specdec.errors import SpecDecError
 from specdec.types import Draft, SamplingParams
 
@@ -27,21 +27,17 @@ def lookup_continuation(context: Sequence[int], max_tokens: int, max_ngram: int 
     return []
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(ContextDrafter):
     """Point-mass drafts: the verifier accepts each with the target's own probability of it."""
 
     name = "prompt-lookup"
-    forwards = 0
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise SpecDecError("prompt lookup needs 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def reset(self) -> None:
-        pass
-
-    def propose(
+    def propose_one(
         self, context: Sequence[int], max_tokens: int, sampling: SamplingParams, rng: torch.Generator
     ) -> Draft:
         tokens = lookup_continuation(context, max_tokens, self.max_ngram, self.min_ngram)

@@ -33,6 +33,7 @@ def load_model(
     gpu_layers: int | None = None,
     context: int | None = None,
     tokenizer: str | os.PathLike | None = None,
+    slots: int = 1,
 ) -> CausalLM:
     """Load a model on the backend its path (or `backend`) selects.
 
@@ -40,7 +41,8 @@ def load_model(
     llamacpp: a .gguf file; gpu_layers (layers offloaded where the build has a GPU backend; -1 = all)
     and context (KV cells, default min(4096, the trained context)) apply.
     threads: CPU threads (torch's for transformers). tokenizer (llamacpp): a Hugging Face tokenizer
-    directory to use instead of the one in the GGUF file.
+    directory to use instead of the one in the GGUF file. slots: how many sequences of the full
+    context must fit at once (llama.cpp sizes its shared KV cache by it; transformers caches grow).
     """
     if isinstance(threads, bool) or (threads is not None and (not isinstance(threads, int) or threads < 1)):
         raise SpecDecError(f"threads must be a positive integer, got {threads!r}")
@@ -52,7 +54,7 @@ def load_model(
                                "(use gpu_layers to offload to a GPU)")
         from specdec.runtime.llamacpp import LlamaCppModel
 
-        return LlamaCppModel(path, threads=threads, gpu_layers=gpu_layers or 0, context=context, tokenizer=hf_tokenizer)
+        return LlamaCppModel(path, threads=threads, gpu_layers=gpu_layers or 0, context=context, tokenizer=hf_tokenizer, slots=slots)
     if gpu_layers is not None or context is not None or tokenizer is not None:
         raise SpecDecError("gpu_layers, context and tokenizer apply to GGUF files on llama.cpp; "
                            "a checkpoint directory has its own tokenizer (use device to choose a GPU)")

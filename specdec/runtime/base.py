@@ -100,6 +100,55 @@ class CausalLM(Protocol):
         """The backend's own generation loops on the same loaded models, for `bench` to compare with."""
         ...
 
+    def forward_batch(self, feeds: list[Feed]) -> list[torch.Tensor]:
+        """What `forward` returns for each feed, computed together: one model forward over every
+        sequence's new entries where the backend can (rows of any lengths, chains and trees mixed).
+        Each sequence appears at most once."""
+        ...
+
+
+@dataclass
+class Feed:
+    """One sequence's share of a batched forward: the arguments of `Sequence.forward`."""
+
+    sequence: Sequence
+    tokens: Seq[int]
+    parents: Seq[int] | None = None
+    last: int | None = None
+
+
+def forward_each(feeds: Seq[Feed]) -> list[torch.Tensor]:
+    """`forward_batch` one sequence at a time: the reference, and what a model without batching does."""
+    check_distinct(feeds)
+    return [feed.sequence.forward(feed.tokens, feed.parents, feed.last) for feed in feeds]
+
+
+def forward_together(model: CausalLM, growers: list) -> list:
+    """Run generators side by side, batching their forwards: each yields Feeds of `model` (one at a
+    time) and is sent back the logits; whatever is waiting goes into one `forward_batch`. Returns
+    what each generator returns."""
+    results, waiting = [None] * len(growers), {}
+
+    def advance(i: int, logits) -> None:
+        try:
+            waiting[i] = growers[i].send(logits)
+        except StopIteration as done:
+            results[i] = done.value
+            waiting.pop(i, None)
+
+    for i in range(len(growers)):
+        advance(i, None)
+    while waiting:
+        order = list(waiting)
+        for i, logits in zip(order, model.forward_batch([waiting[i] for i in order])):
+            advance(i, logits)
+    return results
+
+
+def check_distinct(feeds: Seq[Feed]) -> None:
+    if len({id(feed.sequence) for feed in feeds}) != len(feeds):
+        raise ValueError("a batched forward takes each sequence at most once")
+
 
 @dataclass
 class PeerRun:

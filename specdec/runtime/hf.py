@@ -126,6 +126,92 @@ class HFModel:
 
         return run
 
+    def layer_masks(self, mask: torch.Tensor, key_positions: torch.Tensor, positions: torch.Tensor):
+        """[batch, n, keys] bool -> the model's attention mask(s). An explicit mask replaces the
+        model's own, so apply its sliding window here: a query at position p sees keys at positions
+        > p - window. Models mixing full and sliding layers get one mask per layer type. Keys are
+        placed by the positions they were fed at: while a tree is in the cache, an entry's slot is
+        not its position."""
+        window = self.sliding_window
+        if window is not None:
+            windowed = mask & (key_positions[:, None, :] > positions[:, :, None] - window)
+            if "full_attention" in (getattr(self.model.config, "layer_types", None) or []):
+                return {"full_attention": self._additive(mask), "sliding_attention": self._additive(windowed)}
+            mask = windowed
+        return self._additive(mask)
+
+    def _additive(self, mask: torch.Tensor) -> torch.Tensor:
+        """[batch, n, keys] bool -> [batch, 1, n, keys] float: 0 where a token may attend, the dtype's
+        minimum elsewhere. Every attention implementation adds a float mask to its scores; eager
+        attention would add a boolean one too (True as 1), masking nothing."""
+        dtype = self.torch_dtype
+        additive = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+        return additive.to(self.device)[:, None]
+
+    def logits_out(self, logits: torch.Tensor) -> torch.Tensor:
+        """The tokenizer's columns, in float32 (float64 kept), on the CPU."""
+        logits = logits[..., : self.vocab_size]
+        return logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32).cpu()
+
+    @torch.inference_mode()
+    def forward_batch(self, feeds: list[base.Feed]) -> list[torch.Tensor]:
+        """Several sequences in one forward. Their caches are stacked into one batch, each row
+        right-padded to the longest; the new entries follow at slots longest.., padded to the most
+        new entries; each row's mask admits its own entries only (a padding query sees itself).
+        Afterwards every row's new keys and values go back to its own cache."""
+        base.check_distinct(feeds)
+        if any(feed.sequence.owner is not self for feed in feeds):
+            raise ValueError("a batched forward takes sequences of its own model only")
+        if len(feeds) == 1:
+            return [feeds[0].sequence.forward(feeds[0].tokens, feeds[0].parents, feeds[0].last)]
+        rows = [(feed.sequence, *feed.sequence.place(feed.tokens, feed.parents)) for feed in feeds]
+        if any(sequence.crosses_rope_switch(positions) for sequence, _, positions, _ in rows):  # a row's cache is recomputed
+            return [feed.sequence.forward(feed.tokens, feed.parents, feed.last) for feed in feeds]
+        width, new = max(s.cache_len for s, *_ in rows), max(len(t) for _, t, *_ in rows)
+        batch = len(rows)
+        tokens = torch.zeros(batch, new, dtype=torch.long)
+        positions = torch.zeros(batch, new, dtype=torch.long)
+        key_positions = torch.zeros(batch, width + new, dtype=torch.long)
+        allowed = torch.eye(new, dtype=torch.bool)[None, :, :].repeat(batch, 1, 1)  # padding queries see themselves
+        allowed = torch.cat([torch.zeros(batch, new, width, dtype=torch.bool), allowed], dim=2)
+        for r, (sequence, row_tokens, row_positions, all_parents) in enumerate(rows):
+            start, n = sequence.cache_len, len(row_tokens)
+            tokens[r, :n], positions[r, :n] = torch.tensor(row_tokens), torch.tensor(row_positions)
+            key_positions[r, :start] = torch.tensor(sequence._positions, dtype=torch.long)
+            key_positions[r, width : width + n] = positions[r, :n]
+            ancestry = sequence.attends(all_parents, start, n)
+            if ancestry is None:
+                ancestry = torch.ones(n, start + n, dtype=torch.bool).tril(start)
+            allowed[r, :n, :start] = ancestry[:, :start]
+            allowed[r, :n, width : width + n] = ancestry[:, start:]
+        cache = self._stacked_cache([sequence for sequence, *_ in rows], width)
+        out = self.model(input_ids=tokens.to(self.device), position_ids=positions.to(self.device),
+                         attention_mask=self.layer_masks(allowed, key_positions, positions),
+                         past_key_values=cache, use_cache=True)
+        results = []
+        for r, ((sequence, row_tokens, row_positions, all_parents), feed) in enumerate(zip(rows, feeds)):
+            n = len(row_tokens)
+            for index, layer in enumerate(cache.layers):
+                sequence._cache.update(layer.keys[r : r + 1, :, width : width + n], layer.values[r : r + 1, :, width : width + n], index)
+            sequence.commit(row_tokens, row_positions, all_parents)
+            wanted = n if feed.last is None else min(feed.last, n)
+            results.append(self.logits_out(out.logits[r, n - wanted : n]))
+        return results
+
+    def _stacked_cache(self, sequences: list[HFSequence], width: int) -> DynamicCache:
+        """One cache holding every sequence's entries as a batch row, right-padded with zeros to `width`."""
+        cache = DynamicCache()
+        filled = next((s._cache.layers for s in sequences if s.cache_len), None)
+        for index in range(len(filled) if filled and width else 0):
+            stacked = []
+            for kind in ("keys", "values"):
+                like = getattr(filled[index], kind)
+                rows = [getattr(s._cache.layers[index], kind) if s.cache_len else like[..., :0, :] for s in sequences]
+                stacked.append(torch.cat([torch.cat([row, row.new_zeros(*row.shape[:-2], width - row.shape[-2], row.shape[-1])], dim=-2)
+                                          for row in rows]))
+            cache.update(*stacked, index)
+        return cache
+
     @property
     def sliding_window(self) -> int | None:
         config = self.model.config
@@ -161,26 +247,33 @@ class HFSequence:
 
     @torch.inference_mode()
     def forward(self, tokens, parents=None, last: int | None = None) -> torch.Tensor:
+        tokens, positions, all_parents = self.place(tokens, parents)
+        if self.crosses_rope_switch(positions):
+            return self._forward_recomputing_cache(tokens, positions, all_parents, last)
+        return self._forward(tokens, positions, all_parents, last)
+
+    def place(self, tokens, parents) -> tuple[list[int], list[int], list[int]]:
+        """New entries, checked: their tokens, positions, and the parents of every entry after them."""
         start = self.cache_len
         tokens, parents = base.new_entries(tokens, parents, start)
-        n = len(tokens)
-        all_parents = self._parents + parents
         positions = []
-        for i, parent in enumerate(parents):
+        for parent in parents:
             positions.append(0 if parent < 0 else (self._positions[parent] if parent < start else positions[parent - start]) + 1)
         max_length = self.owner.max_length
         if max(positions, default=0) >= max_length:
             raise SpecDecError(f"position {max(positions)} is beyond the model's context of {max_length}")
-        if start + n > max_length:  # some models keep buffers sized to the context, indexed by slot
-            raise SpecDecError(f"{n} new tokens after {start} cached ones overflow the model's context of {max_length}")
+        if start + len(tokens) > max_length:  # some models keep buffers sized to the context, indexed by slot
+            raise SpecDecError(f"{len(tokens)} new tokens after {start} cached ones overflow the model's context of {max_length}")
+        return tokens, positions, self._parents + parents
+
+    def crosses_rope_switch(self, positions: list[int]) -> bool:
         switch = self.owner.rope_switch
-        if switch is not None and not self._long_rope and max(positions, default=0) >= switch:
-            return self._forward_recomputing_cache(tokens, positions, all_parents, last)
-        return self._forward(tokens, positions, all_parents, last)
+        return switch is not None and not self._long_rope and max(positions, default=0) >= switch
 
     def _forward(self, tokens: list[int], positions: list[int], all_parents: list[int], last: int | None) -> torch.Tensor:
         owner, start = self.owner, self.cache_len
-        mask = self._mask(all_parents, start, positions)
+        ancestry = self.attends(all_parents, start, len(tokens))
+        mask = None if ancestry is None else owner.layer_masks(ancestry[None], torch.tensor([self._positions + positions]), torch.tensor([positions]))
         keep = {"logits_to_keep": last} if last and owner.takes_logits_to_keep else {}
         out = owner.model(
             input_ids=torch.tensor([tokens], device=owner.device),
@@ -190,22 +283,24 @@ class HFSequence:
             use_cache=True,
             **keep,
         )
+        self.commit(tokens, positions, all_parents)
+        logits = out.logits[0, -last:] if last else out.logits[0]
+        return owner.logits_out(logits)
+
+    def commit(self, tokens: list[int], positions: list[int], all_parents: list[int]) -> None:
+        """Record entries whose keys and values are now in the cache."""
         self._positions += positions
         self._tokens += tokens
         self._parents = all_parents
         self._extend_trunk()
-        logits = out.logits[0, -last:] if last else out.logits[0]
-        logits = logits[:, : owner.vocab_size]
-        return logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32).cpu()
 
     def _extend_trunk(self) -> None:
         while self._trunk < len(self._parents) and self._parents[self._trunk] == self._trunk - 1:
             self._trunk += 1
 
-    def _mask(self, all_parents: list[int], start: int, positions: list[int]):
-        """None when the new entries continue a chain (the model's causal mask is the same);
-        otherwise each new entry attends to its ancestors and itself."""
-        n = len(positions)
+    def attends(self, all_parents: list[int], start: int, n: int) -> torch.Tensor | None:
+        """[n, start + n] bool: which entries each new entry attends to (its ancestors and itself);
+        None when the new entries continue a chain (the model's causal mask is the same)."""
         if self._trunk == start and all(all_parents[start + j] == start + j - 1 for j in range(n)):
             return None
         mask = torch.zeros(n, start + n, dtype=torch.bool)
@@ -215,7 +310,7 @@ class HFSequence:
                 mask[j, entry] = True
                 entry = all_parents[entry]
             mask[j, : entry + 1] = True
-        return self._layer_masks(mask, torch.tensor(self._positions + positions), torch.tensor(positions))
+        return mask
 
     def _forward_recomputing_cache(self, tokens, positions, all_parents, last) -> torch.Tensor:
         """The first forward past longrope's switch: feed the cached tokens again with the new
@@ -228,27 +323,6 @@ class HFSequence:
         self._long_rope = True
         logits = self._forward(cached + tokens, cached_positions + positions, all_parents, last)
         return logits if last else logits[old:]
-    def _layer_masks(self, mask: torch.Tensor, key_positions: torch.Tensor, positions: torch.Tensor):
-        """An explicit mask replaces the model's own, so apply its sliding window here: a query at
-        position p sees keys at positions > p - window. Models mixing full and sliding layers get
-        one mask per layer type. Keys are placed by the positions they were fed at: while a tree
-        is in the cache, an entry's slot is not its position."""
-        window = self.owner.sliding_window
-        if window is not None:
-            windowed = mask & (key_positions[None, :] > positions[:, None] - window)
-            if "full_attention" in (getattr(self.owner.model.config, "layer_types", None) or []):
-                return {"full_attention": self._additive(mask), "sliding_attention": self._additive(windowed)}
-            mask = windowed
-        return self._additive(mask)
-
-    def _additive(self, mask: torch.Tensor) -> torch.Tensor:
-        """[n, keys] bool -> [1, 1, n, keys] float: 0 where a token may attend, the dtype's minimum
-        elsewhere. Every attention implementation adds a float mask to its scores; eager attention
-        would add a boolean one too (True as 1), masking nothing."""
-        dtype = self.owner.torch_dtype
-        additive = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
-        return additive.to(self.owner.device)[None, None]
-
     def truncate(self, length: int) -> None:
         """Keep the first `length` cache entries."""
         if not 0 <= length <= self.cache_len:

@@ -30,8 +30,8 @@ import torch
 from specdec.errors import SpecDecError
 from specdec.runtime import base
 
-MAX_SEQUENCE_IDS = 64  # branch ids shared by all sequences of a model (llama.cpp allows 256)
-DEFAULT_CONTEXT = 4096  # cells of the KV cache unless asked (the training context when shorter)
+MAX_SEQUENCE_IDS = 128  # branch ids shared by all sequences of a model (llama.cpp reserves logits rows for as many)
+DEFAULT_CONTEXT = 4096  # positions per sequence unless asked (the training context when shorter)
 BATCH = 128  # tokens (and logits rows: llama.cpp keeps vocab x BATCH floats) per llama_decode; longer inputs go in pieces
 
 
@@ -74,7 +74,7 @@ class LlamaCppModel:
     backend = "llamacpp"
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, gpu_layers: int = 0,
-                 context: int | None = None, tokenizer=None):
+                 context: int | None = None, tokenizer=None, slots: int = 1):
         self.llama_cpp = lib = _bindings()
         self.path = str(path)
         _check_gguf_file(Path(path))
@@ -89,6 +89,7 @@ class LlamaCppModel:
             raise SpecDecError(f"{path}: the model has {self.vocab_size} tokens but the tokenizer has {len(self.tokenizer)}")
         trained = lib.llama_model_n_ctx_train(self._model)
         self.max_length = min(context or DEFAULT_CONTEXT, trained) if trained > 0 else (context or DEFAULT_CONTEXT)
+        self.cells = self.max_length * slots  # KV cells: `slots` sequences of max_length entries fit at once
         self.weight_bytes = lib.llama_model_size(self._model)
         self.parameters = lib.llama_model_n_params(self._model)
         description = _text(lambda buf, size: lib.llama_model_desc(self._model, buf, size))
@@ -105,7 +106,7 @@ class LlamaCppModel:
 
     def _new_context(self, lib, threads: int):
         params = lib.llama_context_default_params()
-        params.n_ctx = self.max_length
+        params.n_ctx = self.cells
         params.n_batch = params.n_ubatch = params.n_outputs_max = BATCH
         params.n_seq_max = MAX_SEQUENCE_IDS
         params.kv_unified = True  # one cell pool for all ids: a tree's branches share their prefix cells
@@ -114,7 +115,7 @@ class LlamaCppModel:
         params.no_perf = True
         context = lib.llama_init_from_model(self._model, params)
         if not context:
-            raise SpecDecError(f"llama.cpp could not create a context of {self.max_length} cells for {self.path}{_last_log()}")
+            raise SpecDecError(f"llama.cpp could not create a context of {self.cells} cells for {self.path}{_last_log()}")
         return context
 
     def __del__(self):
@@ -178,10 +179,34 @@ class LlamaCppModel:
         """Add `target` to the cells of `source` at positions [start, end)."""
         self.llama_cpp.llama_memory_seq_cp(self._memory, source, target, start, end)
 
-    def decode(self, tokens: list[int], positions: list[int], ids: list[list[int]], outputs: int) -> torch.Tensor:
-        """One llama_decode per BATCH tokens; returns the logits of the last `outputs` tokens."""
+    def forward_batch(self, feeds: list[base.Feed]) -> list[torch.Tensor]:
+        """Every feed's new entries in one llama_decode (per BATCH tokens): sequences are told apart
+        by their ids, so rows of any lengths, chains and trees, share the batch."""
+        base.check_distinct(feeds)
+        tokens, positions, ids, outputs, counts, started = [], [], [], [], [], []
+        try:
+            for feed in feeds:
+                if feed.sequence.owner is not self:
+                    raise ValueError("a batched forward takes sequences of its own model only")
+                new, new_positions, new_ids = feed.sequence.place(feed.tokens, feed.parents)
+                started.append(feed.sequence)
+                n = len(new)
+                wanted = n if feed.last is None else min(feed.last, n)
+                tokens += new
+                positions += new_positions
+                ids += new_ids
+                outputs += [j >= n - wanted for j in range(n)]
+                counts.append(wanted)
+            logits = self.decode(tokens, positions, ids, outputs)
+        except Exception:  # half-assigned ids or cells in an unknown state: those sequences start over, empty
+            for sequence in started:
+                sequence.clear()
+            raise
+        return list(torch.split(logits, counts))
+
+    def decode(self, tokens: list[int], positions: list[int], ids: list[list[int]], outputs: list[bool]) -> torch.Tensor:
+        """One llama_decode per BATCH tokens; returns the logits of the tokens flagged in `outputs`, in order."""
         lib, batch, rows = self.llama_cpp, self._batch, []
-        first_output = len(tokens) - outputs
         for start in range(0, len(tokens), BATCH):
             end = min(start + BATCH, len(tokens))
             batch.n_tokens = end - start
@@ -190,13 +215,13 @@ class LlamaCppModel:
                 batch.n_seq_id[j] = len(ids[i])
                 for k, seq_id in enumerate(ids[i]):
                     batch.seq_id[j][k] = seq_id
-                batch.logits[j] = i >= first_output
+                batch.logits[j] = outputs[i]
             _log.clear()
             status = lib.llama_decode(self._context, batch)
             if status != 0:
-                full = f" (the KV cache of {self.max_length} cells, shared by this model's open sequences, is full)" if status == 1 else ""
+                full = f" (the KV cache of {self.cells} cells, shared by this model's open sequences, is full)" if status == 1 else ""
                 raise SpecDecError(f"llama.cpp could not decode {end - start} tokens of {self.path}{full}{_last_log()}")
-            n_out = max(0, end - max(start, first_output))
+            n_out = sum(outputs[start:end])
             if n_out:
                 logits = lib.llama_get_logits(self._context)
                 rows.append(torch.from_numpy(np.ctypeslib.as_array(logits, shape=(n_out, self.vocab_size)).copy()))
@@ -231,24 +256,27 @@ class LlamaCppSequence:
             self.release()
 
     def forward(self, tokens, parents=None, last: int | None = None) -> torch.Tensor:
+        return self.owner.forward_batch([base.Feed(self, tokens, parents, last)])[0]
+
+    def place(self, tokens, parents) -> tuple[list[int], list[int], list[list[int]]]:
+        """Record new entries (checked) and give their tokens, positions and sequence ids for a decode."""
         start = self.cache_len
         tokens, parents = base.new_entries(tokens, parents, start)
-        n = len(tokens)
         if any(not 0 <= t < self.owner.vocab_size for t in tokens):
             raise ValueError(f"token ids must be in [0, {self.owner.vocab_size})")
-        if start + n > self.owner.max_length:
-            raise SpecDecError(f"{n} new tokens after {start} cached ones overflow the context of {self.owner.max_length}")
-        try:
-            ids: list[list[int]] = []
-            for i, parent in enumerate(parents):
-                self._parents.append(parent)
-                self._positions.append(0 if parent < 0 else self._positions[parent] + 1)
-                ids.append([self._branch_for(start + i, start, ids)])
-            return self.owner.decode(tokens, self._positions[start:], ids, n if last is None else min(last, n))
-        except Exception:  # half-assigned ids or cells in an unknown state: start the sequence over, empty
-            self.release()
-            self.__init__(self.owner)
-            raise
+        if start + len(tokens) > self.owner.max_length:
+            raise SpecDecError(f"{len(tokens)} new tokens after {start} cached ones overflow the context of {self.owner.max_length}")
+        ids: list[list[int]] = []
+        for i, parent in enumerate(parents):
+            self._parents.append(parent)
+            self._positions.append(0 if parent < 0 else self._positions[parent] + 1)
+            ids.append([self._branch_for(start + i, start, ids)])
+        return tokens, self._positions[start:], ids
+
+    def clear(self) -> None:
+        """Start over, empty (after a failed decode left ids or cells in an unknown state)."""
+        self.release()
+        self.__init__(self.owner)
 
     def _branch_for(self, entry: int, start: int, ids: list[list[int]]) -> int:
         """The branch of a new entry: its parent's when the parent is that branch's tip, else a new
