@@ -24,14 +24,14 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
 fi
 
 # 2. Configure. Static libs => self-contained binaries. No network (OpenSSL/curl),
-#    no tests, no server (in this tree llama-cli is only built with the server;
-#    llama-completion is the non-interactive prompt -> text program).
+#    no tests; the server for the load comparison (benchmarks/serve_load.py);
+#    llama-completion is the non-interactive prompt -> text program.
 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >/dev/null
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF >/dev/null
 
 # 3. Build only the programs we use.
 cmake --build "$BUILD" -j "${JOBS:-2}" --target \
-    llama-completion llama-speculative-simple llama-speculative llama-lookup llama-bench
+    llama-completion llama-speculative-simple llama-speculative llama-lookup llama-bench llama-server
 
 echo "$BUILD/bin"

@@ -274,6 +274,7 @@ def load(
     gpu_layers: int | None = None,
     context: int | None = None,
     tokenizer: str | None = None,
+    slots: int = 1,
 ) -> SpeculativeDecoder:
     """Load a target checkpoint and a drafter; no drafter means plain decoding.
 
@@ -283,7 +284,8 @@ def load(
     With no target, the demo pair shipped with specdec is used (its GGUF files on llama.cpp unless
     backend="transformers"), drafting with its draft model (and, when staged, its n-gram model)
     unless told otherwise. A .gguf path runs on llama.cpp, a checkpoint directory on transformers;
-    `backend` overrides. The model options (see `specdec.runtime.load_model`) apply to both models;
+    `backend` overrides. The model options (see `specdec.runtime.load_model`; `slots`: generations
+    that may run at once, for a server's batch) apply to both models;
     trees are refused on a model that cannot score them exactly.
     """
     check_gamma(gamma)
@@ -293,7 +295,7 @@ def load(
     if tree is not None and not isinstance(tree, TreeShape):
         tree = TreeShape(nodes=tree)  # validates the budget
     options = dict(backend=backend, device=device, dtype=dtype, attn_implementation=attn_implementation,
-                   threads=threads, gpu_layers=gpu_layers, context=context, tokenizer=tokenizer)
+                   threads=threads, gpu_layers=gpu_layers, context=context, tokenizer=tokenizer, slots=slots)
     target_model = load_model(target or demo_models(backend)[0], **options)
     inner: Drafter | None = None
     if ngram is not None:

@@ -1,9 +1,11 @@
 """An OpenAI-compatible HTTP server over one SpeculativeDecoder (`specdec serve`).
 
-One loaded model pair, so one generation at a time: requests wait in a bounded first-in first-out
-queue (429 when it is full) and a single worker thread runs them off the event loop. A request
-whose client went away is cancelled between two decoding steps and its slot freed. Every error a
-client can cause is an OpenAI-style JSON error with a 4xx status.
+Continuous batching: one thread runs every generation in one batch, one engine step at a time
+(all rows in one target forward). Requests wait in a bounded first-in first-out queue (429 when it
+is full) and join the batch between steps, up to `max_batch` at once; a finished generation leaves
+at once, and one whose client went away leaves at the next step, its slots freed. The draft depth
+of a step follows the batch size (`specdec.scheduler`). Every error a client can cause is an
+OpenAI-style JSON error with a 4xx status.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+import uvicorn
 
-from specdec.api import SpeculativeDecoder
+from specdec.api import Generation, SpeculativeDecoder
 from specdec.errors import SpecDecError
+from specdec.scheduler import BatchDepth, batch_depth
 from specdec.types import GenerationStats
 
 MAX_BODY_BYTES = 1 << 20
@@ -93,43 +97,57 @@ def error_response(message: str, status: int, code: str | None = None, param: st
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
 
 
-# ---------------------------------------------------------------------------- the queue
+# ---------------------------------------------------------------------------- the batch
 
 
 @dataclass
 class Job:
-    """One generation: the worker thread fills `events`; the request handler reads them."""
+    """One request: the batch thread fills `events`; the request handler reads them."""
 
-    prompt_ids: list[int]
-    options: dict
+    generation: Generation
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.perf_counter)
+    last_token: float | None = None  # when the last text delta went out
 
     def emit(self, kind: str, value) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
 
 
-class Worker:
-    """A single thread that runs jobs in arrival order. At most `max_queue` jobs wait (one more
-    may be running); `submit` refuses beyond that, and `cancel` takes a waiting job out at once."""
+class Batcher:
+    """Continuous batching on one thread: every running generation advances by one engine step
+    at a time, all rows in one target forward. Between steps, waiting jobs join (up to `max_batch`
+    run at once) and finished or cancelled ones leave at once. At most `max_queue` jobs wait;
+    `submit` refuses beyond that. The draft depth of a step comes from `depth` (a BatchDepth)."""
 
-    def __init__(self, decoder: SpeculativeDecoder, max_queue: int, metrics: "Metrics"):
-        self.decoder, self.metrics, self.max_queue = decoder, metrics, max_queue
+    def __init__(self, decoder: SpeculativeDecoder, max_batch: int, max_queue: int, metrics: "Metrics", depth: BatchDepth | None):
+        self.decoder, self.metrics, self.max_batch, self.max_queue, self.depth = decoder, metrics, max_batch, max_queue, depth
+        self.engine = decoder.engine()
         self.waiting: deque[Job] = deque()
+        self.running: list[Job] = []
         self.changed = threading.Condition()
+        self.closing: str | None = None  # why new requests are refused (shutting down)
         metrics.queue_depth.set_function(lambda: len(self.waiting))
-        threading.Thread(target=self._run, name="specdec-worker", daemon=True).start()
+        metrics.batch_size.set_function(lambda: len(self.running))
+        self.thread = threading.Thread(target=self._run, name="specdec-batch", daemon=True)
+        self.thread.start()
 
     def submit(self, job: Job) -> None:
         with self.changed:
-            if len(self.waiting) >= self.max_queue:
-                raise BadRequest(f"the server is busy: {self.max_queue} requests are already waiting", status=429)
+            self.check_room()
             self.waiting.append(job)
             self.changed.notify()
 
+    def check_room(self) -> None:
+        """Refuse a request that could not wait now: 429 when the queue is full, 503 when shutting down."""
+        if self.closing:
+            raise BadRequest(self.closing, status=503)
+        if len(self.waiting) >= self.max_queue:
+            raise BadRequest(f"the server is busy: {self.max_queue} requests are already waiting", status=429)
+
     def cancel(self, job: Job) -> None:
-        """The client left: a waiting job leaves the queue now, a running one stops at its next step."""
+        """The client left: a waiting job leaves the queue now, a running one at the next step."""
         if job.cancelled.is_set():
             return
         job.cancelled.set()
@@ -137,49 +155,120 @@ class Worker:
             if job in self.waiting:
                 self.waiting.remove(job)
                 self.metrics.cancelled.inc()
+            self.changed.notify()
+
+    def shut_down(self, timeout: float) -> None:
+        """Refuse new requests, end the waiting ones with an error, let the running ones finish
+        for up to `timeout` seconds, then end them with an error too. Returns when all have ended."""
+        with self.changed:
+            self.closing = "the server is shutting down"
+            while self.waiting:
+                self.waiting.popleft().emit("unavailable", "the server is shutting down")
+            self.changed.notify()
+        self.thread.join(timeout)
+        with self.changed:
+            self.closing = "the server has shut down"  # the batch thread ends every running job now
+            self.changed.notify()
+        self.thread.join(5)
 
     def _run(self) -> None:
         while True:
             with self.changed:
-                while not self.waiting:
+                while not self.waiting and not self.running and not self.closing:
                     self.changed.wait()
-                job = self.waiting.popleft()
-            try:
-                self._generate(job)
-            except Exception as error:  # never let one request take the worker down
-                job.emit("error", f"{type(error).__name__}: {error}")
+                admitted = []
+                while self.waiting and len(self.running) + len(admitted) < self.max_batch:
+                    admitted.append(self.waiting.popleft())
+                stopping = self.closing == "the server has shut down"
+            for job in admitted:
+                self._open(job)
+            for job in [job for job in self.running if job.cancelled.is_set() or stopping]:
+                self._retire(job, "unavailable" if stopping else None, "the server shut down before the generation finished")
+            if self.running:
+                self._step()
+            elif self.closing:
+                return
 
-    def _generate(self, job: Job) -> None:
-        stream = self.decoder.stream(job.prompt_ids, **job.options)
-        deltas = iter(stream)
+    def _open(self, job: Job) -> None:
         try:
-            for delta in deltas:
-                if job.cancelled.is_set():
-                    self.metrics.cancelled.inc()
-                    return
+            job.generation.open(self.engine)
+        except Exception as error:  # never let one request take the batch down
+            self.engine.close(job.generation.state)
+            job.emit("error", f"{type(error).__name__}: {error}")
+            return
+        self.running.append(job)
+        if job.generation.done:  # nothing to generate (max_tokens 0)
+            self._retire(job, "done", None)
+
+    def _step(self) -> None:
+        states = [job.generation.state for job in self.running]
+        cap = self.depth.depth(len(states)) if self.depth is not None else None
+        try:
+            results = self.engine.step(states, cap)
+        except Exception as error:  # a failed forward leaves the rows' caches unknown: end them all
+            for job in list(self.running):
+                self._retire(job, "error", f"{type(error).__name__}: {error}")
+            return
+        now = time.perf_counter()
+        for job, result in zip(list(self.running), results):
+            if self.depth is not None:
+                self.depth.observe(result.drafted, result.accepted)
+            delta = job.generation.add(result)
+            if delta:
+                self.metrics.token_latency(job, now, len(result.tokens))
                 job.emit("delta", delta)
-        finally:
-            deltas.close()  # frees the decoder for the next job, cancelled or not
-        self.metrics.record(stream.result.stats)
-        job.emit("done", stream.result)
+            if job.generation.done:
+                self._retire(job, "done", None)
+
+    def _retire(self, job: Job, kind: str | None, message: str | None) -> None:
+        """The job leaves the batch; its slots go back. kind: what the client is told (None: it left)."""
+        self.engine.close(job.generation.state)
+        self.running.remove(job)
+        if kind is None:
+            self.metrics.cancelled.inc()
+        elif kind in ("error", "unavailable"):
+            job.emit(kind, message)
+        else:
+            result = job.generation.result()
+            self.metrics.record(result.stats, time.perf_counter() - job.arrived)
+            job.emit("done", result)
 
 
 class Metrics:
-    """Prometheus counters and gauges, in a registry of this app's own."""
+    """Prometheus counters, gauges and histograms, in a registry of this app's own."""
+
+    LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
     def __init__(self):
-        self.registry = CollectorRegistry()
-        self.requests = Counter("specdec_requests", "HTTP requests to the generation endpoints, by status", ["endpoint", "status"], registry=self.registry)
-        self.generated = Counter("specdec_generated_tokens", "tokens generated", registry=self.registry)
-        self.cancelled = Counter("specdec_cancelled", "generations cancelled because the client left", registry=self.registry)
-        self.queue_depth = Gauge("specdec_queue_depth", "requests waiting for the model", registry=self.registry)
-        self.acceptance = Gauge("specdec_acceptance_rate", "accepted / drafted over all generations", registry=self.registry)
-        self.tokens_per_second = Gauge("specdec_tokens_per_second", "generated tokens / generation seconds over all generations", registry=self.registry)
-        self.tokens_per_forward = Gauge("specdec_tokens_per_target_forward", "generated tokens / target forwards over all generations", registry=self.registry)
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("specdec_requests", "HTTP requests to the generation endpoints, by status", ["endpoint", "status"], registry=registry)
+        self.generated = Counter("specdec_generated_tokens", "tokens generated", registry=registry)
+        self.cancelled = Counter("specdec_cancelled", "generations cancelled because the client left", registry=registry)
+        self.queue_depth = Gauge("specdec_queue_depth", "requests waiting for the model", registry=registry)
+        self.batch_size = Gauge("specdec_batch_size", "generations running in the batch", registry=registry)
+        self.acceptance = Gauge("specdec_acceptance_rate", "accepted / drafted over all generations", registry=registry)
+        self.tokens_per_second = Gauge("specdec_tokens_per_second", "generated tokens / generation seconds over all generations", registry=registry)
+        self.tokens_per_forward = Gauge("specdec_tokens_per_target_forward", "generated tokens / target forwards over all generations", registry=registry)
+        self.time_to_first_token = Histogram("specdec_time_to_first_token_seconds", "arrival to the first text delta",
+                                             buckets=self.LATENCY_BUCKETS, registry=registry)
+        self.inter_token_latency = Histogram("specdec_inter_token_latency_seconds", "time between text deltas of a stream, per token",
+                                             buckets=self.LATENCY_BUCKETS, registry=registry)
+        self.request_duration = Histogram("specdec_request_duration_seconds", "arrival to the end of finished generations",
+                                          buckets=self.LATENCY_BUCKETS, registry=registry)
         self._totals = GenerationStats()
         self._lock = threading.Lock()
 
-    def record(self, stats: GenerationStats) -> None:
+    def token_latency(self, job: Job, now: float, tokens: int) -> None:
+        """A text delta of `tokens` tokens goes out now."""
+        if job.last_token is None:
+            self.time_to_first_token.observe(now - job.arrived)
+        else:
+            for _ in range(tokens):
+                self.inter_token_latency.observe((now - job.last_token) / max(tokens, 1))
+        job.last_token = now
+
+    def record(self, stats: GenerationStats, seconds: float) -> None:
+        self.request_duration.observe(seconds)
         with self._lock:
             t = self._totals
             t.generated_tokens += stats.generated_tokens
@@ -196,10 +285,13 @@ class Metrics:
 # ---------------------------------------------------------------------------- the app
 
 
-def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16, max_batch: int = 16,
+               max_body_bytes: int = MAX_BODY_BYTES, depth: BatchDepth | None | str = "measure") -> FastAPI:
+    """depth: how deep to draft per batch size; "measure" times the models now (see `batch_depth`)."""
     app = FastAPI(title="specdec", description="OpenAI-compatible lossless speculative decoding", version="1")
     metrics = Metrics()
-    worker = Worker(decoder, max_queue, metrics)
+    batcher = Batcher(decoder, max_batch, max_queue, metrics, batch_depth(decoder) if depth == "measure" else depth)
+    app.state.batcher = batcher
     created = int(time.time())
 
     @app.exception_handler(RequestValidationError)
@@ -232,7 +324,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "queue_depth": len(worker.waiting)}
+        return {"status": "ok", "queue_depth": len(batcher.waiting), "batch_size": len(batcher.running)}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
@@ -244,27 +336,32 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        ids = await _checked_prompt(body, len(body.prompt), lambda: decoder.prompt_ids(body.prompt))
-        return await _serve(request, body, ids, "text_completion")
+        generation = await _checked_request(body, len(body.prompt), lambda: decoder.prompt_ids(body.prompt))
+        return await _serve(request, body, generation, "text_completion")
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         size = sum(len(m.content) for m in body.messages)
-        ids = await _checked_prompt(body, size, lambda: _chat_prompt(decoder, body.messages))
-        return await _serve(request, body, ids, "chat.completion")
+        generation = await _checked_request(body, size, lambda: _chat_prompt(decoder, body.messages))
+        return await _serve(request, body, generation, "chat.completion")
 
-    async def _checked_prompt(body: SamplingFields, size: int, encode) -> list[int]:
-        """Tokenize and check everything before the request may wait for the model. Long texts are
-        tokenized off the event loop; short ones inline (a thread hop costs more than they do)."""
-        return await run_in_threadpool(_check, body, encode) if size > LONG_PROMPT_CHARS else _check(body, encode)
-
-    def _check(body: SamplingFields, encode) -> list[int]:
+    async def _checked_request(body: SamplingFields, size: int, encode) -> Generation:
+        """Check everything before the request may wait for the model; a full queue is refused
+        before the prompt is tokenized. Long texts are tokenized off the event loop; short ones
+        inline (a thread hop costs more than they do)."""
         if body.model != model_name:
             raise BadRequest(f"the model {body.model!r} does not exist; this server has {model_name!r}", 404, "model_not_found", "model")
         if body.n != 1:
             raise BadRequest("only n = 1 is supported", param="n")
+        stop = body.stops()
+        if any(not s for s in stop) or len(stop) > 4:
+            raise BadRequest("stop must be up to 4 non-empty strings", param="stop")
+        batcher.check_room()
+        return await run_in_threadpool(_check, body, encode) if size > LONG_PROMPT_CHARS else _check(body, encode)
+
+    def _check(body: SamplingFields, encode) -> Generation:
         try:
             ids = encode()
         except SpecDecError as error:
@@ -277,32 +374,32 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
         if body.max_tokens > room:
             raise BadRequest(f"max_tokens {body.max_tokens} plus the prompt's {len(ids)} tokens exceed the context of {decoder.target.max_length}",
                              param="max_tokens")
-        stop = body.stops()
-        if any(not s for s in stop) or len(stop) > 4:
-            raise BadRequest("stop must be up to 4 non-empty strings", param="stop")
-        return ids
+        try:
+            return decoder.request(ids, max_new_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k,
+                                   top_p=body.top_p, seed=body.seed, stop=body.stops())
+        except SpecDecError as error:
+            raise BadRequest(str(error)) from None
 
-    async def _serve(request: Request, body: SamplingFields, ids: list[int], kind: str):
-        options = dict(max_new_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                       seed=body.seed, stop=body.stops())
-        job = Job(ids, options, asyncio.get_running_loop())
-        worker.submit(job)
-        reply = Reply(kind, model_name, len(ids))
+    async def _serve(request: Request, body: SamplingFields, generation: Generation, kind: str):
+        job = Job(generation, asyncio.get_running_loop())
+        batcher.submit(job)
+        reply = Reply(kind, model_name, len(generation.state.prompt))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return CancellingStream(lambda: worker.cancel(job), _sse(job, reply, include_usage), media_type="text/event-stream")
+            return CancellingStream(lambda: batcher.cancel(job), _sse(job, reply, include_usage), media_type="text/event-stream")
         try:
             result = await _result(request, job)
-        finally:  # whatever ends this handler, the worker stops working for it
-            worker.cancel(job)
+        finally:  # whatever ends this handler, the batch stops working for it
+            batcher.cancel(job)
         if result is None:
             return error_response("the client disconnected", 499)
-        if isinstance(result, str):
-            return error_response(f"generation failed: {result}", 500)
+        if isinstance(result, tuple):
+            kind, message = result
+            return error_response(message, 503) if kind == "unavailable" else error_response(f"generation failed: {message}", 500)
         return reply.whole(result)
 
     async def _result(request: Request, job: Job):
-        """The finished GenerationResult; None if the client left; the message if generation failed."""
+        """The finished GenerationResult; None if the client left; (kind, message) if it failed."""
         while True:
             try:
                 kind, value = await asyncio.wait_for(job.events.get(), timeout=0.25)
@@ -310,8 +407,10 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
                 if await request.is_disconnected():
                     return None
                 continue
-            if kind != "delta":
+            if kind == "done":
                 return value
+            if kind != "delta":
+                return kind, value
 
     async def _sse(job: Job, reply: "Reply", include_usage: bool):
         try:
@@ -322,8 +421,9 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
                 kind, value = await job.events.get()
                 if kind == "delta":
                     yield _event(reply.chunk(value, None))
-                elif kind == "error":
-                    yield _event({"error": {"message": f"generation failed: {value}", "type": "server_error", "param": None, "code": None}})
+                elif kind in ("error", "unavailable"):
+                    message = value if kind == "unavailable" else f"generation failed: {value}"
+                    yield _event({"error": {"message": message, "type": "server_error", "param": None, "code": kind}})
                     break
                 else:
                     yield _event(reply.chunk("", value.finish_reason))
@@ -332,9 +432,30 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
                     break
             yield "data: [DONE]\n\n"
         finally:  # a client that left (the response is cancelled) stops its generation
-            worker.cancel(job)
+            batcher.cancel(job)
 
     return app
+
+
+class Server(uvicorn.Server):
+    """uvicorn, shutting down in bounded time: on SIGTERM/SIGINT the batch refuses new requests
+    (503), ends waiting ones with an error event and gives running ones `shutdown_timeout` seconds
+    before they end with an error event too (streams still get their `[DONE]`)."""
+
+    def __init__(self, config: uvicorn.Config, shutdown_timeout: float):
+        super().__init__(config)
+        self.shutdown_timeout = shutdown_timeout
+
+    def handle_exit(self, sig, frame) -> None:
+        batcher = self.config.app.state.batcher
+        threading.Thread(target=batcher.shut_down, args=(self.shutdown_timeout,), daemon=True).start()
+        super().handle_exit(sig, frame)
+
+
+def serve(app: FastAPI, host: str, port: int, shutdown_timeout: float = 10.0) -> None:
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=int(shutdown_timeout) + 3)  # a backstop: the batch ends its streams first
+    Server(config, shutdown_timeout).run()
 
 
 class CancellingStream(StreamingResponse):

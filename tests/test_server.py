@@ -54,7 +54,7 @@ def decoder(model_dirs):
 
 @pytest.fixture(scope="module")
 def server(decoder):
-    live = LiveServer(create_app(decoder, MODEL, max_queue=32))
+    live = LiveServer(create_app(decoder, MODEL, max_queue=32, depth=None))
     yield live
     live.stop()
 
@@ -167,16 +167,18 @@ class SlowDrafter:
     def __init__(self, inner):
         self.inner, self.name = inner, "slow"
 
-    @property
-    def forwards(self):
-        return self.inner.forwards
+    def open(self, prompt):
+        return self.inner.open(prompt)
 
-    def reset(self):
-        self.inner.reset()
+    def accept(self, slot, tokens):
+        self.inner.accept(slot, tokens)
 
-    def propose(self, *args):
+    def close(self, slot):
+        self.inner.close(slot)
+
+    def propose(self, requests):
         time.sleep(0.05)
-        return self.inner.propose(*args)
+        return self.inner.propose(requests)
 
 
 def test_a_client_that_disconnects_is_cancelled(model_dirs):

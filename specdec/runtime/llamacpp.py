@@ -225,7 +225,7 @@ class LlamaCppModel:
             if n_out:
                 logits = lib.llama_get_logits(self._context)
                 rows.append(torch.from_numpy(np.ctypeslib.as_array(logits, shape=(n_out, self.vocab_size)).copy()))
-        return torch.cat(rows) if rows else torch.zeros(0, self.vocab_size)
+        return torch.zeros(0, self.vocab_size) if not rows else rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
 class LlamaCppSequence:
