@@ -60,7 +60,7 @@ def command(system: str, port: int, threads: int, clients: int) -> list[str]:
     llama = [str(LLAMA_SERVER), "-m", str(target), "--port", str(port), "-t", str(threads), "-tb", str(threads),
              "--parallel", str(clients), "-c", str(1024 * clients), "--alias", "m", "--no-webui", "-lv", "0"]
     if system == "llama-server":
-        llama += ["-md", str(draft), "--draft-max", "4", "--draft-min", "0", "-cd", str(1024 * clients)]
+        llama += ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", "4", "--spec-draft-n-min", "0"]
     return llama
 
 
@@ -93,7 +93,7 @@ def one_request(http: httpx.Client, url: str, prompt: str, mode: str, max_tokens
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "seed": seed, "stream": True,
             "stream_options": {"include_usage": True}, **MODES[mode]}
     if llama:  # llama.cpp's default sampler chain has more stages: plain temperature / top-k only
-        body.update(min_p=0.0, top_p=1.0, typical_p=1.0, repeat_penalty=1.0, ignore_eos=False)
+        body.update(min_p=0.0, top_p=1.0, typical_p=1.0, repeat_penalty=1.0, cache_prompt=False)  # no prefix cache: we have none
     started, first, last, chunks, usage = time.perf_counter(), None, None, 0, None
     with http.stream("POST", url + "/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -147,11 +147,11 @@ def quantile(values: list[float], q: float) -> float | None:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| system | mode | clients | tokens/s | × serial | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | errors | load |",
+    lines = ["| system | mode | clients | tokens/s | × one-at-a-time | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | errors | load |",
              "| --- | --- | ---: | ---: | ---: | --- | --- | ---: | --- |"]
-    serial = {(r["mode"], r["clients"]): r["tokens_per_second"] for r in rows if r["system"] == "specdec-serial"}
-    for r in rows:
-        base = serial.get((r["mode"], r["clients"]))
+    serial = {(r["system"], r["mode"], r["clients"]): r["tokens_per_second"] for r in rows if r["system"].endswith("-serial")}
+    for r in rows:  # against one-at-a-time specdec on the same backend
+        base = serial.get(("specdec-hf-serial" if "-hf" in r["system"] else "specdec-serial", r["mode"], r["clients"]))
         ratio = f"{r['tokens_per_second'] / base:.2f}" if base else ""
         fmt = lambda v, scale=1, digits=2: "–" if v is None else f"{v * scale:.{digits}f}"
         lines.append(f"| {r['system']} | {r['mode']} | {r['clients']} | {r['tokens_per_second']:.0f} | {ratio} | "

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from specdec.drafters import Drafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
-from specdec.engine import AdaptiveGamma, DecodeState, Engine, FixedGamma, StepResult
+from specdec.engine import AdaptiveGamma, DecodeState, Engine, FixedGamma, StepResult, TokenLogprob
 from specdec.errors import SpecDecError
 from specdec.ngram import KatzTrigram
 from specdec.runtime import CausalLM, check_same_vocabulary, choose_backend, load_model, require_trees, tokenizer_fingerprint
@@ -24,9 +24,13 @@ class GenerationResult:
     tokens: list[int]
     finish_reason: str  # "length", "stop" (EOS or a stop string)
     stats: GenerationStats = field(default_factory=GenerationStats)
+    logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
+        out = {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
+        if self.logprobs is not None:
+            out["logprobs"] = [{"token": lp.token, "logprob": lp.logprob, "top": lp.top} for lp in self.logprobs]
+        return out
 
 
 class Stream:
@@ -72,9 +76,12 @@ class SpeculativeDecoder:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: Sequence[str] = (),
+        logprobs: int | None = None,
     ) -> Stream:
-        """Text deltas as they are committed. Temperature 0 is greedy; a seed makes sampling repeatable."""
-        return Stream(self._deltas(self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop)))
+        """Text deltas as they are committed. Temperature 0 is greedy; a seed makes sampling repeatable.
+        logprobs: the result also holds each token's log-probability under the target (its raw
+        distribution) and this many most likely alternatives."""
+        return Stream(self._deltas(self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, logprobs)))
 
     def request(
         self,
@@ -85,8 +92,10 @@ class SpeculativeDecoder:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: Sequence[str] = (),
+        logprobs: int | None = None,
     ) -> Generation:
-        """A checked generation, not started: run it with `stream`, or in a batch with an `Engine`."""
+        """A checked generation, not started: run it with `stream`, or in a batch with an `Engine`.
+        logprobs: also record each token's log-probability under the target and this many alternatives."""
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         prompt_ids = self.prompt_ids(prompt)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -96,9 +105,11 @@ class SpeculativeDecoder:
         stop = [stop] if isinstance(stop, str) else list(stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise SpecDecError("stop strings must be non-empty strings")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20):
+            raise SpecDecError(f"logprobs must be an integer from 0 to 20, got {logprobs!r}")
         gamma_policy = AdaptiveGamma() if self.gamma == "auto" else FixedGamma(self.gamma)
         state = DecodeState(prompt_ids, sampling, max_new_tokens, gamma_policy, RandomStreams(seed),
-                            GenerationStats(prompt_tokens=len(prompt_ids)), self.stop_token_ids)
+                            GenerationStats(prompt_tokens=len(prompt_ids)), self.stop_token_ids, logprobs=logprobs)
         return Generation(state, TextAssembler(self.tokenizer, prompt_ids, stop))
 
     def engine(self) -> Engine:
@@ -168,7 +179,8 @@ class Generation:
         stats = self.state.stats
         stats.generated_tokens = len(self.text.tokens)
         stats.total_seconds = time.perf_counter() - self.started
-        return GenerationResult(text=self.text.text, tokens=self.text.tokens, finish_reason=self.text.finish_reason or self.state.finish_reason or "length", stats=stats)
+        return GenerationResult(text=self.text.text, tokens=self.text.tokens, finish_reason=self.text.finish_reason or self.state.finish_reason or "length",
+                                stats=stats, logprobs=self.text.logprobs if self.state.logprobs is not None else None)
 
 
 class TextAssembler:
@@ -179,17 +191,20 @@ class TextAssembler:
         self.decode_text = _continuation_decoder(tokenizer, prompt_ids)
         self.stop = stop
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # one per token, when the generation records them
         self.text = ""
         self.emitted = 0  # characters of text already given out
         self.finish_reason: str | None = None
 
     def add(self, step: StepResult) -> str:
         self.tokens += step.tokens
+        self.logprobs += step.logprobs or []
         text = self.decode_text(self.tokens)
         cut = _first_stop(text, self.stop, max(0, self.emitted - max(map(len, self.stop), default=0)))
         if cut is not None:
             text, self.finish_reason = text[:cut], "stop"
             self.tokens = _tokens_within(self.decode_text, self.tokens, text)
+            del self.logprobs[len(self.tokens):]
         elif step.finish_reason:
             self.finish_reason = step.finish_reason
         self.text = text

@@ -183,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "forward costs timed at start and the acceptance so far (no drafting when it does not pay); fixed: always --gamma")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                        help="on SIGTERM/SIGINT, how long running generations may finish before they end with an error (default 10)")
+    serve.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
+                       help="require `Authorization: Bearer KEY` on /v1 routes (default: $SPECDEC_API_KEY, else none)")
+    serve.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                       help="browser origins allowed by CORS, e.g. http://localhost:3000 (default: none)")
+    serve.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for models without one (or to replace theirs)")
+    serve.add_argument("--max-connections", type=_positive, default=256, help="open connections at most; more get 503 (default 256)")
     serve.set_defaults(run=run_serve)
     return parser
 
@@ -287,17 +293,36 @@ def run_serve(args) -> None:
         raise SpecDecError("--shutdown-timeout must be between 0 and 3600 seconds")
     on_gpu = (args.device or "").startswith("cuda") or bool(args.gpu_layers) or _cuda_available()
     max_batch = args.max_batch or DEFAULT_BATCH["gpu" if on_gpu else "cpu"]
+    template = _read_template(args.chat_template) if args.chat_template else None
     decoder = load_decoder(args, slots=max_batch)
+    if template is not None:
+        decoder.tokenizer.chat_template = template
     name = args.model_name or os.path.basename(os.path.normpath(decoder.target.path))
-    app = create_app(decoder, name, max_queue=args.max_queue, max_batch=max_batch,
-                     depth="measure" if args.batch_depth == "measured" else None)
+    loopback = args.host in ("127.0.0.1", "localhost", "::1")  # then only loopback Host headers: no DNS rebinding
+    app = create_app(decoder, name, max_queue=args.max_queue, max_batch=max_batch, api_key=args.api_key,
+                     depth="measure" if args.batch_depth == "measured" else None, allowed_origins=args.allowed_origins,
+                     allowed_hosts=["127.0.0.1", "localhost", "::1"] if loopback else None)
     print(f"specdec: serving {name!r} on http://{args.host}:{args.port}/v1 (drafter: "
           f"{decoder.drafter.name if decoder.drafter else 'none'}, up to {max_batch} generations at once)", file=sys.stderr)
     try:
-        serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
+        serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, max_connections=args.max_connections)
     except SystemExit as error:  # uvicorn logs why it could not start (a port in use, say), then exits
         if error.code:
             raise SpecDecError(f"the server could not start on {args.host}:{args.port} (see the message above)") from None
+
+
+def _read_template(path: str) -> str:
+    try:
+        text = open(path, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as error:
+        raise SpecDecError(f"could not read the chat template {path}: {error}") from None
+    try:
+        import jinja2.sandbox
+
+        jinja2.sandbox.ImmutableSandboxedEnvironment().parse(text)
+    except jinja2.TemplateSyntaxError as error:
+        raise SpecDecError(f"{path} is not a valid Jinja template: {error}") from None
+    return text
 
 
 def _cuda_available() -> bool:

@@ -56,12 +56,25 @@ class AdaptiveGamma:
 @dataclass
 class StepResult:
     """The tokens one iteration committed, and why generation ended there (None: it goes on).
-    drafted / accepted: the draft's depth and how many of its tokens were kept."""
+    drafted / accepted: the draft's depth and how many of its tokens were kept. logprobs (when the
+    state asks for them): per token, its log-probability under the target and the most likely
+    alternatives, as `TokenLogprob`s."""
 
     tokens: list[int]
     finish_reason: str | None = None
     drafted: int = 0
     accepted: int = 0
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class TokenLogprob:
+    """The target's own log-probability (its raw logits, before any sampling transform) of an
+    emitted token, and the `top` most likely tokens at that position as (token, log-probability)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -86,6 +99,7 @@ class DecodeState:
     finish_reason: str | None = None
     sequence: Sequence | None = None  # the target's slot
     draft_slot: DraftSlot | None = None
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives (None: no)
 
 
 class Engine:
@@ -181,6 +195,8 @@ class Engine:
             step.finish_reason = "length"
         state.finish_reason = step.finish_reason
         step.drafted, step.accepted = draft.depth, result.accepted
+        if state.logprobs is not None:
+            step.logprobs = _logprobs(logits, result.path, step.tokens, state.logprobs)
         if step.finish_reason is None and state.draft_slot is not None:
             self.drafter.accept(state.draft_slot, step.tokens)
         return step
@@ -237,6 +253,17 @@ def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, stream
         return verify_tree_greedy(draft.tokens, draft.parents, logits)
     target_probs = probs_from_logits(logits, sampling)  # [len(draft) + 1, vocab]
     return verify_tree(draft.tokens, draft.parents, draft.probs, target_probs, streams.accept, streams.recover)
+
+
+def _logprobs(logits: torch.Tensor, path: list[int], tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Emitted token i was drawn at the root (i = 0) or below the i-th accepted node: its row of
+    the target's logits is 0, then 1 + that node."""
+    rows = ([0] + [1 + node for node in path])[: len(tokens)]
+    logprobs = torch.log_softmax(logits[rows].double(), dim=-1)
+    best = logprobs.topk(top, dim=-1) if top else None
+    return [TokenLogprob(token, float(logprobs[i, token]),
+                         list(zip(best.indices[i].tolist(), best.values[i].tolist())) if best is not None else [])
+            for i, token in enumerate(tokens)]
 
 
 def _commit(tokens: list[int], room: int, stop_tokens: frozenset[int]) -> StepResult:

@@ -12,21 +12,22 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import uvicorn
-
 import specdec
 from specdec.server import create_app
+from specdec.server.http import Server, config
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 MODEL = "tiny"
 
 
 class LiveServer:
-    def __init__(self, app):
+    """The app under `specdec serve`'s own uvicorn settings (deadlines, connection cap), in a thread."""
+
+    def __init__(self, app, **options):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = Server(config(app, "127.0.0.1", self.port, **options), shutdown_timeout=options.get("shutdown_timeout", 10.0))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 20
@@ -246,14 +247,14 @@ def test_chat_without_a_template_is_a_400(model_dirs):
 def test_a_full_queue_gets_429(model_dirs):
     decoder = make_decoder(model_dirs)
     decoder.drafter = SlowDrafter(decoder.drafter)  # each request takes >= 0.5 s: the six overlap
-    live = LiveServer(create_app(decoder, MODEL, max_queue=1))
+    live = LiveServer(create_app(decoder, MODEL, max_queue=1, max_batch=1))
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 12, "temperature": 0}
     try:
         with ThreadPoolExecutor(6) as pool:
             replies = list(pool.map(lambda _: httpx.post(live.url + "/v1/completions", json=body, timeout=60), range(6)))
         statuses = [r.status_code for r in replies]
         assert statuses.count(200) >= 2 and 429 in statuses and set(statuses) <= {200, 429}
-        assert all(r.json()["error"]["type"] == "rate_limit_error" for r in replies if r.status_code == 429)
+        assert all(r.json()["error"]["type"] == "rate_limit_error" and r.headers["retry-after"] == "1" for r in replies if r.status_code == 429)
         assert httpx.post(live.url + "/v1/completions", json=body, timeout=60).status_code == 200
         assert metric(live, 'specdec_requests_total{endpoint="/v1/completions",status="429"}') == statuses.count(429)
     finally:

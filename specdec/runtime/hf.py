@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from specdec.errors import SpecDecError
 from specdec.runtime import base
@@ -155,10 +156,11 @@ class HFModel:
 
     @torch.inference_mode()
     def forward_batch(self, feeds: list[base.Feed]) -> list[torch.Tensor]:
-        """Several sequences in one forward. Their caches are stacked into one batch, each row
-        right-padded to the longest; the new entries follow at slots longest.., padded to the most
-        new entries; each row's mask admits its own entries only (a padding query sees itself).
-        Afterwards every row's new keys and values go back to its own cache."""
+        """Several sequences in one forward. Each row's cached entries are left-padded to the
+        longest (`width`) and its new entries follow at slots width.., padded to the most new
+        entries; each row's mask admits its own entries only (a padding query sees itself). The
+        batch's keys and values are written once (`_StackedLayer`); afterwards each sequence's
+        cache is a view of its row: its entries are contiguous there, so nothing is copied back."""
         base.check_distinct(feeds)
         if any(feed.sequence.owner is not self for feed in feeds):
             raise ValueError("a batched forward takes sequences of its own model only")
@@ -172,45 +174,38 @@ class HFModel:
         tokens = torch.zeros(batch, new, dtype=torch.long)
         positions = torch.zeros(batch, new, dtype=torch.long)
         key_positions = torch.zeros(batch, width + new, dtype=torch.long)
-        allowed = torch.eye(new, dtype=torch.bool)[None, :, :].repeat(batch, 1, 1)  # padding queries see themselves
-        allowed = torch.cat([torch.zeros(batch, new, width, dtype=torch.bool), allowed], dim=2)
+        allowed = torch.zeros(batch, new, width + new, dtype=torch.bool)
+        allowed[:, :, width:] = torch.eye(new, dtype=torch.bool)  # padding queries see themselves
         for r, (sequence, row_tokens, row_positions, all_parents) in enumerate(rows):
             start, n = sequence.cache_len, len(row_tokens)
             tokens[r, :n], positions[r, :n] = torch.tensor(row_tokens), torch.tensor(row_positions)
-            key_positions[r, :start] = torch.tensor(sequence._positions, dtype=torch.long)
+            key_positions[r, width - start : width] = torch.tensor(sequence._positions, dtype=torch.long)
             key_positions[r, width : width + n] = positions[r, :n]
             ancestry = sequence.attends(all_parents, start, n)
             if ancestry is None:
                 ancestry = torch.ones(n, start + n, dtype=torch.bool).tril(start)
-            allowed[r, :n, :start] = ancestry[:, :start]
+            allowed[r, :n, width - start : width] = ancestry[:, :start]
             allowed[r, :n, width : width + n] = ancestry[:, start:]
-        cache = self._stacked_cache([sequence for sequence, *_ in rows], width)
+        cache = DynamicCache()
+        if width:
+            cache.layers = [_StackedLayer([s._cache.layers[i] if s.cache_len else None for s, *_ in rows], width)
+                            for i in range(len(next(s for s, *_ in rows if s.cache_len)._cache.layers))]
         out = self.model(input_ids=tokens.to(self.device), position_ids=positions.to(self.device),
                          attention_mask=self.layer_masks(allowed, key_positions, positions),
                          past_key_values=cache, use_cache=True)
         results = []
         for r, ((sequence, row_tokens, row_positions, all_parents), feed) in enumerate(zip(rows, feeds)):
-            n = len(row_tokens)
+            start, n = sequence.cache_len, len(row_tokens)
             for index, layer in enumerate(cache.layers):
-                sequence._cache.update(layer.keys[r : r + 1, :, width : width + n], layer.values[r : r + 1, :, width : width + n], index)
+                keys, values = (t[r : r + 1, :, width - start : width + n] for t in (layer.keys, layer.values))
+                if index < len(sequence._cache.layers) and sequence._cache.layers[index].is_initialized:
+                    sequence._cache.layers[index].keys, sequence._cache.layers[index].values = keys, values
+                else:
+                    sequence._cache.update(keys, values, index)
             sequence.commit(row_tokens, row_positions, all_parents)
             wanted = n if feed.last is None else min(feed.last, n)
             results.append(self.logits_out(out.logits[r, n - wanted : n]))
         return results
-
-    def _stacked_cache(self, sequences: list[HFSequence], width: int) -> DynamicCache:
-        """One cache holding every sequence's entries as a batch row, right-padded with zeros to `width`."""
-        cache = DynamicCache()
-        filled = next((s._cache.layers for s in sequences if s.cache_len), None)
-        for index in range(len(filled) if filled and width else 0):
-            stacked = []
-            for kind in ("keys", "values"):
-                like = getattr(filled[index], kind)
-                rows = [getattr(s._cache.layers[index], kind) if s.cache_len else like[..., :0, :] for s in sequences]
-                stacked.append(torch.cat([torch.cat([row, row.new_zeros(*row.shape[:-2], width - row.shape[-2], row.shape[-1])], dim=-2)
-                                          for row in rows]))
-            cache.update(*stacked, index)
-        return cache
 
     @property
     def sliding_window(self) -> int | None:
@@ -356,6 +351,35 @@ class HFSequence:
     def cache_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(keys, values) per layer, [batch, heads, cache_len, head_dim]: for tests and tools."""
         return [(layer.keys, layer.values) for layer in self._cache.layers]
+
+
+class _StackedLayer(DynamicLayer):
+    """One layer's cache for a batched forward: every row's cached keys and values (a DynamicLayer
+    of its sequence, or None when empty), left-padded with zeros to `width`. `update` writes the
+    whole batch, cached entries then the new ones, into one tensor [batch, heads, width + new, dim]."""
+
+    def __init__(self, rows: list[DynamicLayer | None], width: int):
+        super().__init__()
+        self.rows, self.width = rows, width
+
+    def get_seq_length(self) -> int:
+        return self.width
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.keys = self._stack("keys", key_states)
+        self.values = self._stack("values", value_states)
+        self.is_initialized, self.dtype, self.device = True, key_states.dtype, key_states.device
+        return self.keys, self.values
+
+    def _stack(self, kind: str, new: torch.Tensor) -> torch.Tensor:
+        batch, heads, count, dim = new.shape
+        out = new.new_zeros(batch, heads, self.width + count, dim)  # zeros: padding keys must be finite under a mask
+        for r, row in enumerate(self.rows):
+            if row is not None:
+                cached = getattr(row, kind)
+                out[r, :, self.width - cached.shape[-2] : self.width] = cached[0]
+        out[:, :, self.width :] = new
+        return out
 
 
 class _ForwardCounter:

@@ -1,0 +1,16 @@
+"""An OpenAI-compatible HTTP server over one SpeculativeDecoder (`specdec serve`).
+
+Continuous batching (`batch`): one thread runs every generation in one batch, one engine step at a
+time (all rows in one target forward). Requests wait in a bounded first-in first-out queue (429
+with Retry-After when it is full) and join the batch between steps, up to `max_batch` at once; a
+finished generation leaves at once, and one whose client went away leaves at the next step, its
+slots freed. The draft depth of a step follows the batch size (`specdec.scheduler`).
+The wire format (`openai`) refuses what it does not honour; every error a client can cause is an
+OpenAI-style JSON error with a 4xx status. `http` runs it under uvicorn with deadlines and a
+bounded shutdown.
+"""
+
+from specdec.server.app import create_app
+from specdec.server.http import serve
+
+__all__ = ["create_app", "serve"]

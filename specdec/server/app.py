@@ -1,0 +1,270 @@
+"""The FastAPI app: routes, checks before a request may wait, and streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import PlainTextResponse, StreamingResponse
+from prometheus_client import generate_latest
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdec.api import Generation, SpeculativeDecoder
+from specdec.errors import SpecDecError
+from specdec.scheduler import BatchDepth, batch_depth
+from specdec.server.batch import Batcher, Job, Metrics
+from specdec.server.openai import (ERROR_RESPONSES, BadRequest, ChatRequest, CompletionRequest, Reply, SamplingFields,
+                                       chat_prompt, error_response)
+
+MAX_BODY_BYTES = 1 << 20
+LONG_PROMPT_CHARS = 20_000  # tokenized in a thread pool, not on the event loop
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16, max_batch: int = 16,
+               max_body_bytes: int = MAX_BODY_BYTES, depth: BatchDepth | None | str = "measure", api_key: str | None = None,
+               allowed_origins: list[str] = (), allowed_hosts: list[str] | None = None, body_timeout: float = 30.0) -> FastAPI:
+    """depth: how deep to draft per batch size; "measure" times the models now (`scheduler.batch_depth`),
+    None: always the decoder's gamma. api_key: /v1 routes need `Authorization: Bearer <key>`.
+    allowed_origins: browser origins allowed by CORS. allowed_hosts: accepted Host header names
+    (None: any). body_timeout: seconds a request body may take to arrive."""
+    app = FastAPI(title="specdec", description="OpenAI-compatible lossless speculative decoding", version="1")
+    metrics = Metrics()
+    batcher = Batcher(decoder, max_batch, max_queue, metrics, batch_depth(decoder) if depth == "measure" else depth)
+    app.state.batcher = batcher
+    created = int(time.time())
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError):
+        first = error.errors()[0] if error.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", "invalid request body"))
+        return error_response(message, 400, param=where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        return error_response(str(error.detail), error.status_code, headers=getattr(error, "headers", None))  # 405 keeps Allow
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: Request, error: BadRequest):
+        return error_response(str(error), error.status, error.code, error.param)
+
+    @app.middleware("http")
+    async def guard_and_count(request: Request, call_next):
+        response = _refusal(request) or await call_next(request)
+        if request.url.path in GENERATION_PATHS:
+            metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    def _refusal(request: Request):
+        """An error response for a request refused before routing, or None."""
+        if allowed_hosts is not None and request.url.hostname not in allowed_hosts:
+            return error_response(f"the Host header {request.headers.get('host')!r} is not one this server answers to", 400)
+        if api_key and request.url.path.startswith("/v1/") and request.method != "OPTIONS":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_response("a valid API key is needed: Authorization: Bearer <key>", 401, "invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"})
+        length = request.headers.get("content-length")
+        if request.method == "POST" and length is None:  # a chunked body could be any size
+            return error_response("a request body needs a Content-Length header", 411)
+        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+            return error_response(f"the request body is larger than {max_body_bytes} bytes", 413)
+        return None
+
+    @app.head("/health", include_in_schema=False)
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "queue_depth": len(batcher.waiting), "batch_size": len(batcher.running)}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus():
+        return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", responses={401: ERROR_RESPONSES[401]})
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "specdec"}]}
+
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request):
+        prompt = body.prompt_input()
+        size = len(prompt) if isinstance(prompt, str) else 0
+        generation = await _checked_request(body, size, lambda: decoder.prompt_ids(prompt), "prompt")
+        echo = "" if not body.echo else prompt if isinstance(prompt, str) else decoder.tokenizer.decode(prompt, skip_special_tokens=True)
+        return await _serve(request, body, generation, Reply("text_completion", model_name, len(generation.state.prompt), decoder.tokenizer, echo))
+
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def chat(body: ChatRequest, request: Request):
+        if body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        size = sum(len(m.for_template()["content"]) for m in body.messages)
+        generation = await _checked_request(body, size, lambda: chat_prompt(decoder, body.messages), "messages")
+        return await _serve(request, body, generation, Reply("chat.completion", model_name, len(generation.state.prompt), decoder.tokenizer))
+
+    async def _checked_request(body: SamplingFields, size: int, encode, param: str) -> Generation:
+        """Check everything before the request may wait for the model; a full queue is refused
+        before the prompt is tokenized. Long texts are tokenized off the event loop; short ones
+        inline (a thread hop costs more than they do)."""
+        if body.model != model_name:
+            raise BadRequest(f"the model {body.model!r} does not exist; this server has {model_name!r}", 404, "model_not_found", "model")
+        body.refuse_unsupported()
+        batcher.check_room()
+        check = lambda: _check(body, encode, param)
+        return await run_in_threadpool(check) if size > LONG_PROMPT_CHARS else check()
+
+    def _check(body: SamplingFields, encode, param: str) -> Generation:
+        try:
+            ids = encode()
+        except SpecDecError as error:
+            raise BadRequest(str(error), param=param) from None
+        except Exception as error:  # text the tokenizer cannot take, e.g. a lone surrogate
+            raise BadRequest(f"the {param} cannot be tokenized: {type(error).__name__}", param=param) from None
+        room = decoder.target.max_length - len(ids)
+        if body.max_tokens is None:
+            body.max_tokens = min(16, room) if isinstance(body, CompletionRequest) else room
+        if body.max_tokens > room:
+            raise BadRequest(f"max_tokens {body.max_tokens} plus the prompt's {len(ids)} tokens exceed the context of {decoder.target.max_length}",
+                             param="max_tokens")
+        try:
+            return decoder.request(ids, max_new_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k,
+                                   top_p=body.top_p, seed=body.seed, stop=body.stops(), logprobs=body.top_logprobs_wanted())
+        except SpecDecError as error:
+            raise BadRequest(str(error)) from None
+
+    async def _serve(request: Request, body: SamplingFields, generation: Generation, reply: Reply):
+        job = Job(generation, asyncio.get_running_loop())
+        batcher.submit(job)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return CancellingStream(lambda: batcher.cancel(job), _sse(job, reply, include_usage), media_type="text/event-stream")
+        try:
+            result = await _result(request, job)
+        finally:  # whatever ends this handler, the batch stops working for it
+            batcher.cancel(job)
+        if result is None:
+            return error_response("the client disconnected", 499)
+        if isinstance(result, tuple):
+            kind, message = result
+            return error_response(message, 503) if kind == "unavailable" else error_response(f"generation failed: {message}", 500)
+        return reply.whole(result)
+
+    async def _result(request: Request, job: Job):
+        """The finished GenerationResult; None if the client left; (kind, message) if it failed."""
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(job.events.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return None
+                continue
+            if kind == "done":
+                return value
+            if kind != "delta":
+                return kind, value
+
+    async def _sse(job: Job, reply: Reply, include_usage: bool):
+        try:
+            first = reply.chunk("", None, first=True)
+            if first is not None:
+                yield _event(first)
+            while True:
+                kind, value = await job.events.get()
+                if kind == "delta":
+                    text, logprobs = value
+                    yield _event(reply.chunk(text, None, logprobs))
+                elif kind in ("error", "unavailable"):
+                    message = value if kind == "unavailable" else f"generation failed: {value}"
+                    yield _event({"error": {"message": message, "type": "server_error", "param": None, "code": kind}})
+                    break
+                else:
+                    rest = value.logprobs[job.logprobs_sent:] if value.logprobs is not None else None
+                    yield _event(reply.chunk("", value.finish_reason, rest))
+                    if include_usage:
+                        yield _event(reply.usage_chunk(value))
+                    break
+            yield "data: [DONE]\n\n"
+        finally:  # a client that left (the response is cancelled) stops its generation
+            batcher.cancel(job)
+
+    def openapi():
+        """The schema without FastAPI's 422 (validation errors are answered with 400, documented per route)."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            for path in schema["paths"].values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+    app.add_middleware(BodyDeadline, timeout=body_timeout)
+    return app
+
+
+class BodyDeadline:
+    """ASGI middleware: a request body must arrive within `timeout` seconds of the request head (a
+    slow client cannot hold a connection by trickling its body). When it does not, the app is told
+    the client left and the client gets a 408 instead of whatever the app would have answered."""
+
+    def __init__(self, app, timeout: float):
+        self.app, self.timeout = app, timeout
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        body_done = timed_out = started = False
+
+        async def timed_receive():
+            nonlocal body_done, timed_out
+            if body_done:  # afterwards a streaming response waits here for the client to leave
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                timed_out = body_done = True
+                return {"type": "http.disconnect"}
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def guarded_send(message):
+            nonlocal started
+            if not timed_out:
+                started = True
+                await send(message)
+
+        await self.app(scope, timed_receive, guarded_send)
+        if timed_out and not started:
+            await error_response(f"the request body did not arrive within {self.timeout:g} seconds", 408)(scope, receive, send)
+
+
+class CancellingStream(StreamingResponse):
+    """A streaming response that runs `on_exit` however it ends, even when the client leaves
+    before the first chunk (then the body generator never starts, so its own finally cannot)."""
+
+    def __init__(self, on_exit, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_exit = on_exit
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_exit()
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"

@@ -1,0 +1,216 @@
+"""Continuous batching: one thread advances every running generation together, step by step."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from specdec.api import Generation, SpeculativeDecoder
+from specdec.scheduler import BatchDepth
+from specdec.server.openai import BadRequest
+from specdec.types import GenerationStats
+
+
+@dataclass
+class Job:
+    """One request: the batch thread fills `events`; the request handler reads them."""
+
+    generation: Generation
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.perf_counter)
+    last_token: float | None = None  # when the last text delta went out
+    logprobs_sent: int = 0  # tokens whose logprobs went out with a delta
+
+    def emit(self, kind: str, value) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+
+class Batcher:
+    """Continuous batching on one thread: every running generation advances by one engine step
+    at a time, all rows in one target forward. Between steps, waiting jobs join (up to `max_batch`
+    run at once) and finished or cancelled ones leave at once. At most `max_queue` jobs wait;
+    `submit` refuses beyond that. The draft depth of a step comes from `depth` (a BatchDepth)."""
+
+    def __init__(self, decoder: SpeculativeDecoder, max_batch: int, max_queue: int, metrics: "Metrics", depth: BatchDepth | None):
+        self.decoder, self.metrics, self.max_batch, self.max_queue, self.depth = decoder, metrics, max_batch, max_queue, depth
+        self.engine = decoder.engine()
+        self.waiting: deque[Job] = deque()
+        self.running: list[Job] = []
+        self.changed = threading.Condition()
+        self.closing: str | None = None  # why new requests are refused (shutting down)
+        metrics.queue_depth.set_function(lambda: len(self.waiting))
+        metrics.batch_size.set_function(lambda: len(self.running))
+        self.thread = threading.Thread(target=self._run, name="specdec-batch", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self.changed:
+            self.check_room()
+            self.waiting.append(job)
+            self.changed.notify()
+
+    def check_room(self) -> None:
+        """Refuse a request that could not wait now: 429 when the queue is full, 503 when shutting down."""
+        if self.closing:
+            raise BadRequest(self.closing, status=503)
+        if len(self.waiting) >= self.max_queue:
+            raise BadRequest(f"the server is busy: {self.max_queue} requests are already waiting", status=429)
+
+    def cancel(self, job: Job) -> None:
+        """The client left: a waiting job leaves the queue now, a running one at the next step."""
+        if job.cancelled.is_set():
+            return
+        job.cancelled.set()
+        with self.changed:
+            if job in self.waiting:
+                self.waiting.remove(job)
+                self.metrics.cancelled.inc()
+            self.changed.notify()
+
+    def shut_down(self, timeout: float) -> None:
+        """Refuse new requests, end the waiting ones with an error, let the running ones finish
+        for up to `timeout` seconds, then end them with an error too. Returns when all have ended."""
+        with self.changed:
+            self.closing = "the server is shutting down"
+            while self.waiting:
+                self.waiting.popleft().emit("unavailable", "the server is shutting down")
+            self.changed.notify()
+        self.thread.join(timeout)
+        with self.changed:
+            self.closing = "the server has shut down"  # the batch thread ends every running job now
+            self.changed.notify()
+        self.thread.join(5)
+
+    def _run(self) -> None:
+        while True:
+            with self.changed:
+                while not self.waiting and not self.running and not self.closing:
+                    self.changed.wait()
+                admitted = []
+                while self.waiting and len(self.running) + len(admitted) < self.max_batch:
+                    admitted.append(self.waiting.popleft())
+                stopping = self.closing == "the server has shut down"
+            for job in admitted:
+                self._open(job)
+            for job in [job for job in self.running if job.cancelled.is_set() or stopping]:
+                self._retire(job, "unavailable" if stopping else None, "the server shut down before the generation finished")
+            if self.running:
+                self._step()
+            elif self.closing:
+                return
+
+    def _open(self, job: Job) -> None:
+        try:
+            job.generation.open(self.engine)
+        except Exception as error:  # never let one request take the batch down
+            self.engine.close(job.generation.state)
+            job.emit("error", f"{type(error).__name__}: {error}")
+            return
+        self.running.append(job)
+        if job.generation.done:  # nothing to generate (max_tokens 0)
+            self._retire(job, "done", None)
+
+    def _step(self) -> None:
+        states = [job.generation.state for job in self.running]
+        cap = self.depth.depth(len(states)) if self.depth is not None else None
+        self.metrics.step(len(states), cap)
+        try:
+            results = self.engine.step(states, cap)
+        except Exception as error:  # a failed forward leaves the rows' caches unknown: end them all
+            for job in list(self.running):
+                self._retire(job, "error", f"{type(error).__name__}: {error}")
+            return
+        now = time.perf_counter()
+        for job, result in zip(list(self.running), results):
+            if self.depth is not None:
+                self.depth.observe(result.drafted, result.accepted)
+            delta = job.generation.add(result)
+            if delta:
+                self.metrics.token_latency(job, now, len(result.tokens))
+                job.emit("delta", (delta, self._new_logprobs(job)))
+            if job.generation.done:
+                self._retire(job, "done", None)
+
+    @staticmethod
+    def _new_logprobs(job: Job) -> list | None:
+        """The logprobs of tokens committed since the last delta (None: the request wants none)."""
+        if job.generation.state.logprobs is None:
+            return None
+        entries = job.generation.text.logprobs
+        new, job.logprobs_sent = entries[job.logprobs_sent:], len(entries)
+        return new
+
+    def _retire(self, job: Job, kind: str | None, message: str | None) -> None:
+        """The job leaves the batch; its slots go back. kind: what the client is told (None: it left)."""
+        self.engine.close(job.generation.state)
+        self.running.remove(job)
+        if kind is None:
+            self.metrics.cancelled.inc()
+        elif kind in ("error", "unavailable"):
+            job.emit(kind, message)
+        else:
+            result = job.generation.result()
+            self.metrics.record(result.stats, time.perf_counter() - job.arrived)
+            job.emit("done", result)
+
+
+class Metrics:
+    """Prometheus counters, gauges and histograms, in a registry of this app's own."""
+
+    LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+    def __init__(self):
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("specdec_requests", "HTTP requests to the generation endpoints, by status", ["endpoint", "status"], registry=registry)
+        self.generated = Counter("specdec_generated_tokens", "tokens generated", registry=registry)
+        self.cancelled = Counter("specdec_cancelled", "generations cancelled because the client left", registry=registry)
+        self.queue_depth = Gauge("specdec_queue_depth", "requests waiting for the model", registry=registry)
+        self.batch_size = Gauge("specdec_batch_size", "generations running in the batch", registry=registry)
+        self.acceptance = Gauge("specdec_acceptance_rate", "accepted / drafted over all generations", registry=registry)
+        self.tokens_per_second = Gauge("specdec_tokens_per_second", "generated tokens / generation seconds over all generations", registry=registry)
+        self.tokens_per_forward = Gauge("specdec_tokens_per_target_forward", "generated tokens / target forwards over all generations", registry=registry)
+        self.time_to_first_token = Histogram("specdec_time_to_first_token_seconds", "arrival to the first text delta",
+                                             buckets=self.LATENCY_BUCKETS, registry=registry)
+        self.inter_token_latency = Histogram("specdec_inter_token_latency_seconds", "time between text deltas of a stream, per token",
+                                             buckets=self.LATENCY_BUCKETS, registry=registry)
+        self.batch_rows = Histogram("specdec_batch_rows", "generations advanced per engine step",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
+        self.draft_depth = Gauge("specdec_draft_depth", "the draft depth cap of the last step (-1: the configured gamma)", registry=registry)
+        self.request_duration = Histogram("specdec_request_duration_seconds", "arrival to the end of finished generations",
+                                          buckets=self.LATENCY_BUCKETS, registry=registry)
+        self._totals = GenerationStats()
+        self._lock = threading.Lock()
+
+    def step(self, rows: int, depth: int | None) -> None:
+        self.batch_rows.observe(rows)
+        self.draft_depth.set(-1 if depth is None else depth)
+
+    def token_latency(self, job: Job, now: float, tokens: int) -> None:
+        """A text delta of `tokens` tokens goes out now."""
+        if job.last_token is None:
+            self.time_to_first_token.observe(now - job.arrived)
+        else:
+            for _ in range(tokens):
+                self.inter_token_latency.observe((now - job.last_token) / max(tokens, 1))
+        job.last_token = now
+
+    def record(self, stats: GenerationStats, seconds: float) -> None:
+        self.request_duration.observe(seconds)
+        with self._lock:
+            t = self._totals
+            t.generated_tokens += stats.generated_tokens
+            t.drafted += stats.drafted
+            t.accepted += stats.accepted
+            t.target_forwards += stats.target_forwards
+            t.total_seconds += stats.total_seconds
+            self.generated.inc(stats.generated_tokens)
+            self.acceptance.set(t.acceptance_rate or 0.0)
+            self.tokens_per_second.set(t.tokens_per_second or 0.0)
+            self.tokens_per_forward.set(t.tokens_per_target_forward or 0.0)

@@ -1,0 +1,269 @@
+"""The OpenAI wire format: request bodies (checked), errors, and response objects.
+
+Fields a client relies on are honoured or refused with a 400, never silently ignored: sampling
+(temperature, top_p, top_k, seed, stop, max_tokens), logprobs, echo, stream and its usage; fields
+that would change the distribution we promise (penalties, logit_bias) or that we do not implement
+(n > 1, best_of > 1, suffix, tools, structured output) are refused by name.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from specdec.api import GenerationResult, SpeculativeDecoder
+from specdec.engine import TokenLogprob
+from specdec.errors import SpecDecError
+from specdec.types import GenerationStats
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.param = status, code, param
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+ERROR_RESPONSES = {
+    400: {"model": ErrorBody, "description": "The request is malformed or asks for something not supported"},
+    401: {"model": ErrorBody, "description": "The API key is missing or wrong (only when the server has one)"},
+    404: {"model": ErrorBody, "description": "No such model"},
+    408: {"model": ErrorBody, "description": "The request body did not arrive in time"},
+    411: {"model": ErrorBody, "description": "A POST body needs a Content-Length header"},
+    413: {"model": ErrorBody, "description": "The request body is too large"},
+    429: {"model": ErrorBody, "description": "The queue is full; retry after the Retry-After header's seconds"},
+    503: {"model": ErrorBody, "description": "The server is shutting down"},
+}
+
+
+def error_response(message: str, status: int, code: str | None = None, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    kind = "rate_limit_error" if status == 429 else "authentication_error" if status == 401 else "server_error" if status >= 500 else "invalid_request_error"
+    if status in (429, 503):
+        headers = {"Retry-After": "1", **(headers or {})}
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status, headers=headers)
+
+
+# ---------------------------------------------------------------------------- request bodies
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What both endpoints accept; top_k is an extension. Other unknown fields are ignored (e.g. user)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(1.0, ge=0, le=2)
+    top_p: float | None = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(0, ge=0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @model_validator(mode="after")
+    def _defaults_for_nulls(self):
+        """Some clients send an explicit null for "use the default"."""
+        for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("n", 1), ("stream", False)):
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+        return self
+
+    def refuse_unsupported(self) -> None:
+        """Options that would change the output distribution, or that are not implemented."""
+        if self.n != 1:
+            raise BadRequest("only n = 1 is supported", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise BadRequest(f"{name} is not supported: it would change the target model's distribution", param=name)
+        if self.logit_bias:
+            raise BadRequest("logit_bias is not supported: it would change the target model's distribution", param="logit_bias")
+        stop = self.stops()
+        if any(not s for s in stop) or len(stop) > 4:
+            raise BadRequest("stop must be up to 4 non-empty strings", param="stop")
+
+    def top_logprobs_wanted(self) -> int | None:
+        """How many alternatives per token to report; None: no logprobs."""
+        return None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] = Field(description="text, a list of token ids, or a list holding one text")
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.best_of not in (None, 1):
+            raise BadRequest("only best_of = 1 is supported", param="best_of")
+        if self.suffix:
+            raise BadRequest("suffix (insertion) is not supported", param="suffix")
+        if self.echo and self.logprobs is not None:
+            raise BadRequest("echo with logprobs would need the prompt's log-probabilities, which are not computed", param="echo")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            raise BadRequest("one prompt per request: send a list of prompts as separate requests", param="prompt")
+
+    def prompt_input(self) -> str | list[int]:
+        return self.prompt[0] if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) else self.prompt
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def for_template(self) -> dict:
+        """The message as chat templates know it: text content; `developer` is the system role."""
+        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list | None = None
+    functions: list | None = None
+    response_format: dict | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise BadRequest(f"{name} (function calling) is not supported", param=name)
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise BadRequest("only response_format {'type': 'text'} is supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def chat_prompt(decoder: SpeculativeDecoder, messages: list[ChatMessage]) -> list[int]:
+    tokenizer = decoder.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise SpecDecError("this model's tokenizer has no chat template; use /v1/completions or start the server with --chat-template FILE")
+    try:
+        ids = tokenizer.apply_chat_template([m.for_template() for m in messages], add_generation_prompt=True, tokenize=True)
+    except Exception as error:  # a template may reject a conversation (e.g. roles out of order)
+        raise SpecDecError(f"the chat template rejected these messages: {error}") from None
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return decoder.prompt_ids(list(ids))
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+class Reply:
+    """OpenAI response objects for one request: whole, or as stream chunks. `echo`: text to put
+    before the completion (the prompt, for completions with echo)."""
+
+    def __init__(self, kind: str, model: str, prompt_tokens: int, tokenizer, echo: str = ""):
+        self.kind, self.model, self.prompt_tokens, self.tokenizer, self.echo = kind, model, prompt_tokens, tokenizer, echo
+        self.id = ("chatcmpl-" if kind.startswith("chat") else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self._offset = 0  # characters of the completion before the next logprobs entry (by token pieces)
+
+    @property
+    def chat(self) -> bool:
+        return self.kind.startswith("chat")
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def whole(self, result: GenerationResult) -> dict:
+        logprobs = self._logprobs(result.logprobs) if result.logprobs is not None else None
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs,
+                      "finish_reason": result.finish_reason}
+        else:
+            choice = {"index": 0, "text": self.echo + result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
+        return {**self._head(self.kind), "choices": [choice], "usage": self._usage(result), "speculative": _speculative(result.stats)}
+
+    def chunk(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None, first: bool = False) -> dict | None:
+        """A stream chunk; `logprobs`: those of the tokens committed since the last chunk."""
+        new = self._logprobs(logprobs) if logprobs is not None else None
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": new, "finish_reason": finish_reason}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        if first:
+            if not self.echo:
+                return None
+            text = self.echo
+        return {**self._head("text_completion"), "choices": [{"index": 0, "text": text, "logprobs": new, "finish_reason": finish_reason}]}
+
+    def usage_chunk(self, result: GenerationResult) -> dict:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(kind), "choices": [], "usage": self._usage(result), "speculative": _speculative(result.stats)}
+
+    def _usage(self, result: GenerationResult) -> dict:
+        completion = len(result.tokens)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion, "total_tokens": self.prompt_tokens + completion}
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict:
+        """The chat shape (content: one entry per token) or the legacy completions shape."""
+        piece = lambda token: self.tokenizer.decode([token], skip_special_tokens=False)
+        if self.chat:
+            def entry(token: int, logprob: float) -> dict:
+                text = piece(token)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+            return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]} for e in entries]}
+        tokens = [piece(e.token) for e in entries]
+        offsets, at = [], len(self.echo) + self._offset
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        self._offset = at - len(self.echo)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "text_offset": offsets,
+                "top_logprobs": [{piece(t): lp for t, lp in e.top} for e in entries] if any(e.top for e in entries) else None}
+
+
+def _speculative(stats: GenerationStats) -> dict:
+    """The extension field: how the speculation went for this request."""
+    return {
+        "acceptance_rate": stats.acceptance_rate,
+        "tokens_per_target_forward": stats.tokens_per_target_forward,
+        "target_forwards": stats.target_forwards,
+        "draft_forwards": stats.draft_forwards,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+    }

@@ -1,0 +1,347 @@
+"""`specdec serve` under load and abuse: batching, cancellation mid-batch, bounded shutdown,
+deadlines for slow clients, a connection cap, authentication, CORS, Host checks, protocol details,
+and the OpenAI fields it honours (logprobs, echo, token-id prompts, content parts) or refuses."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+import specdec
+from specdec.server import create_app
+from specdec.server.http import HeaderDeadline
+from test_server import CHAT_TEMPLATE, MODEL, LiveServer, SlowDrafter, make_decoder, metric, sse_events
+
+
+@pytest.fixture(scope="module")
+def decoder(model_dirs):
+    return make_decoder(model_dirs)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dirs):
+    return make_decoder(model_dirs)
+
+
+@pytest.fixture(scope="module")
+def server(decoder):
+    live = LiveServer(create_app(decoder, MODEL, depth=None))
+    yield live
+    live.stop()
+
+
+def stream(url: str, body: dict, path: str = "/v1/completions", **headers) -> list:
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, headers=headers, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        return sse_events(response)
+
+
+def streamed_text(events: list) -> str:
+    return "".join(c["text"] for e in events if isinstance(e, dict) and "choices" in e for c in e["choices"])
+
+
+# ---------------------------------------------------------------- batching and cancellation
+
+
+def test_requests_share_steps_and_a_cancelled_one_leaves_the_others_intact(model_dirs, offline):
+    """Four slow streams run together (batch rows > 1 per step); one client hangs up mid-batch: its
+    row leaves at the next step, the other three still equal offline generation."""
+    decoder = make_decoder(model_dirs)
+    decoder.drafter = SlowDrafter(decoder.drafter)
+    live = LiveServer(create_app(decoder, MODEL, depth=None))
+    bodies = [{"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0.9, "seed": i}
+              for i, prompt in enumerate(["hi ej", "ab", "ej ej hi", "b a"])]
+
+    def hang_up_early():
+        with httpx.stream("POST", live.url + "/v1/completions", json={**bodies[0], "stream": True}, timeout=60) as response:
+            for line in response.iter_lines():
+                if '"text"' in line:
+                    return  # one delta, then leave
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            leaver = pool.submit(hang_up_early)
+            others = [pool.submit(stream, live.url, body) for body in bodies[1:]]
+            leaver.result()
+            texts = [streamed_text(f.result()) for f in others]
+        for body, text in zip(bodies[1:], texts):
+            assert text == offline.generate(body["prompt"], max_new_tokens=24, temperature=0.9, seed=body["seed"]).text
+        assert metric(live, "specdec_cancelled_total") == 1
+        steps, rows = metric(live, "specdec_batch_rows_count"), metric(live, "specdec_batch_rows_sum")
+        assert rows / steps > 1.5, "the requests did not share steps"
+    finally:
+        live.stop()
+
+
+def test_shutdown_ends_waiting_and_running_streams_in_bounded_time(model_dirs):
+    """One running (max_batch 1), two waiting: the waiting ones get an error event and [DONE] at
+    once, the running one gets `timeout` seconds, then an error event and [DONE]; new requests 503."""
+    decoder = make_decoder(model_dirs)
+    decoder.drafter = SlowDrafter(decoder.drafter)  # 60 tokens take >= 1 s
+    app = create_app(decoder, MODEL, depth=None, max_batch=1)
+    live = LiveServer(app)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 60, "temperature": 0}
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            streams = [pool.submit(stream, live.url, body) for _ in range(3)]
+            time.sleep(0.4)
+            started = time.time()
+            app.state.batcher.shut_down(timeout=0.3)
+            ended = time.time() - started
+            events = [f.result() for f in streams]
+        assert ended < 2.0
+        for e in events:
+            assert e[-1] == "[DONE]"
+        codes = sorted(e[-2]["error"]["code"] for e in events)
+        assert codes == ["unavailable"] * 3, "every stream was ended by the shutdown, with an error event"
+        refused = httpx.post(live.url + "/v1/completions", json=body, timeout=10)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    finally:
+        live.stop()
+
+
+def test_sigterm_stops_specdec_serve_within_its_timeout(model_dirs):
+    """The real command: queued streams end with an error event and [DONE], the process exits
+    within --shutdown-timeout plus a little."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "specdec", "serve", "--target", model_dirs["llama"], "--draft", model_dirs["llama-near"],
+               "--port", str(port), "--model-name", MODEL, "--device", "cpu", "--shutdown-timeout", "1", "--max-batch", "1"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None and time.time() < deadline, "specdec serve did not come up"
+            time.sleep(0.2)
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 40, "temperature": 1.0}
+        with ThreadPoolExecutor(12) as pool:  # far more work than one second: most wait in the queue
+            streams = [pool.submit(stream, url, {**body, "seed": i}) for i in range(12)]
+            time.sleep(0.5)
+            process.send_signal(signal.SIGTERM)
+            signalled = time.time()
+            assert process.wait(timeout=10) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
+            exited = time.time() - signalled
+            events = [f.result() for f in streams]
+        assert exited < 5
+        assert all(e[-1] == "[DONE]" for e in events)
+        assert any("error" in e[-2] for e in events), "the queued streams were ended with an error event"
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.stderr.close()
+
+
+# ---------------------------------------------------------------- slow clients and connections
+
+
+def test_a_half_sent_request_head_is_closed(decoder, monkeypatch):
+    monkeypatch.setattr(HeaderDeadline, "header_timeout", 0.5)
+    live = LiveServer(create_app(decoder, MODEL, depth=None))
+    try:
+        with socket.create_connection(("127.0.0.1", live.port)) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
+            client.settimeout(5)
+            started = time.time()
+            assert client.recv(1024) == b"", "the server closes the connection"
+            assert time.time() - started < 2
+    finally:
+        live.stop()
+
+
+def test_a_trickled_body_gets_408(decoder):
+    live = LiveServer(create_app(decoder, MODEL, depth=None, body_timeout=0.5))
+    try:
+        with socket.create_connection(("127.0.0.1", live.port)) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 100\r\n\r\n{\"model\":")
+            client.settimeout(5)
+            reply = b""
+            while b"did not arrive" not in reply and (chunk := client.recv(4096)):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive" in reply
+    finally:
+        live.stop()
+
+
+def test_connections_beyond_the_cap_get_503(decoder):
+    live = LiveServer(create_app(decoder, MODEL, depth=None), max_connections=2)
+    held = [socket.create_connection(("127.0.0.1", live.port)) for _ in range(2)]
+    try:
+        time.sleep(0.2)
+        assert httpx.get(live.url + "/health", timeout=5).status_code == 503
+        for sock in held:
+            sock.close()
+        time.sleep(0.2)
+        assert httpx.get(live.url + "/health", timeout=5).status_code == 200
+    finally:
+        live.stop()
+
+
+# ---------------------------------------------------------------- access
+
+
+def test_api_key_cors_and_host_checks(decoder):
+    live = LiveServer(create_app(decoder, MODEL, depth=None, api_key="s3cret", allowed_origins=["http://app.example"],
+                                 allowed_hosts=["127.0.0.1", "localhost"]))
+    body = {"model": MODEL, "prompt": "ab", "max_tokens": 2}
+    try:
+        missing = httpx.post(live.url + "/v1/completions", json=body, timeout=10)
+        assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.post(live.url + "/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 401
+        assert httpx.post(live.url + "/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"}, timeout=30).status_code == 200
+        assert httpx.get(live.url + "/health").status_code == 200  # health needs no key
+        preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        allowed = httpx.options(live.url + "/v1/completions", headers=preflight)
+        assert allowed.headers.get("access-control-allow-origin") == "http://app.example"
+        other = httpx.options(live.url + "/v1/completions", headers={**preflight, "Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+        rebound = httpx.get(live.url + "/health", headers={"Host": "evil.example"})
+        assert rebound.status_code == 400 and "Host" in rebound.json()["error"]["message"]
+    finally:
+        live.stop()
+
+
+# ---------------------------------------------------------------- protocol details
+
+
+def test_protocol_details(server):
+    wrong_method = httpx.get(server.url + "/v1/completions")
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert httpx.head(server.url + "/health").status_code == 200
+    schema = httpx.get(server.url + "/openapi.json").json()
+    responses = schema["paths"]["/v1/completions"]["post"]["responses"]
+    assert "422" not in json.dumps(schema["paths"]) and {"400", "411", "413", "429"} <= set(responses)
+    chat = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "tool", "content": "x"}]})
+    assert chat.status_code == 400 and chat.json()["error"]["param"].startswith("messages")
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("specdec_time_to_first_token_seconds_bucket", "specdec_inter_token_latency_seconds_bucket",
+                 "specdec_request_duration_seconds_bucket", "specdec_batch_size", "specdec_batch_rows_bucket"):
+        assert name in text
+
+
+REFUSED = [
+    ("best_of", {"best_of": 2}), ("suffix", {"suffix": "end"}), ("presence_penalty", {"presence_penalty": 0.5}),
+    ("frequency_penalty", {"frequency_penalty": 1}), ("logit_bias", {"logit_bias": {"3": 5}}),
+    ("echo", {"echo": True, "logprobs": 1}), ("prompt", {"prompt": ["a", "b"]}),
+]
+
+
+@pytest.mark.parametrize("param,fields", REFUSED, ids=[r[0] for r in REFUSED])
+def test_fields_that_are_not_honoured_are_refused(server, param, fields):
+    response = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "ab", **fields}, timeout=10)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_chat_refuses_tools_and_json_mode(server):
+    for fields, param in (({"tools": [{"type": "function"}]}, "tools"), ({"response_format": {"type": "json_object"}}, "response_format")):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "a"}], **fields}
+        response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=10)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_token_id_prompts_echo_content_parts_and_developer(server, offline):
+    ids = offline.prompt_ids("hi ej")
+    by_ids = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 6, "temperature": 0}, timeout=30).json()
+    assert by_ids["choices"][0]["text"] == offline.generate(ids, max_new_tokens=6, temperature=0).text
+    echoed = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": ["hi ej"], "max_tokens": 6, "temperature": 0, "echo": True}, timeout=30).json()
+    assert echoed["choices"][0]["text"] == "hi ej" + by_ids["choices"][0]["text"]
+    assert streamed_text(stream(server.url, {"model": MODEL, "prompt": "hi ej", "max_tokens": 6, "temperature": 0, "echo": True})) == echoed["choices"][0]["text"]
+    parts = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "ej"}]}]
+    reply = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": parts, "max_tokens": 6, "temperature": 0}, timeout=30).json()
+    prompt = offline.tokenizer.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi ej"}],
+                                                   add_generation_prompt=True, tokenize=True)
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    assert reply["choices"][0]["message"]["content"] == offline.generate(list(prompt), max_new_tokens=6, temperature=0).text
+
+
+def test_logprobs_are_the_targets_own(server, offline):
+    """Each token's logprob is the target's log-softmax at that position, computed without a cache;
+    streamed chunks carry the same values; chat reports them in its own shape."""
+    body = {"model": MODEL, "prompt": "hi ej", "max_tokens": 8, "temperature": 0.8, "seed": 3, "logprobs": 2}
+    reply = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()
+    logprobs = reply["choices"][0]["logprobs"]
+    tokens = offline.generate("hi ej", max_new_tokens=8, temperature=0.8, seed=3).tokens
+    prompt = offline.prompt_ids("hi ej")
+    with torch.inference_mode():
+        rows = offline.target.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1, : offline.target.vocab_size]
+    want = torch.log_softmax(rows.double(), dim=-1)
+    assert len(logprobs["token_logprobs"]) == len(tokens)
+    for i, token in enumerate(tokens):
+        assert math.isclose(logprobs["token_logprobs"][i], float(want[i, token]), abs_tol=1e-4)
+        assert len(logprobs["top_logprobs"][i]) <= 2 and max(logprobs["top_logprobs"][i].values()) == pytest.approx(float(want[i].max()), abs=1e-4)
+    streamed = [lp for e in stream(server.url, body) if isinstance(e, dict) and e.get("choices")
+                for c in e["choices"] if c.get("logprobs") for lp in c["logprobs"]["token_logprobs"]]
+    assert streamed == pytest.approx(logprobs["token_logprobs"])
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 1}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat["usage"]["completion_tokens"]
+    assert all(entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"]) for entry in content)  # greedy: the top token
+
+
+def test_a_full_queue_is_refused_before_tokenizing(model_dirs):
+    decoder = make_decoder(model_dirs)
+    decoder.drafter = SlowDrafter(decoder.drafter)
+    encoded = []
+    prompt_ids = decoder.prompt_ids
+    decoder.prompt_ids = lambda prompt: encoded.append(prompt) or prompt_ids(prompt)
+    live = LiveServer(create_app(decoder, MODEL, depth=None, max_queue=1, max_batch=1))
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 60, "temperature": 0}  # >= 1 s each
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            busy = [pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=60) for _ in range(2)]
+            time.sleep(0.3)  # one runs, one waits
+            refused = httpx.post(live.url + "/v1/completions", json={**body, "prompt": "never tokenized"}, timeout=10)
+            assert [f.result().status_code for f in busy] == [200, 200]
+        assert refused.status_code == 429 and "never tokenized" not in encoded
+    finally:
+        live.stop()
+
+
+def test_chat_template_file_for_a_model_without_one(model_dirs, tmp_path):
+    """`specdec serve --chat-template FILE`: chat works on a model that has no template; a bad file is a clear error."""
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    base = [sys.executable, "-m", "specdec", "serve", "--target", model_dirs["llama"], "--device", "cpu", "--model-name", MODEL]
+    failed = subprocess.run(base + ["--chat-template", str(bad), "--port", "1"], capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 1 and "not a valid Jinja template" in failed.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen(base + ["--chat-template", str(template), "--port", str(port)], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None and time.time() < deadline
+            time.sleep(0.2)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
+                           json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] is not None
+    finally:
+        process.terminate()
+        process.wait(10)
