@@ -295,6 +295,7 @@ def run_serve(args) -> None:
     max_batch = args.max_batch or DEFAULT_BATCH["gpu" if on_gpu else "cpu"]
     template = _read_template(args.chat_template) if args.chat_template else None
     decoder = load_decoder(args, slots=max_batch)
+    _check_sequence_ids(decoder, max_batch)
     if template is not None:
         decoder.tokenizer.chat_template = template
     name = args.model_name or os.path.basename(os.path.normpath(decoder.target.path))
@@ -309,6 +310,19 @@ def run_serve(args) -> None:
     except SystemExit as error:  # uvicorn logs why it could not start (a port in use, say), then exits
         if error.code:
             raise SpecDecError(f"the server could not start on {args.host}:{args.port} (see the message above)") from None
+
+
+def _check_sequence_ids(decoder, max_batch: int) -> None:
+    """On llama.cpp every tree branch of every running generation takes a sequence id of its model."""
+    from specdec.drafters import ModelDrafter
+    from specdec.runtime.llamacpp import MAX_SEQUENCE_IDS
+
+    drafter = decoder.drafter
+    if isinstance(drafter, ModelDrafter) and drafter.tree is not None and drafter.model.backend == "llamacpp":
+        needed = max_batch * (drafter.tree.nodes + 1)
+        if needed > MAX_SEQUENCE_IDS:
+            raise SpecDecError(f"{max_batch} generations with {drafter.tree.nodes}-node trees need up to {needed} llama.cpp sequence ids; "
+                               f"it has {MAX_SEQUENCE_IDS}: use --max-batch {MAX_SEQUENCE_IDS // (drafter.tree.nodes + 1)} or fewer, or a smaller --tree")
 
 
 def _read_template(path: str) -> str:

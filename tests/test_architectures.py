@@ -19,7 +19,8 @@ import torch
 
 import specdec
 import specdec.runtime
-from specdec.runtime.hf import HFSequence
+from specdec.runtime.base import Feed
+from specdec.runtime.hf import HFModel
 from architectures import ARCHITECTURES
 from specdec import tree
 from specdec.ngram import KatzTrigram
@@ -108,6 +109,33 @@ def test_tree_self_check_per_attention_implementation(arch, implementation, arch
             specdec.runtime.require_trees(model)
     else:
         assert refusal is None and exact
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_batched_forward_equals_each_row_alone(arch, implementation, arch_dirs):
+    """Rows with different cache lengths (one empty), a chain continuation, a prefill and a tree,
+    in one forward: every row's logits equal its own forward alone (where a model cannot take
+    padding exactly, its rows go one at a time: still equal)."""
+    try:
+        model = load(arch_dirs[arch], attn_implementation=implementation)
+    except specdec.SpecDecError as error:
+        if "does not support an attention implementation" in str(error):
+            pytest.skip(f"transformers has no {implementation} attention for {arch}")
+        raise
+    parents = tree.entries(torch.tensor(TREE_PARENTS), len(TREE_PREFIX) - 1).tolist()
+    first = (TREE_PREFIX, TREE_TOKENS, parents if model.tree_refusal() is None else None)  # no trees where they are refused
+    rows = [first, (PROMPT[:3], [7, 8], None), ([], PROMPT, None), (PROMPT, [9], None)]
+    batched, alone = [model.sequence() for _ in rows], [model.sequence() for _ in rows]
+    for sequence, (prefix, _, _) in zip(batched + alone, rows + rows):
+        if prefix:
+            sequence.forward(prefix)
+    got = model.forward_batch([Feed(s, tokens, p) for s, (_, tokens, p) in zip(batched, rows)])
+    for sequence, logits, (_, tokens, p) in zip(alone, got, rows):
+        torch.testing.assert_close(logits, sequence.forward(tokens, p), rtol=0, atol=1e-6)
+    follow = model.forward_batch([Feed(s, [3]) for s in batched[1:]])  # the caches written by the batch are right too
+    for sequence, logits in zip(alone[1:], follow):
+        torch.testing.assert_close(logits, sequence.forward([3]), rtol=0, atol=1e-6)
 
 
 def seven_node_tree_is_exact(model: specdec.CausalLM) -> bool:
@@ -222,7 +250,7 @@ def test_bench_skips_token_trees_on_a_model_that_refuses_them(arch_dirs, capsys)
 def test_the_self_check_refuses_a_mask_that_attention_ignores(arch_dirs, monkeypatch):
     """With the old boolean mask, eager attention (which adds the mask to its scores) masked nothing:
     the self-check must see that and refuse trees, while sdpa (which reads booleans) still passes."""
-    monkeypatch.setattr(HFSequence, "_additive", lambda sequence, mask: mask.to(sequence.owner.device)[None, None])
+    monkeypatch.setattr(HFModel, "_additive", lambda model, mask: mask.to(model.device)[:, None])
     eager = load(arch_dirs["gemma2"])
     assert "differ from its paths computed alone" in eager.tree_refusal()
     drafter = specdec.ModelDrafter(load(arch_dirs["gemma2-near"]), tree=specdec.TreeShape(nodes=4))

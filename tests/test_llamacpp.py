@@ -255,7 +255,7 @@ def test_the_server_serves_gguf_models(gguf):
 
     decoder = SpeculativeDecoder(gguf["target"], ModelDrafter(gguf["draft"]), gamma=3)
     want = SpeculativeDecoder(gguf["target"]).generate(PROMPTS[0], max_new_tokens=24, temperature=0)
-    live = LiveServer(create_app(decoder, "demo"))
+    live = LiveServer(create_app(decoder, "demo", depth=None))
     try:
         body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0}
         reply = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()
@@ -271,3 +271,38 @@ def test_the_server_serves_gguf_models(gguf):
     finally:
         gguf["target"].tokenizer.chat_template = None
         live.stop()
+
+
+def test_the_server_batches_gguf_requests(gguf_models):
+    """Eight concurrent streams on llama.cpp (slots for all, depth from the measured costs) each
+    equal their generation alone; the steps were shared."""
+    import httpx
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specdec.server import create_app
+    from test_server import LiveServer, metric, sse_events
+
+    target, draft = (specdec.load_model(gguf_models[key], slots=8) for key in ("gguf-f32", "gguf-near"))
+    decoder = SpeculativeDecoder(target, ModelDrafter(draft), gamma=3)
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(8)]
+    live = LiveServer(create_app(decoder, "demo", max_batch=8))
+
+    def streamed(prompt: str) -> str:
+        body = {"model": "demo", "prompt": prompt, "max_tokens": 20, "temperature": 0, "stream": True}
+        with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as response:
+            return "".join(e["choices"][0]["text"] for e in sse_events(response)[:-1])
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(streamed, prompts))
+        for prompt, text in zip(prompts, texts):
+            assert text == SpeculativeDecoder(target).generate(prompt, max_new_tokens=20, temperature=0).text
+        assert metric(live, "specdec_batch_rows_sum") / metric(live, "specdec_batch_rows_count") > 1.5
+    finally:
+        live.stop()
+
+
+def test_serve_refuses_more_tree_branches_than_llama_cpp_has_ids(gguf_models):
+    run = subprocess.run([sys.executable, "-m", "specdec", "serve", "--target", gguf_models["gguf-f32"], "--draft", gguf_models["gguf-near"],
+                          "--tree", "8", "--max-batch", "16", "--port", "1"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "sequence ids" in run.stderr and "--max-batch 14" in run.stderr

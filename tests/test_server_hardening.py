@@ -307,8 +307,13 @@ def test_a_full_queue_is_refused_before_tokenizing(model_dirs):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 60, "temperature": 0}  # >= 1 s each
     try:
         with ThreadPoolExecutor(2) as pool:
-            busy = [pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=60) for _ in range(2)]
-            time.sleep(0.3)  # one runs, one waits
+            busy = []
+            for want in ({"batch_size": 1, "queue_depth": 0}, {"batch_size": 1, "queue_depth": 1}):  # one runs, then one waits
+                busy.append(pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=60))
+                deadline = time.time() + 5
+                while {k: v for k, v in httpx.get(live.url + "/health").json().items() if k != "status"} != want:
+                    assert time.time() < deadline
+                    time.sleep(0.01)
             refused = httpx.post(live.url + "/v1/completions", json={**body, "prompt": "never tokenized"}, timeout=10)
             assert [f.result().status_code for f in busy] == [200, 200]
         assert refused.status_code == 429 and "never tokenized" not in encoded

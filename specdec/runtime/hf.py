@@ -160,15 +160,17 @@ class HFModel:
         longest (`width`) and its new entries follow at slots width.., padded to the most new
         entries; each row's mask admits its own entries only (a padding query sees itself). The
         batch's keys and values are written once (`_StackedLayer`); afterwards each sequence's
-        cache is a view of its row: its entries are contiguous there, so nothing is copied back."""
+        cache is a view of its row: its entries are contiguous there, so nothing is copied back.
+        Models that cannot take a tree exactly (ALiBi, windows by slot) place keys by slot, which
+        padding would move: their rows go one at a time."""
         base.check_distinct(feeds)
         if any(feed.sequence.owner is not self for feed in feeds):
             raise ValueError("a batched forward takes sequences of its own model only")
-        if len(feeds) == 1:
-            return [feeds[0].sequence.forward(feeds[0].tokens, feeds[0].parents, feeds[0].last)]
+        if len(feeds) == 1 or self.tree_refusal() is not None:  # padding moves slots: only where masks and positions are exact
+            return base.forward_each(feeds)
         rows = [(feed.sequence, *feed.sequence.place(feed.tokens, feed.parents)) for feed in feeds]
         if any(sequence.crosses_rope_switch(positions) for sequence, _, positions, _ in rows):  # a row's cache is recomputed
-            return [feed.sequence.forward(feed.tokens, feed.parents, feed.last) for feed in feeds]
+            return base.forward_each(feeds)
         width, new = max(s.cache_len for s, *_ in rows), max(len(t) for _, t, *_ in rows)
         batch = len(rows)
         tokens = torch.zeros(batch, new, dtype=torch.long)
