@@ -39,7 +39,7 @@ class Batcher:
     `submit` refuses beyond that. The draft depth of a step comes from `depth` (a BatchDepth)."""
 
     def __init__(self, decoder: SpeculativeDecoder, max_batch: int, max_queue: int, metrics: "Metrics", depth: BatchDepth | None):
-        self.decoder, self.metrics, self.max_batch, self.max_queue, self.depth = decoder, metrics, max_batch, max_queue, depth
+        self.metrics, self.max_batch, self.max_queue, self.depth = metrics, max_batch, max_queue, depth
         self.engine = decoder.engine()
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
