@@ -141,17 +141,18 @@ class SpeculativeDecoder:
         if self._busy:
             raise SpecDecError("this decoder is already generating; finish the other stream first")
         self._busy = True
-        engine = self.engine()
+        generation.started = time.perf_counter()
+        steps = self.engine().run(generation.state)
         try:
-            generation.open(engine)
-            while not generation.done:
-                step = engine.step([generation.state])[0]
+            for step in steps:
                 delta = generation.add(step)
                 if delta:
                     yield delta
+                if generation.done:
+                    break
             return generation.result()
         finally:
-            engine.close(generation.state)
+            steps.close()  # gives the slots back
             self._busy = False
 
 
@@ -195,6 +196,14 @@ class TextAssembler:
         self.text = ""
         self.emitted = 0  # characters of text already given out
         self.finish_reason: str | None = None
+        self._settled = 0
+
+    def settled(self) -> int:
+        """How many tokens have had all their text given out: a stop string can no longer cut them
+        (text that could begin one is held back)."""
+        while self._settled < len(self.tokens) and len(self.decode_text(self.tokens[: self._settled + 1])) <= self.emitted:
+            self._settled += 1
+        return min(self._settled, len(self.tokens))
 
     def add(self, step: StepResult) -> str:
         self.tokens += step.tokens

@@ -291,10 +291,12 @@ def run_serve(args) -> None:
 
     if not 0 <= args.shutdown_timeout <= 3600:
         raise SpecDecError("--shutdown-timeout must be between 0 and 3600 seconds")
-    on_gpu = (args.device or "").startswith("cuda") or bool(args.gpu_layers) or _cuda_available()
-    max_batch = args.max_batch or DEFAULT_BATCH["gpu" if on_gpu else "cpu"]
     template = _read_template(args.chat_template) if args.chat_template else None
+    # llama.cpp sizes its KV cells by the batch at load; a transformers model is on a GPU once loaded
+    max_batch = args.max_batch or DEFAULT_BATCH["gpu" if args.gpu_layers else "cpu"]
     decoder = load_decoder(args, slots=max_batch)
+    if args.max_batch is None and decoder.target.backend == "transformers" and str(decoder.target.device).startswith("cuda"):
+        max_batch = DEFAULT_BATCH["gpu"]
     _check_sequence_ids(decoder, max_batch)
     if template is not None:
         decoder.tokenizer.chat_template = template
@@ -313,16 +315,19 @@ def run_serve(args) -> None:
 
 
 def _check_sequence_ids(decoder, max_batch: int) -> None:
-    """On llama.cpp every tree branch of every running generation takes a sequence id of its model."""
+    """On llama.cpp every running generation takes a sequence id of each model, and every tree branch one more."""
     from specdec.drafters import ModelDrafter
     from specdec.runtime.llamacpp import MAX_SEQUENCE_IDS
 
     drafter = decoder.drafter
-    if isinstance(drafter, ModelDrafter) and drafter.tree is not None and drafter.model.backend == "llamacpp":
-        needed = max_batch * (drafter.tree.nodes + 1)
-        if needed > MAX_SEQUENCE_IDS:
-            raise SpecDecError(f"{max_batch} generations with {drafter.tree.nodes}-node trees need up to {needed} llama.cpp sequence ids; "
-                               f"it has {MAX_SEQUENCE_IDS}: use --max-batch {MAX_SEQUENCE_IDS // (drafter.tree.nodes + 1)} or fewer, or a smaller --tree")
+    tree = drafter.tree if isinstance(drafter, ModelDrafter) else None
+    models = [decoder.target] + ([drafter.model] if isinstance(drafter, ModelDrafter) else [])
+    per_generation = tree.nodes + 1 if tree is not None else 1
+    if any(model.backend == "llamacpp" for model in models) and max_batch * per_generation > MAX_SEQUENCE_IDS:
+        what = f"with {tree.nodes}-node trees " if tree is not None else ""
+        raise SpecDecError(f"{max_batch} generations {what}need up to {max_batch * per_generation} llama.cpp sequence ids; it has "
+                           f"{MAX_SEQUENCE_IDS}: use --max-batch {MAX_SEQUENCE_IDS // per_generation} or fewer"
+                           + (", or a smaller --tree" if tree is not None else ""))
 
 
 def _read_template(path: str) -> str:
@@ -337,12 +342,6 @@ def _read_template(path: str) -> str:
     except jinja2.TemplateSyntaxError as error:
         raise SpecDecError(f"{path} is not a valid Jinja template: {error}") from None
     return text
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -131,14 +131,28 @@ class Engine:
         if state.room <= 0:
             state.finish_reason = "length"
 
+    def run(self, state: DecodeState) -> Iterator[StepResult]:
+        """One generation alone (a batch of one), opened here; the slots are given back however the
+        iteration ends. The last result carries a finish reason."""
+        self.open(state)
+        try:
+            if state.finish_reason:
+                yield StepResult([], state.finish_reason)
+            while state.finish_reason is None:
+                yield self.step([state])[0]
+        finally:
+            self.close(state)
+
     def close(self, state: DecodeState) -> None:
         """Give the slots back (llama.cpp's cells are shared by all sequences); safe to repeat."""
-        if state.sequence is not None:
-            state.sequence.release()
-            state.sequence = None
-        if state.draft_slot is not None:
-            self.drafter.close(state.draft_slot)
-            state.draft_slot = None
+        sequence, slot = state.sequence, state.draft_slot
+        state.sequence = state.draft_slot = None
+        try:
+            if sequence is not None:
+                sequence.release()
+        finally:
+            if slot is not None:
+                self.drafter.close(slot)
 
     def step(self, states: list[DecodeState], gamma_cap: int | None = None) -> list[StepResult]:
         """One iteration for every state (each open and unfinished). gamma_cap bounds every row's
@@ -215,16 +229,8 @@ def decode(
 ) -> Iterator[StepResult]:
     """One generation as a batch of one: yield what each iteration commits; the last yield carries
     a finish reason. The slots are given back however the iteration ends."""
-    engine = Engine(target, drafter)
     state = DecodeState(list(prompt), sampling, max_new_tokens, gamma_policy, streams, stats, stop_tokens)
-    engine.open(state)
-    try:
-        if state.finish_reason:
-            yield StepResult([], state.finish_reason)
-        while state.finish_reason is None:
-            yield engine.step([state])[0]
-    finally:
-        engine.close(state)
+    return Engine(target, drafter).run(state)
 
 
 def _check_draft(draft: Draft, gamma: int, vocab_size: int, sampling: SamplingParams) -> int:

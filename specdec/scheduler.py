@@ -21,6 +21,7 @@ from specdec.engine import AdaptiveGamma
 from specdec.runtime import CausalLM
 
 PREFIX = 32  # tokens cached before a timed forward: a short context, as in serving
+PROBE_EVERY = 64  # steps without drafting before one step drafts a token, to keep the acceptance estimate current
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -75,6 +76,7 @@ class BatchDepth:
         self.target_costs, self.draft_costs, self.max_gamma = target_costs, draft_costs, max_gamma
         self.drafted, self.accepted = memory / 16, prior * memory / 16  # a weak prior: a few iterations' worth
         self.memory = memory
+        self.idle = 0  # steps since the last one that drafted
         self.nodes_per_level = 1  # a tree's width: the target scores up to that many nodes per draft level
 
     @property
@@ -95,7 +97,14 @@ class BatchDepth:
         return batch * expected_tokens(self.alpha, gamma) / seconds
 
     def depth(self, batch: int) -> int:
-        return max(range(self.max_gamma + 1), key=lambda gamma: (self.rate(batch, gamma), -gamma))
+        """The best γ for this batch size. When that is 0 for PROBE_EVERY steps in a row, one step
+        drafts 1, so that α keeps being measured (a fixed schedule: still lossless)."""
+        best = max(range(self.max_gamma + 1), key=lambda gamma: (self.rate(batch, gamma), -gamma))
+        self.idle = 0 if best else self.idle + 1
+        if self.idle >= PROBE_EVERY and self.max_gamma:
+            self.idle = 0
+            return 1
+        return best
 
 
 def batch_depth(decoder) -> BatchDepth | None:

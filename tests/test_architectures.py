@@ -189,6 +189,23 @@ def test_longrope_recomputes_the_cache_when_the_context_crosses_the_switch(arch_
     assert [model.verify_room(root) for root in (switch - 4, switch - 1, switch)] == [3, 0, CONTEXT - 1 - switch]
 
 
+def test_longrope_rows_on_both_sides_of_the_switch_are_not_batched_together(arch_dirs):
+    """Finding (review): longrope takes its factors from the largest position in the batch, so a
+    row below the switch beside one past it got the long factors. Each row must equal itself alone."""
+    model = load(arch_dirs["phi3-longrope"])
+    text = [(7 * i) % 16 for i in range(model.rope_switch + 6)]
+    rows = [(text[: model.rope_switch + 3], [3]), (text[:5], [4, 5]), (text[:9], [6])]
+    batched, alone = [model.sequence() for _ in rows], [model.sequence() for _ in rows]
+    for sequence, (prefix, _) in zip(batched + alone, rows + rows):
+        sequence.forward(prefix)
+    got = model.forward_batch([Feed(s, tokens) for s, (_, tokens) in zip(batched, rows)])
+    for sequence, logits, (_, tokens) in zip(alone, got, rows):
+        torch.testing.assert_close(logits, sequence.forward(tokens), rtol=0, atol=1e-10)
+    short = model.forward_batch([Feed(s, [2]) for s in batched[1:]])  # rows all below the switch still share a forward
+    for sequence, logits in zip(alone[1:], short):
+        torch.testing.assert_close(logits, sequence.forward([2]), rtol=0, atol=1e-10)
+
+
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
     from specdec.cli import main
 

@@ -350,3 +350,22 @@ def test_chat_template_file_for_a_model_without_one(model_dirs, tmp_path):
     finally:
         process.terminate()
         process.wait(10)
+
+
+def test_streamed_logprobs_wait_for_text_a_stop_string_may_cut():
+    """Finding (review): logprobs went out for every committed token, also for one whose text was
+    held back and then cut by a stop string. Only tokens whose text has gone out are settled."""
+    from specdec.api import TextAssembler
+    from specdec.engine import StepResult, TokenLogprob
+
+    class Pieces:  # token i is the text PIECES[i]
+        PIECES = ["Hi", "\n", "there"]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(self.PIECES[i] for i in ids)
+
+    text = TextAssembler(Pieces(), [0], stop=["\n\n"])
+    step = lambda tokens: StepResult(tokens, logprobs=[TokenLogprob(t, -1.0, []) for t in tokens])
+    assert text.add(step([0, 1])) == "Hi" and text.settled() == 1  # "\n" may begin the stop: held back, with its logprob
+    assert text.add(step([1])) == "" and text.finish_reason == "stop"
+    assert text.tokens == [0] and len(text.logprobs) == 1 and text.settled() == 1

@@ -34,6 +34,7 @@ from specdec.types import Draft, SamplingParams
 from specdec.verify import verify_chain, verify_greedy
 
 SIBLING_MASS = 0.1  # a sampled node draws another child only while this much of q is not yet drawn
+CATCH_UP = 16  # committed tokens a slot may hold unfed (steps without drafting) before they are fed
 
 
 @dataclass(frozen=True)
@@ -171,10 +172,17 @@ class ModelDrafter:
         rest are dropped; a cache entry is never recomputed. The last committed token always stays
         pending, so the next forward yields the distribution after the whole text."""
         path = self._follow_branch(slot, tokens[:-1])
-        slot.cache.keep(slot.cached, [slot.cached + node for node in path])
+        if slot.branch_tokens:
+            slot.cache.keep(slot.cached, [slot.cached + node for node in path])
         slot.cached += len(path)
         slot.pending += tokens[len(path):]
         slot.branch_tokens, slot.branch_parents = [], []
+        if len(slot.pending) > CATCH_UP and slot.cached + len(slot.pending) <= self.model.max_length:
+            # steps without drafting (a big batch) leave committed text unfed; feed it now, so the next
+            # proposal's forward stays short (a batched forward pads every row to the longest)
+            slot.cache.forward(slot.pending[:-1], last=1)
+            slot.forwards += 1
+            slot.cached, slot.pending = slot.cached + len(slot.pending) - 1, slot.pending[-1:]
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         return forward_together(self.model, [self._grow(request) for request in requests])

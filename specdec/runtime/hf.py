@@ -169,7 +169,9 @@ class HFModel:
         if len(feeds) == 1 or self.tree_refusal() is not None:  # padding moves slots: only where masks and positions are exact
             return base.forward_each(feeds)
         rows = [(feed.sequence, *feed.sequence.place(feed.tokens, feed.parents)) for feed in feeds]
-        if any(sequence.crosses_rope_switch(positions) for sequence, _, positions, _ in rows):  # a row's cache is recomputed
+        crossing = any(sequence.crosses_rope_switch(positions) for sequence, _, positions, _ in rows)  # its cache is recomputed
+        if crossing or len({sequence._long_rope for sequence, *_ in rows}) > 1:
+            # longrope picks its factors from the batch's largest position: rows on both sides of the switch go apart
             return base.forward_each(feeds)
         width, new = max(s.cache_len for s, *_ in rows), max(len(t) for _, t, *_ in rows)
         batch = len(rows)

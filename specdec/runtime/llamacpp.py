@@ -165,7 +165,8 @@ class LlamaCppModel:
 
     def take_id(self) -> int:
         if not self._free_ids:
-            raise SpecDecError(f"a token tree needs more than llama.cpp's {MAX_SEQUENCE_IDS} sequence ids; use fewer nodes")
+            raise SpecDecError(f"all {MAX_SEQUENCE_IDS} llama.cpp sequence ids of {self.path} are in use (one per open sequence "
+                               "and per tree branch); use fewer tree nodes or fewer generations at once")
         return self._free_ids.pop()
 
     def drop_id(self, seq_id: int, from_position: int = -1) -> None:
@@ -267,10 +268,14 @@ class LlamaCppSequence:
         if start + len(tokens) > self.owner.max_length:
             raise SpecDecError(f"{len(tokens)} new tokens after {start} cached ones overflow the context of {self.owner.max_length}")
         ids: list[list[int]] = []
-        for i, parent in enumerate(parents):
-            self._parents.append(parent)
-            self._positions.append(0 if parent < 0 else self._positions[parent] + 1)
-            ids.append([self._branch_for(start + i, start, ids)])
+        try:
+            for i, parent in enumerate(parents):
+                self._parents.append(parent)
+                self._positions.append(0 if parent < 0 else self._positions[parent] + 1)
+                ids.append([self._branch_for(start + i, start, ids)])
+        except Exception:  # half-assigned entries and ids: start over, empty
+            self.clear()
+            raise
         return tokens, self._positions[start:], ids
 
     def clear(self) -> None:

@@ -29,7 +29,10 @@ class Job:
     logprobs_sent: int = 0  # tokens whose logprobs went out with a delta
 
     def emit(self, kind: str, value) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop has closed: nobody is listening any more
+            pass
 
 
 class Batcher:
@@ -90,30 +93,47 @@ class Batcher:
 
     def _run(self) -> None:
         while True:
-            with self.changed:
-                while not self.waiting and not self.running and not self.closing:
-                    self.changed.wait()
-                admitted = []
-                while self.waiting and len(self.running) + len(admitted) < self.max_batch:
-                    admitted.append(self.waiting.popleft())
-                stopping = self.closing == "the server has shut down"
-            for job in admitted:
-                self._open(job)
-            for job in [job for job in self.running if job.cancelled.is_set() or stopping]:
-                self._retire(job, "unavailable" if stopping else None, "the server shut down before the generation finished")
-            if self.running:
-                self._step()
-            elif self.closing:
-                return
+            try:
+                if self._round():
+                    return
+            except Exception as error:  # never let the batch thread die: end what is running, go on serving
+                for job in list(self.running):
+                    self._abandon(job, f"{type(error).__name__}: {error}")
+
+    def _abandon(self, job: Job, message: str) -> None:
+        """End a job after an unexpected failure, whatever state its slots are in."""
+        if job in self.running:
+            self.running.remove(job)
+        try:
+            self.engine.close(job.generation.state)
+        except Exception:
+            pass  # its slots are lost; the other jobs go on
+        job.emit("error", message)
+
+    def _round(self) -> bool:
+        """Admit waiting jobs, retire cancelled ones, step once. Returns True when shut down."""
+        with self.changed:
+            while not self.waiting and not self.running and not self.closing:
+                self.changed.wait()
+            admitted = []
+            while self.waiting and len(self.running) + len(admitted) < self.max_batch:
+                admitted.append(self.waiting.popleft())
+            stopping = self.closing == "the server has shut down"
+        for job in admitted:
+            self._open(job)
+        for job in [job for job in self.running if job.cancelled.is_set() or stopping]:
+            self._retire(job, "unavailable" if stopping else None, "the server shut down before the generation finished")
+        if self.running:
+            self._step()
+        return not self.running and self.closing is not None
 
     def _open(self, job: Job) -> None:
+        self.running.append(job)  # from here on, a failure anywhere ends it with the others (see _run)
         try:
             job.generation.open(self.engine)
         except Exception as error:  # never let one request take the batch down
-            self.engine.close(job.generation.state)
-            job.emit("error", f"{type(error).__name__}: {error}")
+            self._abandon(job, f"{type(error).__name__}: {error}")
             return
-        self.running.append(job)
         if job.generation.done:  # nothing to generate (max_tokens 0)
             self._retire(job, "done", None)
 
@@ -140,11 +160,13 @@ class Batcher:
 
     @staticmethod
     def _new_logprobs(job: Job) -> list | None:
-        """The logprobs of tokens committed since the last delta (None: the request wants none)."""
+        """The logprobs of tokens whose text has gone out since the last delta (None: the request
+        wants none). A token whose text is held back waits: a stop string may still cut it."""
         if job.generation.state.logprobs is None:
             return None
-        entries = job.generation.text.logprobs
-        new, job.logprobs_sent = entries[job.logprobs_sent:], len(entries)
+        text = job.generation.text
+        settled = text.settled()
+        new, job.logprobs_sent = text.logprobs[job.logprobs_sent : settled], max(job.logprobs_sent, settled)
         return new
 
     def _retire(self, job: Job, kind: str | None, message: str | None) -> None:
@@ -174,7 +196,8 @@ class Metrics:
         self.queue_depth = Gauge("specdec_queue_depth", "requests waiting for the model", registry=registry)
         self.batch_size = Gauge("specdec_batch_size", "generations running in the batch", registry=registry)
         self.acceptance = Gauge("specdec_acceptance_rate", "accepted / drafted over all generations", registry=registry)
-        self.tokens_per_second = Gauge("specdec_tokens_per_second", "generated tokens / generation seconds over all generations", registry=registry)
+        self.tokens_per_second = Gauge("specdec_tokens_per_second", "generated tokens / generation seconds, summed over generations "
+                                       "(a per-generation speed; aggregate throughput is the rate of specdec_generated_tokens)", registry=registry)
         self.tokens_per_forward = Gauge("specdec_tokens_per_target_forward", "generated tokens / target forwards over all generations", registry=registry)
         self.time_to_first_token = Histogram("specdec_time_to_first_token_seconds", "arrival to the first text delta",
                                              buckets=self.LATENCY_BUCKETS, registry=registry)
