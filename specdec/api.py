@@ -67,21 +67,9 @@ class SpeculativeDecoder:
             pass
         return stream.result
 
-    def stream(
-        self,
-        prompt: str | Sequence[int],
-        max_new_tokens: int = 128,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        logprobs: int | None = None,
-    ) -> Stream:
-        """Text deltas as they are committed. Temperature 0 is greedy; a seed makes sampling repeatable.
-        logprobs: the result also holds each token's log-probability under the target (its raw
-        distribution) and this many most likely alternatives."""
-        return Stream(self._deltas(self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, logprobs)))
+    def stream(self, prompt: str | Sequence[int], **options) -> Stream:
+        """Text deltas as they are committed; options as for `request`."""
+        return Stream(self._deltas(self.request(prompt, **options)))
 
     def request(
         self,
@@ -95,7 +83,9 @@ class SpeculativeDecoder:
         logprobs: int | None = None,
     ) -> Generation:
         """A checked generation, not started: run it with `stream`, or in a batch with an `Engine`.
-        logprobs: also record each token's log-probability under the target and this many alternatives."""
+        Temperature 0 is greedy; a seed makes sampling repeatable. logprobs: the result also holds
+        each token's log-probability under the target (its raw distribution) and this many most
+        likely alternatives."""
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         prompt_ids = self.prompt_ids(prompt)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:

@@ -52,6 +52,15 @@ def load(directory: str, **options) -> specdec.CausalLM:
     return specdec.load_model(directory, device="cpu", dtype="float64", **options)
 
 
+def load_or_skip(directory: str, arch: str, implementation: str) -> specdec.CausalLM:
+    try:
+        return load(directory, attn_implementation=implementation)
+    except specdec.SpecDecError as error:
+        if "does not support an attention implementation" in str(error):
+            pytest.skip(f"transformers has no {implementation} attention for {arch}")
+        raise
+
+
 def hf_greedy(model: specdec.CausalLM, prompt: list[int], new: int) -> list[int]:
     with torch.inference_mode():
         out = model.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new,
@@ -93,12 +102,7 @@ def test_plain_and_every_drafter_match_hugging_face_greedy(arch, arch_dirs):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_tree_self_check_per_attention_implementation(arch, implementation, arch_dirs):
     """The self-check's verdict, confirmed by a 7-node tree whose every node must match its path alone."""
-    try:
-        model = load(arch_dirs[arch], attn_implementation=implementation)
-    except specdec.SpecDecError as error:
-        if "does not support an attention implementation" in str(error):
-            pytest.skip(f"transformers has no {implementation} attention for {arch}")
-        raise
+    model = load_or_skip(arch_dirs[arch], arch, implementation)
     assert model.attn_implementation == implementation
     refusal = model.tree_refusal()
     exact = seven_node_tree_is_exact(model)
@@ -117,12 +121,7 @@ def test_a_batched_forward_equals_each_row_alone(arch, implementation, arch_dirs
     """Rows with different cache lengths (one empty), a chain continuation, a prefill and a tree,
     in one forward: every row's logits equal its own forward alone (where a model cannot take
     padding exactly, its rows go one at a time: still equal)."""
-    try:
-        model = load(arch_dirs[arch], attn_implementation=implementation)
-    except specdec.SpecDecError as error:
-        if "does not support an attention implementation" in str(error):
-            pytest.skip(f"transformers has no {implementation} attention for {arch}")
-        raise
+    model = load_or_skip(arch_dirs[arch], arch, implementation)
     parents = tree.entries(torch.tensor(TREE_PARENTS), len(TREE_PREFIX) - 1).tolist()
     first = (TREE_PREFIX, TREE_TOKENS, parents if model.tree_refusal() is None else None)  # no trees where they are refused
     rows = [first, (PROMPT[:3], [7, 8], None), ([], PROMPT, None), (PROMPT, [9], None)]

@@ -8,7 +8,6 @@ import zlib
 from collections import Counter
 
 import pytest
-import torch
 
 import specdec
 from conftest import ARCHS

@@ -9,7 +9,7 @@ import specdec
 from conftest import ARCHS
 from specdec.engine import AdaptiveGamma, DecodeState, Engine, FixedGamma
 from specdec.sampling import RandomStreams
-from specdec.types import GenerationStats, SamplingParams
+from specdec.types import SamplingParams
 
 
 def assert_cache_is_fresh_prefill(sequence, tokens: list[int], reference: specdec.CausalLM):

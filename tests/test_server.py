@@ -41,6 +41,19 @@ class LiveServer:
         self.thread.join(timeout=10)
 
 
+def wait_until_up(process, url: str, seconds: float = 60) -> None:
+    """A `specdec serve` subprocess answers /health (or the test fails when it exits or takes too long)."""
+    deadline = time.time() + seconds
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert process.poll() is None and time.time() < deadline, "specdec serve did not come up"
+        time.sleep(0.2)
+
+
 def make_decoder(model_dirs, chat_template=True):
     decoder = specdec.load(model_dirs["llama"], draft=model_dirs["llama-near"], gamma=3, device="cpu")
     if chat_template:
@@ -290,15 +303,7 @@ def test_specdec_serve_command(model_dirs):
                "--port", str(port), "--model-name", "t", "--device", "cpu"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.time() < deadline, "specdec serve did not come up"
-            time.sleep(0.2)
+        wait_until_up(process, f"http://127.0.0.1:{port}")
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "t", "prompt": "ab", "max_tokens": 5}, timeout=30)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
         taken = subprocess.run(command, capture_output=True, text=True, timeout=60)

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,10 +17,9 @@ import httpx
 import pytest
 import torch
 
-import specdec
 from specdec.server import create_app
 from specdec.server.http import HeaderDeadline
-from test_server import CHAT_TEMPLATE, MODEL, LiveServer, SlowDrafter, make_decoder, metric, sse_events
+from test_server import CHAT_TEMPLATE, MODEL, LiveServer, SlowDrafter, make_decoder, metric, sse_events, wait_until_up
 
 
 @pytest.fixture(scope="module")
@@ -122,15 +120,7 @@ def test_sigterm_stops_specdec_serve_within_its_timeout(model_dirs):
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.time() < deadline, "specdec serve did not come up"
-            time.sleep(0.2)
+        wait_until_up(process, url)
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 40, "temperature": 1.0}
         with ThreadPoolExecutor(12) as pool:  # far more work than one second: most wait in the queue
             streams = [pool.submit(stream, url, {**body, "seed": i}) for i in range(12)]
@@ -335,15 +325,7 @@ def test_chat_template_file_for_a_model_without_one(model_dirs, tmp_path):
         port = s.getsockname()[1]
     process = subprocess.Popen(base + ["--chat-template", str(template), "--port", str(port)], stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.time() < deadline
-            time.sleep(0.2)
+        wait_until_up(process, f"http://127.0.0.1:{port}")
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
                            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] is not None
