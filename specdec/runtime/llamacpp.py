@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import os
 import time
 from pathlib import Path
@@ -387,6 +388,40 @@ def _check_gguf_file(path: Path) -> None:
         raise SpecDecError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
 
 
+class _BufferOverride(ctypes.Structure):
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]  # llama_model_tensor_buft_override
+
+
+class _CpuOnly:
+    """A tensor-buffer override list putting every weight (pattern ".*") in ggml's plain CPU buffer."""
+
+    def __init__(self):
+        self.overrides = None
+
+    def load(self, lib_dir: Path) -> bool:
+        cpu = ctypes.CDLL(str(lib_dir / "libggml-cpu.so"))
+        cpu.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
+        cpu.ggml_cpu_has_amx_int8.restype = ctypes.c_int
+        if not cpu.ggml_cpu_has_amx_int8():
+            return False
+        self.overrides = (_BufferOverride * 2)(_BufferOverride(b".*", cpu.ggml_backend_cpu_buffer_type()), _BufferOverride(None, None))
+        return True
+
+
+_CPU_ONLY = _CpuOnly()
+
+
+@functools.cache
+def _amx_buffers() -> bool:
+    """Whether this llama.cpp build would put quantized weights in AMX buffers."""
+    import llama_cpp
+
+    try:
+        return _CPU_ONLY.load(Path(llama_cpp.__file__).parent / "lib")
+    except (OSError, AttributeError):  # another build layout, or no CPU backend library: nothing to avoid
+        return False
+
+
 class _Weights:
     """A llama_model, freed when the last holder (the model, its tokenizer) lets go."""
 
@@ -394,6 +429,12 @@ class _Weights:
         self.lib = lib
         params = lib.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
+        if gpu_layers == 0 and _amx_buffers():
+            # every weight in the plain CPU buffer: the AMX kernels of llama.cpp as built by
+            # llama-cpp-python 0.3.36 crash on multi-token forwards of quantized (Q8_0) weights
+            # on CPUs with AMX, and every verify is a multi-token forward
+            params.use_extra_bufts = False
+            params.tensor_buft_overrides = ctypes.cast(_CPU_ONLY.overrides, ctypes.c_void_p)
         _log.clear()
         self.model = lib.llama_model_load_from_file(os.fsencode(path), params)
         if not self.model:
