@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from specdec.drafters import Drafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
-from specdec.engine import AdaptiveGamma, DecodeState, Engine, FixedGamma, StepResult, TokenLogprob
+from specdec import costs
+from specdec.drafters import AutoDrafter, Drafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
+from specdec.engine import DecodeState, Engine, StepResult, TokenLogprob
 from specdec.errors import SpecDecError
 from specdec.ngram import KatzTrigram
 from specdec.runtime import CausalLM, check_same_vocabulary, choose_backend, load_model, require_trees, tokenizer_fingerprint
+from specdec.policy import MAX_DEPTH, CostAwareDepth, CostAwarePolicy, FixedGamma
 from specdec.sampling import RandomStreams
 from specdec.types import GenerationStats, SamplingParams
 
@@ -47,14 +49,47 @@ class Stream:
 class SpeculativeDecoder:
     """A target model plus an optional drafter; with no drafter it decodes plainly (γ = 0).
 
-    gamma: draft length per iteration (a tree's depth), or "auto" for the adaptive policy.
+    gamma: draft length per iteration (a tree's depth), or "auto": chosen every iteration from
+    measured forward costs and the acceptance so far (`specdec.policy`); an `AutoDrafter` is
+    always shaped by the cost-aware policy, at most `gamma` deep when that is a number.
     """
 
-    def __init__(self, target: CausalLM, drafter: Drafter | None = None, gamma: int | str = 4):
+    def __init__(self, target: CausalLM, drafter: Drafter | None = None, gamma: int | str = "auto"):
         check_gamma(gamma)
         _check_drafter(drafter, target)
+        if isinstance(drafter, AutoDrafter) and drafter.model is not None:  # it drafts trees only where both models score them exactly
+            drafter.trees = drafter.trees and target.tree_refusal() is None and drafter.model.model.tree_refusal() is None
         self.target, self.drafter, self.gamma = target, drafter, gamma
         self._busy = False  # one generation at a time: the caches belong to it
+        self._profile: costs.Profile | None = None
+
+    @property
+    def draft_model(self) -> CausalLM | None:
+        drafter = self.drafter.model if isinstance(self.drafter, AutoDrafter) else self.drafter
+        return drafter.model if isinstance(drafter, ModelDrafter) else None
+
+    @property
+    def uses_profile(self) -> bool:
+        """Whether decoding needs measured forward costs (any cost-aware choice)."""
+        return isinstance(self.drafter, AutoDrafter) or (self.drafter is not None and self.gamma == "auto")
+
+    def profile(self) -> costs.Profile:
+        """The models' forward costs on this machine: cached on disk, measured on first use."""
+        if self._profile is None:
+            self._profile = costs.profile(self.target, self.draft_model)
+        return self._profile
+
+    def policy(self):
+        """A fresh draft policy for one generation."""
+        if self.drafter is None:
+            return FixedGamma(0)
+        limit = MAX_DEPTH if self.gamma == "auto" else self.gamma
+        if isinstance(self.drafter, AutoDrafter):
+            return CostAwarePolicy(self.profile(), limit)
+        if self.gamma == "auto":
+            width = self.drafter.tree.width if isinstance(self.drafter, ModelDrafter) and self.drafter.tree else 1
+            return CostAwareDepth(self.profile(), limit, models_draft=isinstance(self.drafter, ModelDrafter), width=width)
+        return FixedGamma(self.gamma)
 
     @property
     def tokenizer(self):
@@ -97,8 +132,7 @@ class SpeculativeDecoder:
             raise SpecDecError("stop strings must be non-empty strings")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20):
             raise SpecDecError(f"logprobs must be an integer from 0 to 20, got {logprobs!r}")
-        gamma_policy = AdaptiveGamma() if self.gamma == "auto" else FixedGamma(self.gamma)
-        state = DecodeState(prompt_ids, sampling, max_new_tokens, gamma_policy, RandomStreams(seed),
+        state = DecodeState(prompt_ids, sampling, max_new_tokens, self.policy(), RandomStreams(seed),
                             GenerationStats(prompt_tokens=len(prompt_ids)), self.stop_token_ids, logprobs=logprobs)
         return Generation(state, TextAssembler(self.tokenizer, prompt_ids, stop))
 
@@ -275,7 +309,7 @@ def load(
     draft: str | None = None,
     ngram: str | None = None,
     prompt_lookup: bool = False,
-    gamma: int | str = 4,
+    gamma: int | str = "auto",
     device: str | None = None,
     dtype: str | None = None,
     ngram_stochastic: bool = True,
@@ -290,9 +324,12 @@ def load(
     tokenizer: str | None = None,
     slots: int = 1,
 ) -> SpeculativeDecoder:
-    """Load a target checkpoint and a drafter; no drafter means plain decoding.
+    """Load a target checkpoint and a drafter.
 
-    One drafter: a draft model, an n-gram file or prompt lookup. `tree` (a node budget or a
+    The default (gamma "auto", no n-gram, tree or staging): the `AutoDrafter`, prompt lookup and
+    the draft model (when there is one) in one tree shaped every iteration by the cost-aware policy.
+    With a fixed gamma, one drafter: a draft model, an n-gram file or prompt lookup, or none (plain
+    decoding). `tree` (a node budget or a
     TreeShape) makes the draft model draft token trees `gamma` deep. `staged` makes the draft model
     draft with the n-gram model or prompt lookup as its own drafter (draft², Spector & Ré).
     With no target, the demo pair shipped with specdec is used (its GGUF files on llama.cpp unless
@@ -305,7 +342,8 @@ def load(
     check_gamma(gamma)
     if target is None:
         choose_backend("", backend)  # validates the name before the demo pair is looked for
-    draft, ngram = _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged, backend)
+    auto = gamma == "auto" and ngram is None and tree is None and not staged
+    draft, ngram = _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged, backend, auto)
     if tree is not None and not isinstance(tree, TreeShape):
         tree = TreeShape(nodes=tree)  # validates the budget
     options = dict(backend=backend, device=device, dtype=dtype, attn_implementation=attn_implementation,
@@ -317,17 +355,18 @@ def load(
     elif prompt_lookup:
         inner = PromptLookupDrafter()
     if draft is None:
-        return SpeculativeDecoder(target_model, inner, gamma)
+        return SpeculativeDecoder(target_model, AutoDrafter(None, PromptLookupDrafter()) if auto else inner, gamma)
     if device is None and target_model.backend == "transformers" and choose_backend(draft, backend) == "transformers":
         options["device"] = str(target_model.device)  # the draft runs beside the target
     draft_model = load_model(draft, **options)
     drafter = ModelDrafter(draft_model, tree=tree, inner=inner if staged else None, inner_gamma=inner_gamma)
-    return SpeculativeDecoder(target_model, drafter, gamma)
+    return SpeculativeDecoder(target_model, AutoDrafter(drafter, PromptLookupDrafter()) if auto else drafter, gamma)
 
 
-def _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged, backend="auto"):
+def _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged, backend="auto", auto=False):
     """Which draft model and which n-gram file to load, with the demo pair's as defaults; refuses
-    combinations that mean nothing. Returns (draft, ngram)."""
+    combinations that mean nothing (the auto drafter combines a draft model and prompt lookup).
+    Returns (draft, ngram)."""
     if ngram is not None and prompt_lookup:
         raise SpecDecError("choose at most one of an n-gram file and prompt lookup")
     if target is None:
@@ -337,7 +376,7 @@ def _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged, backend=
             ngram = demo_dir() / "ngram.safetensors"
     if staged and (draft is None or (ngram is None and not prompt_lookup)):
         raise SpecDecError("staged drafting needs a draft model and a draft² for it: a draft model plus an n-gram file or prompt lookup")
-    if not staged and draft is not None and (ngram is not None or prompt_lookup):
+    if not staged and draft is not None and (ngram is not None or (prompt_lookup and not auto)):
         raise SpecDecError("choose at most one drafter: a draft model, an n-gram file or prompt lookup (or stage them)")
     if tree is not None and draft is None:
         raise SpecDecError("token trees are drafted by a draft model; give one (--draft DIR)")
@@ -347,6 +386,8 @@ def _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged, backend=
 def _check_drafter(drafter: Drafter | None, target: CausalLM) -> None:
     """A draft model or an n-gram model (also as a staged draft model's draft²) must speak the target's
     vocabulary; a tree drafter needs two models that score token trees exactly."""
+    if isinstance(drafter, AutoDrafter):
+        _check_drafter(drafter.model, target)
     if isinstance(drafter, ModelDrafter):
         check_same_vocabulary(target.tokenizer, drafter.model.tokenizer, f"draft model ({drafter.model.path})")
         if drafter.tree is not None:  # both models score trees: each must do so exactly, or refuse

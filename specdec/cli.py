@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -85,7 +86,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ngram", help="n-gram model file from `specdec ngram build` (a drafter, or with --staged the draft model's drafter)")
     parser.add_argument("--prompt-lookup", action="store_true", help="draft by matching the context's last tokens earlier in the context")
     parser.add_argument("--ngram-top1", action="store_true", help="with --ngram: propose the top token instead of sampling")
-    parser.add_argument("--gamma", type=_gamma, default=4, help="draft tokens per iteration, or 'auto' (default 4)")
+    parser.add_argument("--gamma", type=_gamma, default="auto",
+                        help="draft tokens per iteration, or 'auto' (default): chosen every iteration from measured forward costs and "
+                             "the acceptance so far; with no other drafter flags, prompt lookup and the draft model share one tree")
     parser.add_argument("--tree", type=_positive, metavar="NODES", help="draft token trees of up to NODES nodes with the draft model")
     parser.add_argument("--depth", type=_gamma, help="with --tree: tree depth, or 'auto' (default: --gamma)")
     parser.add_argument("--tree-width", type=_positive, default=3, help="with --tree: children per node and nodes expanded per level (default 3)")
@@ -128,12 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--ngram", help="n-gram file for the n-gram strategy")
     bench.add_argument("--prompts", help="prompts file (.jsonl with a \"prompt\" field, or one prompt per line); default HumanEval")
     bench.add_argument("--limit", type=int, help="use the first N prompts")
-    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (--quick: 64)")
     bench.add_argument("--mode", choices=["greedy", "sampled", "both"], default="both")
     bench.add_argument("--temperature", type=float, default=0.8, help="sampled mode (default 0.8)")
     bench.add_argument("--top-k", type=int, default=20, help="sampled mode (default 20)")
-    bench.add_argument("--gammas", default="1,2,3,4", help="fixed γ values for the chain strategies")
-    bench.add_argument("--trees", default="3x2,4x3,8x4", help="NODESxDEPTH of the token-tree strategies; '' for none (default 3x2,4x3,8x4)")
+    bench.add_argument("--gammas", default=None, help="fixed γ values for the chain strategies (default 1,2,3,4; --quick: 2)")
+    bench.add_argument("--trees", default=None, help="NODESxDEPTH of the token-tree strategies; '' for none (default 3x2,4x3,8x4; --quick: none)")
+    bench.add_argument("--quick", action="store_true",
+                       help="a smoke check in a few minutes: 5 prompts, 64 new tokens, plain, the default policy, one chain, prompt lookup, peers")
     bench.add_argument("--tree-width", type=int, default=2, help="children per node and nodes expanded per level (default 2)")
     bench.add_argument("--staged-gamma", type=int, default=3, help="depth of the staged strategies (default 3)")
     bench.add_argument("--staged-tree", type=int, default=4, help="nodes of the staged-tree strategies (default 4)")
@@ -167,6 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     losslessness.add_parser(commands)  # `specdec verify`
 
+    prof = commands.add_parser("profile", help="measure (or show the cached) forward costs the auto policy decides with",
+                               description="Time one forward of k new tokens for the target (and the draft model), k = 1 ... 128, "
+                                           "plus the engine's own time per iteration; cached per model, backend, threads and device.")
+    add_model_arguments(prof)
+    prof.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
+    prof.add_argument("--plot", metavar="FILE.png", help="also draw the cost curves")
+    prof.add_argument("--json", action="store_true", help="print the profile as JSON")
+    prof.set_defaults(run=run_profile)
+
     serve = commands.add_parser("serve", help="serve the models over an OpenAI-compatible HTTP API",
                                 description="POST /v1/completions and /v1/chat/completions (streaming or not), GET /v1/models, /health, "
                                             "/metrics. Continuous batching: up to --max-batch generations advance together, one target "
@@ -179,8 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch", type=_positive, default=None,
                        help=f"generations that run together (default {DEFAULT_BATCH['cpu']} on a CPU, {DEFAULT_BATCH['gpu']} on a GPU)")
     serve.add_argument("--batch-depth", choices=["measured", "fixed"], default="measured",
-                       help="measured (default): the draft depth of each step maximises expected tokens/s for the batch size, from "
-                            "forward costs timed at start and the acceptance so far (no drafting when it does not pay); fixed: always --gamma")
+                       help="with a numeric --gamma: measured (default) caps the draft depth of each step for the batch size, from "
+                            "measured forward costs and the acceptance so far (no drafting when it does not pay); fixed: always --gamma. "
+                            "(--gamma auto, the default, sizes every row's draft for the batch itself.)")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                        help="on SIGTERM/SIGINT, how long running generations may finish before they end with an error (default 10)")
     serve.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
@@ -211,6 +226,57 @@ def run_generate(args) -> None:
     print(format_stats(stream.result.stats, decoder), file=sys.stderr)
 
 
+def run_profile(args) -> None:
+    from specdec import costs
+
+    decoder = load_decoder(args)
+    profile = costs.profile(decoder.target, decoder.draft_model, refresh=args.refresh)
+    if args.json:
+        print(json.dumps(profile.to_json()))
+    else:
+        print(format_profile(profile, decoder, costs.cache_dir()))
+    if args.plot:
+        print(f"wrote {plot_profile(profile, args.plot)}", file=sys.stderr)
+
+
+def format_profile(profile, decoder, cache) -> str:
+    """The cost curves as a table: milliseconds and the ratio to a one-token forward."""
+    load = f", load {profile.load:.2f}" if profile.load is not None else ""
+    lines = [f"target: {decoder.target.path}" + (f" · draft: {decoder.draft_model.path}" if decoder.draft_model else ""),
+             f"measured {profile.measured} in {profile.rounds} rounds{load} · cache: {cache}", "",
+             "| k | target ms | × k=1 | draft ms |", "|---|---|---|---|"]
+    for k, seconds in sorted(profile.target.items()):
+        draft = profile.draft.get(k) if profile.draft else None
+        lines.append(f"| {k} | {seconds * 1e3:.2f} | {seconds / profile.target[min(profile.target)]:.2f} | "
+                     + (f"{draft * 1e3:.2f}" if draft is not None else "–") + " |")
+    lines += ["", f"engine time per iteration outside the target's forward: {profile.step_overhead * 1e3:.2f} ms"]
+    if profile.draft:
+        lines.append(f"time per draft level outside the draft model's forward: {profile.level_overhead * 1e3:.2f} ms")
+    return "\n".join(lines)
+
+
+def plot_profile(profile, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, curve in (("target", profile.target), ("draft", profile.draft)):
+        if curve:
+            ax.plot(sorted(curve), [curve[k] * 1e3 for k in sorted(curve)], marker="o", label=name)
+    ax.set(xscale="log", xlabel="new tokens per forward (k)", ylabel="ms per forward", title="forward cost t(k)")
+    ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as error:
+        raise SpecDecError(f"could not write {path}: {error}") from None
+    finally:
+        plt.close(fig)
+    return path
+
+
 def format_stats(stats, decoder) -> str:
     parts = [f"{stats.generated_tokens} tokens", f"{stats.total_seconds:.2f} s", f"{stats.tokens_per_second or 0:.1f} tok/s"]
     parts.append(f"{stats.target_forwards} target forwards")
@@ -221,8 +287,11 @@ def format_stats(stats, decoder) -> str:
             f"{stats.draft_forwards} draft forwards",
             f"acceptance {rate:.1%}" if rate is not None else "acceptance n/a",
         ]
-    if stats.tree_nodes and getattr(decoder.drafter, "tree", None):
-        parts.append(f"{sum(stats.tree_nodes) / len(stats.tree_nodes):.1f} tree nodes/iteration")
+    if stats.tree_nodes and (getattr(decoder.drafter, "tree", None) or stats.drafters):
+        parts.append(f"{sum(stats.tree_nodes) / len(stats.tree_nodes):.1f} draft nodes/iteration")
+    if stats.drafters and decoder.gamma == "auto":
+        counts = collections.Counter(stats.drafters)
+        parts.append("drafted by " + ", ".join(f"{name} {count / len(stats.drafters):.0%}" for name, count in counts.most_common()))
     parts.append(f"{stats.tokens_per_target_forward or 0:.2f} tokens/target forward")
     return "[specdec] " + " · ".join(parts)
 
@@ -246,30 +315,39 @@ def run_bench_command(args) -> None:
     from specdec.bench import BenchConfig, run_bench
     from specdec.bench.report import markdown, write_report
 
-    try:
-        gammas = tuple(int(g) for g in args.gammas.split(","))
-    except ValueError:
-        raise SpecDecError(f"--gammas must be comma-separated integers, got {args.gammas!r}") from None
-    try:
-        trees = tuple(tuple(int(n) for n in t.split("x")) for t in args.trees.split(",") if t)
-    except ValueError:
-        trees = ((0,),)
-    if any(len(t) != 2 for t in trees):
-        raise SpecDecError(f"--trees must be NODESxDEPTH values separated by commas, got {args.trees!r}")
-    numbers = [*gammas, *(n for t in trees for n in t), args.tree_width, args.staged_gamma, args.staged_tree, args.max_new_tokens]
+    given = dict(target=args.target, draft=args.draft, ngram=args.ngram, prompts=args.prompts, limit=args.limit,
+                 max_new_tokens=args.max_new_tokens, modes=("greedy", "sampled") if args.mode == "both" else (args.mode,),
+                 temperature=args.temperature, top_k=args.top_k, tree_width=args.tree_width, staged_gamma=args.staged_gamma,
+                 staged_tree=args.staged_tree, peers=not args.no_peers, seed=args.seed, device=args.device, dtype=args.dtype,
+                 gammas=_numbers(args.gammas, "--gammas") if args.gammas is not None else None,
+                 trees=_trees(args.trees) if args.trees is not None else None, **runtime_options(args))
+    config = BenchConfig.quick(**given) if args.quick else BenchConfig(**{k: v for k, v in given.items() if v is not None})
+    numbers = [*config.gammas, *(n for t in config.trees for n in t), config.tree_width, config.staged_gamma, config.staged_tree, config.max_new_tokens]
     if any(n < 1 for n in numbers):
         raise SpecDecError("γ values, tree sizes and --max-new-tokens must be >= 1")
-    config = BenchConfig(
-        target=args.target, draft=args.draft, ngram=args.ngram, prompts=args.prompts, limit=args.limit,
-        max_new_tokens=args.max_new_tokens, modes=("greedy", "sampled") if args.mode == "both" else (args.mode,),
-        temperature=args.temperature, top_k=args.top_k, gammas=gammas, trees=trees, tree_width=args.tree_width,
-        staged_gamma=args.staged_gamma, staged_tree=args.staged_tree, peers=not args.no_peers, seed=args.seed,
-        device=args.device, dtype=args.dtype, **runtime_options(args),
-    )
     data = run_bench(config)
     paths = write_report(data, args.out)
     print(markdown(data))
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    if data["load"]["warning"]:
+        print(f"specdec bench: warning: {data['load']['warning']}", file=sys.stderr)
+
+
+def _numbers(text: str, option: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(g) for g in text.split(","))
+    except ValueError:
+        raise SpecDecError(f"{option} must be comma-separated integers, got {text!r}") from None
+
+
+def _trees(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        trees = tuple(tuple(int(n) for n in t.split("x")) for t in text.split(",") if t)
+    except ValueError:
+        trees = ((0,),)
+    if any(len(t) != 2 for t in trees):
+        raise SpecDecError(f"--trees must be NODESxDEPTH values separated by commas, got {text!r}")
+    return trees
 
 
 def run_train(args) -> None:

@@ -10,47 +10,12 @@ import torch
 
 from specdec import tree
 from specdec.drafters.base import Drafter, DraftRequest, DraftSlot, empty_draft
-from specdec.errors import SpecDecError
 from specdec.runtime import CausalLM, Sequence
+from specdec.policy import CostAwareDepth, CostAwarePolicy, FixedGamma
 from specdec.runtime.base import Feed
 from specdec.sampling import RandomStreams, probs_from_logits
 from specdec.types import Draft, GenerationStats, SamplingParams
 from specdec.verify import verify_tree, verify_tree_greedy
-
-
-class FixedGamma:
-    """Always draft `gamma` tokens."""
-
-    def __init__(self, gamma: int):
-        if gamma < 0:
-            raise SpecDecError("gamma must be >= 0")
-        self.gamma = gamma
-
-    def update(self, drafted: int, accepted: int) -> None:
-        pass
-
-    def __repr__(self) -> str:
-        return str(self.gamma)
-
-
-class AdaptiveGamma:
-    """Grow after a fully accepted draft, shrink after a rejection in its first half."""
-
-    def __init__(self, start: int = 4, low: int = 1, high: int = 16):
-        if not 1 <= low <= start <= high:
-            raise SpecDecError("adaptive gamma needs 1 <= low <= start <= high")
-        self.gamma, self.low, self.high = start, low, high
-
-    def update(self, drafted: int, accepted: int) -> None:
-        if drafted == 0:  # the drafter had nothing to say: no evidence about gamma
-            return
-        if accepted == drafted:
-            self.gamma = min(self.high, self.gamma + 1)
-        elif accepted < drafted / 2:
-            self.gamma = max(self.low, self.gamma - 1)
-
-    def __repr__(self) -> str:
-        return "auto"
 
 
 @dataclass
@@ -89,7 +54,7 @@ class DecodeState:
     prompt: list[int]
     sampling: SamplingParams
     max_new_tokens: int
-    gamma_policy: FixedGamma | AdaptiveGamma
+    gamma_policy: FixedGamma | CostAwareDepth | CostAwarePolicy  # how deep to draft, per step
     streams: RandomStreams
     stats: GenerationStats = field(default_factory=GenerationStats)
     stop_tokens: frozenset[int] = frozenset()
@@ -157,7 +122,7 @@ class Engine:
     def step(self, states: list[DecodeState], gamma_cap: int | None = None) -> list[StepResult]:
         """One iteration for every state (each open and unfinished). gamma_cap bounds every row's
         draft depth (a batch-wide policy's choice; 0 = plain decoding this step)."""
-        gammas = [self._gamma(state, gamma_cap) for state in states]
+        gammas = [self._gamma(state, gamma_cap, len(states)) for state in states]
         tick = time.perf_counter()
         drafts = self._drafts(states, gammas)
         tock = time.perf_counter()
@@ -170,19 +135,20 @@ class Engine:
             state.stats.verify_seconds += done - tock
         return results
 
-    def _gamma(self, state: DecodeState, cap: int | None) -> int:
+    def _gamma(self, state: DecodeState, cap: int | None, batch: int) -> int:
         """γ never asks for more than the room left (the verify adds one token itself), nor for
         positions that one forward with the root cannot score exactly."""
         if self.drafter is None:
             return 0
-        gamma = min(state.gamma_policy.gamma, state.room - state.generated - 1, self.target.verify_room(len(state.context) - 1))
+        gamma = min(state.gamma_policy.depth(batch), state.room - state.generated - 1, self.target.verify_room(len(state.context) - 1))
         return max(0, gamma if cap is None else min(gamma, cap))
 
     def _drafts(self, states: list[DecodeState], gammas: list[int]) -> list[Draft]:
         drafts = [empty_draft() for _ in states]
         asked = [i for i, gamma in enumerate(gammas) if gamma > 0]
         if asked:
-            requests = [DraftRequest(states[i].draft_slot, states[i].context, gammas[i], states[i].sampling, states[i].streams.draft) for i in asked]
+            requests = [DraftRequest(states[i].draft_slot, states[i].context, gammas[i], states[i].sampling, states[i].streams.draft, states[i].gamma_policy)
+                        for i in asked]
             for i, draft in zip(asked, self.drafter.propose(requests)):
                 state = states[i]
                 draft = draft.first(self.target.max_length - len(state.context))  # a tree's nodes take cache slots too
@@ -199,8 +165,9 @@ class Engine:
         stats = state.stats
         stats.target_forwards += 1
         stats.draft_forwards = state.draft_slot.forwards if state.draft_slot is not None else 0
-        stats.record(draft.depth, result.accepted, gamma, nodes=len(draft))
-        state.gamma_policy.update(draft.depth, result.accepted)
+        stats.record(draft.depth, result.accepted, gamma, nodes=len(draft),
+                     drafter=None if self.drafter is None else draft.label or (self.drafter.name if len(draft) else "none"))
+        state.gamma_policy.update(draft, result)
         # commit, cutting at a stop token or at the length limit
         step = _commit(result.tokens, state.room - state.generated, state.stop_tokens)
         state.context += step.tokens

@@ -46,7 +46,6 @@ import torch
 from tqdm import tqdm
 
 from specdec.api import SpeculativeDecoder
-from specdec.engine import AdaptiveGamma
 from specdec.errors import SpecDecError
 from specdec.types import SamplingParams
 
@@ -219,9 +218,12 @@ def check_lossless(
     return report
 
 
+TYPICAL_AUTO_DEPTH = 4
+
+
 def draft_depth(decoder: SpeculativeDecoder) -> int:
-    """How deep the decoder drafts: its γ (a tree's depth); for adaptive γ, its starting value."""
-    return decoder.gamma if isinstance(decoder.gamma, int) else AdaptiveGamma().gamma
+    """How deep the decoder drafts: its γ (a tree's depth); for "auto", a typical depth of the policy's."""
+    return decoder.gamma if isinstance(decoder.gamma, int) else TYPICAL_AUTO_DEPTH
 
 
 def check_settings(samples, length, alpha, seed) -> None:

@@ -40,12 +40,14 @@ class Draft:
     omitted, the draft is a chain. probs[i] is the exact distribution tokens[i] was drawn from, after the
     same sampling transform as the target's and given everything drawn before it (for a tree's
     later siblings: the draft's distribution with the earlier siblings removed); None means
-    point-mass (deterministic) drafts.
+    point-mass (deterministic) drafts. sources[i] (optional) names what proposed node i, for the
+    policy's acceptance statistics: (kind, index) pairs such as ("lookup", 2) or ("model", 7).
     """
 
     tokens: torch.Tensor  # [n] int64
     probs: torch.Tensor | None = None  # [n, vocab] float
     parents: torch.Tensor = None  # [n] int64; leave it out for a chain (filled in by __post_init__)
+    sources: list[list[tuple[str, int]]] | None = None
 
     def __post_init__(self):
         if self.parents is None:
@@ -58,6 +60,13 @@ class Draft:
     def depth(self) -> int:
         return int(tree.depths(self.parents).max()) if len(self) else 0
 
+    @property
+    def label(self) -> str | None:
+        """What proposed the nodes, e.g. "lookup+model" (None when the drafter does not say)."""
+        if self.sources is None:
+            return None
+        return "+".join(sorted({kind for node in self.sources for kind, _ in node})) or "none"
+
     def first(self, count: int) -> Draft:
         """The first `count` nodes. Still lossless: parents come before their children, so the cut
         is a tree, and each node keeps only siblings drawn before it, whose draws its stated
@@ -65,7 +74,8 @@ class Draft:
         if count >= len(self):
             return self
         probs = None if self.probs is None else self.probs[:count]
-        return Draft(self.tokens[:count], probs, self.parents[:count])
+        sources = None if self.sources is None else self.sources[:count]
+        return Draft(self.tokens[:count], probs, self.parents[:count], sources)
 
 
 @dataclass
@@ -97,14 +107,18 @@ class GenerationStats:
     accepted_by_position: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)  # accepted count per iteration
     gammas: list[int] = field(default_factory=list)  # draft length asked for per iteration
+    drafters: list[str] = field(default_factory=list)  # per iteration: what proposed the draft ("lookup+model", "none" ...)
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
 
-    def record(self, drafted: int, accepted: int, gamma: int, nodes: int | None = None) -> None:
-        """drafted: the draft's depth (its length for a chain); nodes: its size (default: drafted)."""
+    def record(self, drafted: int, accepted: int, gamma: int, nodes: int | None = None, drafter: str | None = None) -> None:
+        """drafted: the draft's depth (its length for a chain); nodes: its size (default: drafted);
+        drafter: what proposed it."""
         self.iterations += 1
+        if drafter is not None:
+            self.drafters.append(drafter)
         self.tree_nodes.append(drafted if nodes is None else nodes)
         self.drafted += drafted
         self.accepted += accepted
@@ -150,6 +164,7 @@ class GenerationStats:
             "acceptance_by_position": self.acceptance_by_position,
             "accepted_lengths": self.accepted_lengths,
             "gammas": self.gammas,
+            "drafters": self.drafters,
             "tokens_per_target_forward": self.tokens_per_target_forward,
             "tokens_per_second": self.tokens_per_second,
             "prefill_seconds": self.prefill_seconds,

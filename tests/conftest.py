@@ -4,11 +4,30 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
+import tempfile
+
 import pytest
 import torch
 
 import specdec
+from specdec import costs
 from tiny import save_tiny_model
+
+# measured cost profiles of the tests' models (CLI subprocesses measure for real) stay out of ~/.cache
+os.environ["SPECDEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdec-profiles-")
+
+# a machine where drafting pays (a verify of a few tokens costs about one of a single token), so
+# that the cost-aware policy drafts and every decoding path is exercised; tests of the measuring
+# itself use `measured_profile`
+CHEAP_VERIFY = costs.Profile(target={1: 1.0, 4: 1.05, 8: 1.15, 16: 1.5, 64: 4.0}, draft={1: 0.12, 4: 0.13, 16: 0.2, 64: 0.5},
+                             step_overhead=0.05, level_overhead=0.01)
+measured_profile = costs.profile
+
+
+@pytest.fixture(autouse=True)
+def cheap_verify_profile(monkeypatch):
+    monkeypatch.setattr(costs, "profile", lambda target, draft=None, refresh=False: CHEAP_VERIFY)
 
 ARCHS = ["llama", "qwen2", "gpt2", "neox", "mistral"]
 # weight noise that makes "<arch>-near" agree with its target's argmax often, but not always

@@ -12,7 +12,8 @@ import pytest
 import specdec
 from conftest import ARCHS
 from specdec.engine import Engine
-from specdec.scheduler import BatchDepth, expected_tokens, interpolate
+from specdec.costs import Profile, interpolate, measure_curve
+from specdec.policy import BatchDepth, expected_tokens
 from specdec.types import SamplingParams
 from test_statistical import LENGTH, PROMPT, SETTINGS, chi_square_pvalue, exact_joint
 
@@ -154,7 +155,7 @@ def test_batch_depth_drafts_only_where_it_pays():
     """Verification nearly free for few rows, linear beyond 8 tokens: deep drafts alone, none in a
     big batch; and low observed acceptance stops drafting even alone."""
     costs = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 2.2, 32: 4.4, 64: 8.8, 128: 17.6}
-    depth = BatchDepth(costs, None, max_gamma=6, prior=0.8)
+    depth = BatchDepth(Profile(costs), max_gamma=6, models_draft=False, prior=0.8)
     assert depth.depth(1) >= 3
     assert depth.depth(32) == 0
     for _ in range(200):
@@ -168,8 +169,6 @@ def test_batch_depth_drafts_only_where_it_pays():
 def test_batch_depth_counts_the_draft_model(load64, model_dirs):
     """A draft model as costly as the target never pays at this acceptance; measured costs are positive."""
     costs = {1: 1.0, 8: 1.0, 64: 8.0}
-    assert BatchDepth(costs, dict(costs), max_gamma=4, prior=0.5).depth(1) == 0
-    from specdec.scheduler import measure_costs
-
-    measured = measure_costs(load64(model_dirs["llama"]), sizes=(1, 4), repeats=1)
-    assert set(measured) == {1, 4} and all(t > 0 for t in measured.values())
+    assert BatchDepth(Profile(costs, dict(costs)), max_gamma=4, models_draft=True, prior=0.5).depth(1) == 0
+    measured, rounds = measure_curve(load64(model_dirs["llama"]), sizes=(1, 4), max_rounds=3)
+    assert set(measured) == {1, 4} and all(t > 0 for t in measured.values()) and rounds == 3

@@ -9,6 +9,7 @@ import pytest
 from specdec.analysis import expected_tokens, optimal_gamma, predicted_speedup, weight_bytes_per_token
 from specdec.bench import BenchConfig, run_bench
 from specdec.bench.report import markdown, write_report
+from specdec.bench.runner import LoadMonitor
 from specdec.cli import main
 from specdec.ngram import KatzTrigram
 
@@ -21,14 +22,14 @@ def bench_data(model_dirs, tmp_path_factory):
     ngram = root / "ngram.safetensors"
     KatzTrigram.build([[1, 2, 3, 1, 2, 3, 4, 5] * 5], vocab_size=16).save(ngram)
     config = BenchConfig(target=model_dirs["llama"], draft=model_dirs["llama-near"], ngram=str(ngram), prompts=str(prompts),
-                         max_new_tokens=10, gammas=(1, 3), trees=((4, 2),), staged_tree=3, cost_ks=(1, 2, 4, 8), progress=False)
+                         max_new_tokens=10, gammas=(1, 3), trees=((4, 2),), staged_tree=3, progress=False)
     return run_bench(config), root
 
 
 def test_every_strategy_and_peer_is_measured(bench_data):
     data, _ = bench_data
     names = [s["name"] for s in data["strategies"]]
-    assert names == ["plain", "chain γ=1", "chain γ=3", "chain γ=auto", "tree 4 γ=2",
+    assert names == ["plain", "default (auto)", "chain γ=1", "chain γ=3", "chain γ=auto", "tree 4 γ=2",
                      "staged γ=3 (n-gram)", "staged tree 3 γ=3 (n-gram)", "staged γ=3 (lookup)", "staged tree 3 γ=3 (lookup)",
                      "prompt lookup γ=8", "n-gram γ=4", "HF generate", "HF assisted", "HF prompt lookup"]
     for mode in ("greedy", "sampled"):
@@ -45,6 +46,32 @@ def test_every_strategy_and_peer_is_measured(bench_data):
         for name in ("tree 4 γ=2", "staged tree 3 γ=3 (lookup)"):
             assert rows[name]["tokens_per_target_forward"] > 1 and rows[name]["predicted_speedup"] > 0
         assert all(len(runs) == 3 for runs in data["runs"][mode].values())
+        for row in rows.values():  # the spread of the per-prompt ratios brackets their median
+            q1, q3 = row["speedup_iqr"]
+            assert q1 <= row["speedup"] <= q3
+        assert rows["default (auto)"]["tokens"] > 0
+
+
+def test_the_run_records_its_load_and_a_stable_cost_curve(bench_data):
+    data, _ = bench_data
+    load = data["load"]
+    assert load["median"] is not None and load["max"] >= load["median"] and load["own_threads"] >= 1
+    assert data["profile"]["rounds"] >= 3 and sorted(data["costs"]["target"])[0] == 1
+    assert "Load (1-minute average) during the run" in markdown(data)
+
+
+def test_foreign_load_is_warned_about():
+    quiet, busy = LoadMonitor(own_threads=1), LoadMonitor(own_threads=1)
+    quiet.samples, busy.samples = [0.9, 1.1, 1.0], [2.5, 3.0, 2.8]
+    assert quiet.summary()["warning"] is None
+    warning = busy.summary()["warning"]
+    assert "foreign load" in warning and "not trustworthy" in warning
+
+
+def test_the_quick_preset():
+    config = BenchConfig.quick(target="t", limit=None, max_new_tokens=None)
+    assert (config.limit, config.max_new_tokens, config.gammas, config.trees, config.staged) == (5, 64, (2,), (), False)
+    assert BenchConfig.quick(limit=2).limit == 2
 
 
 def test_greedy_texts_agree_across_strategies_and_peers(bench_data):
@@ -81,6 +108,10 @@ def test_cli_bench(model_dirs, tmp_path, capsys):
     assert main(["bench", "--target", model_dirs["llama"], "--trees", "4"]) == 1
     assert "NODESxDEPTH" in capsys.readouterr().err
     assert main(["bench", "--target", model_dirs["llama"], "--trees", "0x2"]) == 1
+    code = main(["bench", "--quick", "--target", model_dirs["llama"], "--draft", model_dirs["llama-near"], "--prompts", str(prompts),
+                 "--max-new-tokens", "8", "--mode", "sampled", "--no-peers", "--out", str(tmp_path / "q")])
+    out = capsys.readouterr().out
+    assert code == 0 and "| default (auto) |" in out and "| chain γ=2 |" in out and "| tree" not in out and "staged" not in out
 
 
 def test_leviathan_formulas():

@@ -7,7 +7,9 @@ import torch
 
 import specdec
 from conftest import ARCHS
-from specdec.engine import AdaptiveGamma, DecodeState, Engine, FixedGamma
+from conftest import CHEAP_VERIFY
+from specdec.engine import DecodeState, Engine
+from specdec.policy import CostAwareDepth, FixedGamma
 from specdec.sampling import RandomStreams
 from specdec.types import SamplingParams
 
@@ -38,7 +40,7 @@ def decode_checking_caches(model_dirs, arch: str, temperature: float, make_draft
     engine = Engine(target, make_drafter(draft))
     states = []
     for i, prompt in enumerate(PROMPTS):
-        policy = AdaptiveGamma(start=3) if temperature else FixedGamma(3)
+        policy = CostAwareDepth(CHEAP_VERIFY, 3, models_draft=True) if temperature else FixedGamma(3)
         states.append(DecodeState(prompt, SamplingParams(temperature=temperature), 48, policy, RandomStreams(i)))
         engine.open(states[-1])
     pending_counts = []

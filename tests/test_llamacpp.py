@@ -21,7 +21,8 @@ from specdec import ModelDrafter, NgramDrafter, PromptLookupDrafter, Speculative
 from specdec.api import DEMO_DIR
 from specdec.ngram import KatzTrigram
 from specdec.sampling import probs_from_logits
-from specdec.engine import FixedGamma, decode
+from specdec.engine import decode
+from specdec.policy import FixedGamma
 from specdec.sampling import RandomStreams
 from specdec.types import GenerationStats, SamplingParams
 from test_cache_invariant import record_sequences

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from specdec.drafters.prompt_lookup import lookup_continuation
-from specdec.engine import AdaptiveGamma
 from specdec.sampling import RandomStreams, probs_from_logits, sample
 from specdec.types import SamplingParams
 
@@ -59,21 +58,18 @@ def test_prompt_lookup_prefers_the_longest_latest_match():
     context = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
     # suffix [5, 2, 3] never occurred; [2, 3] last occurred at index 5, followed by 7, 8, 5
     assert lookup_continuation(context, 3) == [7, 8, 5]
-    assert lookup_continuation(context, 10) == [7, 8, 5, 2, 3]
+    # 10 asked: the latest gives 5, the one at index 1 gives 9
+    assert lookup_continuation(context, 10) == [9, 1, 2, 3, 7, 8, 5, 2, 3]
     assert lookup_continuation([4, 5, 6], 3) == []
     assert lookup_continuation([4], 3) == []
 
 
-def test_adaptive_gamma_grows_and_shrinks_within_bounds():
-    policy = AdaptiveGamma(start=4, low=2, high=6)
-    for _ in range(5):
-        policy.update(drafted=policy.gamma, accepted=policy.gamma)
-    assert policy.gamma == 6
-    for _ in range(10):
-        policy.update(drafted=policy.gamma, accepted=0)
-    assert policy.gamma == 2
-    policy.update(drafted=0, accepted=0)
-    assert policy.gamma == 2
+def test_prompt_lookup_takes_an_earlier_match_when_the_latest_is_cut_short():
+    context = [1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 1, 2]
+    assert lookup_continuation(context, 4) == [3, 4, 1, 2]  # the latest match gives all 4
+    assert lookup_continuation(context, 6) == [3, 4, 5, 9, 1, 2]  # it gives 4 of 6: the earlier one gives 6
+    assert lookup_continuation([7] * 8, 4) == [7] * 4  # the latest match of [7, 7, 7] is followed by one 7 only
+    assert lookup_continuation([7] * 4, 3) == [7]  # the longest any match gives
 
 
 # ---- extremes: temperatures and top-p values that under- or overflow act as their limits ----------

@@ -8,6 +8,7 @@ from pathlib import Path
 COLUMNS = [
     ("tokens/s", "tokens_per_second", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}×"),
+    ("spread (IQR)", "speedup_iqr", "{0[0]:.2f}–{0[1]:.2f}"),
     ("predicted", "predicted_speedup", "{:.2f}×"),
     ("predicted (i.i.d. α)", "predicted_speedup_iid_alpha", "{:.2f}×"),
     ("acceptance", "acceptance_rate", "{:.3f}"),  # trees: accepted depth / offered depth
@@ -23,6 +24,12 @@ def markdown(data: dict) -> str:
     lines = [f"Prompts: {data['prompts']} · new tokens per prompt: {data['config']['max_new_tokens']} · "
              f"machine: {data['machine']['cpu']}, {data['machine']['cores']} cores, {data['machine']['torch_threads']} torch threads, "
              f"torch {data['machine']['torch']}"]
+    load = data.get("load") or {}
+    if load.get("median") is not None:
+        lines.append(f"Load (1-minute average) during the run: median {load['median']:.2f}, max {load['max']:.2f}, "
+                     f"with {load['own_threads']} thread(s) of our own on {load['cores']} cores")
+    if load.get("warning"):
+        lines.append(f"**Warning:** {load['warning']}")
     models = data["models"]
     lines.append(f"Target: {models['target']['parameters'] / 1e6:.1f}M parameters ({models['target']['dtype']})"
                  + (f" · draft: {models['draft']['parameters'] / 1e6:.2f}M" if models["draft"] else ""))
@@ -46,6 +53,9 @@ def markdown(data: dict) -> str:
         f"{k}: {costs[k] / costs[min(costs)]:.2f}" for k in sorted(costs))]
     if "draft" in data["costs"]:
         lines.append(f"Draft forward cost / target forward cost (k = 1): {data['costs']['draft'][1] / costs[1]:.3f}")
+    if "profile" in data:
+        lines.append(f"Cost curve stable after {data['profile']['rounds']} interleaved rounds; engine time per iteration outside the "
+                     f"target's forward: {data['profile']['step_overhead'] * 1e3:.2f} ms ({data['profile']['step_overhead'] / costs[1]:.2f} × t_target(1))")
     return "\n".join(lines) + "\n"
 
 
@@ -78,10 +88,13 @@ def plots(data: dict, out: Path) -> list[Path]:
     for ax, mode in zip(axes[0], modes):
         rows = data["summary"][mode]
         names = list(rows)
-        ax.barh(names, [rows[n]["speedup"] or 0 for n in names], color=["tab:gray" if "HF" in n else "tab:blue" for n in names])
+        medians = [rows[n]["speedup"] or 0 for n in names]
+        spread = [[m - (rows[n].get("speedup_iqr") or [m, m])[0] for n, m in zip(names, medians)],
+                  [(rows[n].get("speedup_iqr") or [m, m])[1] - m for n, m in zip(names, medians)]]
+        ax.barh(names, medians, xerr=spread, capsize=2, color=["tab:gray" if "HF" in n or "llama" in n else "tab:blue" for n in names])
         ax.axvline(1, color="black", lw=0.8)
         ax.invert_yaxis()
-        ax.set_title(f"{mode}: speedup vs plain (median per prompt)", fontsize=10)
+        ax.set_title(f"{mode}: speedup vs plain (median per prompt, bars: interquartile range)", fontsize=10)
         ax.set_xlabel("× plain tokens/s")
     save(fig, "speedup.png")
 

@@ -7,6 +7,7 @@ plain decoding measured in the same run; greedy texts must agree across strategi
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -16,10 +17,11 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from specdec import costs
 from specdec.analysis import expected_tokens, weight_bytes_per_token
 from specdec.api import SpeculativeDecoder, load
 from specdec.bench.prompts import file_prompts, humaneval_prompts
-from specdec.drafters import ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
+from specdec.drafters import AutoDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
 from specdec.errors import SpecDecError
 from specdec.runtime import CausalLM, choose_backend
 from specdec.types import GenerationStats, SamplingParams
@@ -41,6 +43,7 @@ class BenchConfig:
     ngram_gamma: int = 4
     trees: tuple[tuple[int, int], ...] = ((3, 2), (4, 3), (8, 4))  # (nodes, depth) of the token-tree strategies
     tree_width: int = 2
+    staged: bool = True
     staged_gamma: int = 3  # depth of the staged strategies
     staged_tree: int = 4  # nodes of the staged-tree strategies
     inner_gamma: int = 4  # draft² tokens per draft-model forward when staged
@@ -53,8 +56,14 @@ class BenchConfig:
     gpu_layers: int | None = None
     context: int | None = None
     tokenizer: str | None = None
-    cost_ks: tuple[int, ...] = tuple(range(1, 17))
     progress: bool = True
+
+    @classmethod
+    def quick(cls, **overrides) -> BenchConfig:
+        """A smoke check that finishes in a few minutes on 2 cores: 5 prompts, 64 new tokens, the
+        default policy against plain decoding, one chain, prompt lookup and the peers."""
+        settings = dict(limit=5, max_new_tokens=64, gammas=(2,), trees=(), staged=False)
+        return cls(**{**settings, **{k: v for k, v in overrides.items() if v is not None}})
 
 
 @dataclass
@@ -69,7 +78,7 @@ class Run:
 @dataclass
 class Strategy:
     name: str
-    family: str  # "plain", "chain", "tree", "staged", "lookup", "ngram", "peer"
+    family: str  # "plain", "auto", "chain", "tree", "staged", "lookup", "ngram", "peer"
     gamma: int | str | None
     uses_draft_model: bool
     run: Callable[[list[int], SamplingParams, int], Run]
@@ -116,11 +125,12 @@ def build_strategies(config: BenchConfig):
     device = config.device  # transformers: the CPU unless asked (not CUDA just because it is there)
     if device is None and choose_backend(target_path, config.backend) == "transformers":
         device = "cpu"
-    base = load(target_path, draft=draft_path, device=device, dtype=config.dtype, backend=config.backend,
+    base = load(target_path, draft=draft_path, gamma=1, device=device, dtype=config.dtype, backend=config.backend,
                 threads=config.threads, gpu_layers=config.gpu_layers, context=config.context, tokenizer=config.tokenizer)
     target, model_drafter = base.target, base.drafter
     new = config.max_new_tokens
-    strategies = [specdec_strategy("plain", "plain", SpeculativeDecoder(target), new)]
+    strategies = [specdec_strategy("plain", "plain", SpeculativeDecoder(target), new),
+                  specdec_strategy("default (auto)", "auto", SpeculativeDecoder(target, AutoDrafter(model_drafter, PromptLookupDrafter())), new)]
     if model_drafter is not None:
         for gamma in config.gammas:
             strategies.append(specdec_strategy(f"chain γ={gamma}", "chain", SpeculativeDecoder(target, model_drafter, gamma), new))
@@ -130,7 +140,7 @@ def build_strategies(config: BenchConfig):
         from specdec.ngram import KatzTrigram
 
         ngram = KatzTrigram.load(ngram_path)
-    if model_drafter is not None:
+    if model_drafter is not None and (config.trees or config.staged):
         strategies += tree_strategies(config, target, model_drafter.model, ngram)
     strategies.append(specdec_strategy(f"prompt lookup γ={config.lookup_gamma}", "lookup",
                                        SpeculativeDecoder(target, PromptLookupDrafter(), config.lookup_gamma), new))
@@ -153,6 +163,8 @@ def tree_strategies(config: BenchConfig, target: CausalLM, draft: CausalLM, ngra
     for nodes, depth in trees:
         drafter = ModelDrafter(draft, tree=TreeShape(nodes, config.tree_width))
         out.append(specdec_strategy(f"tree {nodes} γ={depth}", "tree", SpeculativeDecoder(target, drafter, depth), new))
+    if not config.staged:
+        return out
     inners = {"lookup": PromptLookupDrafter}
     if ngram is not None:
         inners = {"n-gram": lambda: NgramDrafter(ngram), **inners}
@@ -166,28 +178,38 @@ def tree_strategies(config: BenchConfig, target: CausalLM, draft: CausalLM, ngra
     return out
 
 
-# ------------------------------------------------------------------------------------ costs
+# ------------------------------------------------------------------------------------ load
 
 
-def forward_costs(model: CausalLM, context: list[int], ks, repeats: int = 9, warmup: int = 3) -> dict[int, float]:
-    """Median seconds of one forward over k new tokens after `context`, for each k.
+class LoadMonitor:
+    """The machine's 1-minute load average, sampled through the run. Foreign load is what runs
+    beside the benchmark's own threads; on a shared machine it makes timings untrustworthy."""
 
-    The ks are measured round-robin after a warm-up, so drift and cache effects hit every k alike.
-    """
-    sequence = model.sequence()
-    sequence.forward(context, last=1)
-    new = (context * (max(ks) // max(len(context), 1) + 1))[: max(ks)]
-    times: dict[int, list[float]] = {k: [] for k in ks}
-    for round_ in range(warmup + repeats):
-        for k in ks:
-            started = time.perf_counter()
-            sequence.forward(new[:k])
-            elapsed = time.perf_counter() - started
-            sequence.truncate(len(context))
-            if round_ >= warmup:
-                times[k].append(elapsed)
-    sequence.release()
-    return {k: statistics.median(t) for k, t in times.items()}
+    def __init__(self, own_threads: int):
+        self.own_threads, self.samples = own_threads, []
+
+    def sample(self) -> None:
+        try:
+            self.samples.append(os.getloadavg()[0])
+        except OSError:
+            pass
+
+    def summary(self) -> dict:
+        cores = os.cpu_count() or 1
+        if not self.samples:
+            return {"median": None, "max": None, "own_threads": self.own_threads, "cores": cores, "warning": None}
+        median, highest = statistics.median(self.samples), max(self.samples)
+        foreign = median - self.own_threads
+        warning = None
+        if foreign > 0.5 or self.own_threads + foreign > cores:
+            warning = (f"foreign load: the 1-minute load averaged {median:.2f} (max {highest:.2f}) while this run used {self.own_threads} "
+                       f"thread(s) of {cores} cores; other work competed for the CPU, so speedups and tokens/s are not trustworthy "
+                       "(run again on a quiet machine, or with --threads 1)")
+        return {"median": median, "max": highest, "own_threads": self.own_threads, "cores": cores, "warning": warning}
+
+
+def own_threads(target: CausalLM) -> int:
+    return getattr(target, "threads", None) or torch.get_num_threads()
 
 
 # ------------------------------------------------------------------------------------ the run
@@ -206,11 +228,11 @@ def run_bench(config: BenchConfig) -> dict:
     too_long = [i for i, ids in enumerate(prompt_ids) if len(ids) + config.max_new_tokens > target.max_length]
     if too_long:
         raise SpecDecError(f"{len(too_long)} prompts (first #{too_long[0]}) plus {config.max_new_tokens} new tokens exceed the context of {target.max_length}")
-    median_len = int(statistics.median(len(ids) for ids in prompt_ids)) + config.max_new_tokens // 2
-    context = (prompt_ids[0] * median_len)[:median_len]
-    costs = {"target": forward_costs(target, context, config.cost_ks)}
-    if draft is not None:
-        costs["draft"] = forward_costs(draft, context, [1, 2])
+    monitor = LoadMonitor(own_threads(target))
+    monitor.sample()
+    # measured now, under this run's conditions, until stable; cached, so the default policy decides with it
+    profile = costs.profile(target, draft, refresh=True)
+    cost_curves = {"target": profile.target, **({"draft": profile.draft} if profile.draft else {})}
     runs: dict[str, dict[str, list[Run]]] = {}
     total = len(config.modes) * len(prompts) * len(strategies)
     bar = tqdm(total=total, desc="bench", unit="run", disable=not config.progress)
@@ -224,15 +246,18 @@ def run_bench(config: BenchConfig) -> dict:
                 bar.set_postfix_str(f"{mode} · {strategy.name}", refresh=False)
                 runs[mode][strategy.name].append(strategy.run(ids, sampling, config.seed + i))
                 bar.update(1)
+            monitor.sample()
     bar.close()
     return {
         "config": {k: v for k, v in asdict(config).items()},
         "machine": machine_description(),
         "models": {"target": model_facts(target), "draft": model_facts(draft) if draft else None},
         "prompts": len(prompts),
-        "costs": costs,
+        "costs": cost_curves,
+        "profile": {"step_overhead": profile.step_overhead, "level_overhead": profile.level_overhead, "rounds": profile.rounds},
+        "load": monitor.summary(),
         "strategies": [{"name": s.name, "family": s.family, "gamma": s.gamma, "uses_draft_model": s.uses_draft_model} for s in strategies],
-        "summary": {mode: summarize(runs[mode], strategies, target, draft, costs) for mode in config.modes},
+        "summary": {mode: summarize(runs[mode], strategies, target, draft, cost_curves) for mode in config.modes},
         "greedy_mismatches": greedy_mismatches(runs.get("greedy")),
         "runs": {mode: {name: [asdict(r) for r in rs] for name, rs in by_name.items()} for mode, by_name in runs.items()},
     }
@@ -279,7 +304,7 @@ def machine_description() -> dict:
 # ------------------------------------------------------------------------------------ summaries
 
 
-def summarize(runs: dict[str, list[Run]], strategies, target: CausalLM, draft: CausalLM | None, costs) -> dict:
+def summarize(runs: dict[str, list[Run]], strategies, target: CausalLM, draft: CausalLM | None, curves) -> dict:
     plain = runs["plain"]
     rows = {}
     for strategy in strategies:
@@ -299,21 +324,22 @@ def summarize(runs: dict[str, list[Run]], strategies, target: CausalLM, draft: C
             "tokens": tokens,
             "tokens_per_second": statistics.median(rates) if rates else None,
             "speedup": statistics.median(ratios) if ratios else None,
+            "speedup_iqr": quartiles(ratios),
             "acceptance_rate": alpha,
             "tokens_per_target_forward": tokens / target_fw if target_fw else None,
             "target_forwards_per_token": target_fw / tokens if tokens else None,
             "draft_forwards_per_token": draft_fw / tokens if tokens else None,
             "tree_nodes_per_iteration": nodes / iterations if iterations and strategy.family != "peer" else None,
             "weight_bytes_per_token": weight_bytes_per_token(target_fw, target.weight_bytes, draft_fw, draft_bytes, tokens),
-            "predicted_speedup": predicted(strategy, alpha, drafted, iterations, rs, costs, tokens),
-            "predicted_speedup_iid_alpha": predicted(strategy, alpha, drafted, iterations, rs, costs) if strategy.family == "chain" else None,
+            "predicted_speedup": predicted(strategy, alpha, drafted, iterations, rs, curves, tokens),
+            "predicted_speedup_iid_alpha": predicted(strategy, alpha, drafted, iterations, rs, curves) if strategy.family == "chain" else None,
             "acceptance_by_position": [a / d for a, d in zip(_sum_lists(s.accepted_by_position for s in stats), _sum_lists(s.drafted_by_position for s in stats))],
             "accepted_length_counts": _histogram(length for s in stats for length in s.accepted_lengths),
         }
     return rows
 
 
-def predicted(strategy, alpha, drafted, iterations, runs, costs, tokens: int | None = None) -> float | None:
+def predicted(strategy, alpha, drafted, iterations, runs, curves, tokens: int | None = None) -> float | None:
     """Leviathan's speedup: tokens per iteration × t_target(1) / (cost of drafting + verifying one iteration).
 
     Tokens per iteration come from the measured acceptance: counted directly (`tokens` given), or
@@ -323,16 +349,24 @@ def predicted(strategy, alpha, drafted, iterations, runs, costs, tokens: int | N
     """
     if strategy.family in ("plain", "peer") or not drafted or not iterations or alpha is None:
         return None
-    t_target = costs["target"]
+    t_target = curves["target"]
     gamma = drafted / iterations  # the mean draft depth actually offered
     nodes = sum(sum(r.stats.tree_nodes) for r in runs) / iterations  # = gamma for chains
     k = min(t_target, key=lambda measured: abs(measured - (nodes + 1)))  # nearest measured verify size
     if strategy.uses_draft_model:
-        draft_cost = sum(r.stats.draft_forwards for r in runs) / iterations * costs["draft"][1]
+        draft_cost = sum(r.stats.draft_forwards for r in runs) / iterations * curves["draft"][1]
     else:  # model-free drafters: their measured proposal time
         draft_cost = sum(r.stats.draft_seconds for r in runs) / iterations
     per_iteration = tokens / iterations if tokens is not None else expected_tokens(alpha, gamma)
     return per_iteration * t_target[1] / (draft_cost + t_target[k])
+
+
+def quartiles(values: list[float]) -> list[float] | None:
+    """[first quartile, third quartile]: the spread of per-prompt ratios around their median."""
+    if len(values) < 2:
+        return None
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return [q1, q3]
 
 
 def greedy_mismatches(runs: dict[str, list[Run]] | None) -> dict[str, list[dict]]:

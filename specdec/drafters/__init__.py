@@ -1,8 +1,10 @@
-"""Drafters behind one protocol: a draft model (chain, tree, staged), prompt lookup, the Katz trigram."""
+"""Drafters behind one protocol: a draft model (chain, tree, staged), prompt lookup, the Katz trigram,
+and the default that combines a draft model and prompt lookup under the cost-aware policy."""
 
+from specdec.drafters.auto import AutoDrafter
 from specdec.drafters.base import Drafter
 from specdec.drafters.model import ModelDrafter, TreeShape
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 
-__all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "PromptLookupDrafter", "TreeShape"]
+__all__ = ["AutoDrafter", "Drafter", "ModelDrafter", "NgramDrafter", "PromptLookupDrafter", "TreeShape"]

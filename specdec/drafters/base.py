@@ -19,13 +19,15 @@ class DraftSlot:
 
 @dataclass
 class DraftRequest:
-    """One row of a batched proposal: up to `max_tokens` deep after `context` (the whole committed text)."""
+    """One row of a batched proposal: up to `max_tokens` deep after `context` (the whole committed text).
+    policy: the row's draft policy, for drafters it shapes (`AutoDrafter`)."""
 
     slot: DraftSlot
     context: Sequence[int]
     max_tokens: int
     sampling: SamplingParams
     rng: torch.Generator
+    policy: object = None
 
 
 class Drafter(Protocol):

@@ -214,7 +214,7 @@ class ModelDrafter:
         Sampled trees keep every child drawn, so their budget is spent while growing: a level gets
         what is left after reserving one node for each deeper level."""
         frontier = [-1]  # the root: its distribution comes from feeding the pending committed tokens
-        rows = self._distributions((yield from self._feed_committed(slot))[-1:], sampling)
+        rows = self.distributions((yield from self.feed_committed(slot))[-1:], sampling)
         for level in range(1, depth + 1):
             allowed = shape.nodes - len(nodes.tokens) - (depth - level) if sampled else math.inf
             new = []
@@ -228,9 +228,9 @@ class ModelDrafter:
             if sampled:  # feed only the nodes the remaining budget can give children
                 frontier = frontier[: max(1, math.ceil((allowed - len(new) + 1) / shape.width))]
             parents = [slot.branch_index[nodes.parents[i]] if nodes.parents[i] >= 0 else -1 for i in frontier]
-            logits = yield from self._feed(slot, [nodes.tokens[i] for i in frontier], parents)
+            logits = yield from self.feed_nodes(slot, [nodes.tokens[i] for i in frontier], parents)
             slot.branch_index.update({node: len(slot.branch_tokens) - len(frontier) + j for j, node in enumerate(frontier)})
-            rows = self._distributions(logits, sampling)
+            rows = self.distributions(logits, sampling)
 
     def _grow_staged(self, slot: _Slot, nodes: _Nodes, context, depth: int, shape: TreeShape, sampled: bool, sampling, rng, inner_gamma: int):
         """The spine: the draft model's own continuation, decoded speculatively with the inner
@@ -243,11 +243,11 @@ class ModelDrafter:
                 raise ValueError(f"the inner drafter {self.inner.name} must propose a chain")
             guess_tokens = guess.tokens.tolist()
             if not spine:
-                logits = yield from self._feed_committed(slot, guess_tokens)
+                logits = yield from self.feed_committed(slot, guess_tokens)
             else:
                 parents = [len(slot.branch_tokens) - 1 + j for j in range(len(guess_tokens) + 1)]
-                logits = yield from self._feed(slot, [spine[-1]] + guess_tokens, parents)
-            q = self._distributions(logits, sampling)  # [len(guess) + 1, vocab]
+                logits = yield from self.feed_nodes(slot, [spine[-1]] + guess_tokens, parents)
+            q = self.distributions(logits, sampling)  # [len(guess) + 1, vocab]
             if not sampled:  # deterministic children: the spine is the draft's most likely continuation
                 result = verify_greedy(guess.tokens, logits)
             else:
@@ -268,11 +268,11 @@ class ModelDrafter:
             count = shape.width - 1 if not sampled else min(shape.width - 1, shape.nodes - len(nodes.tokens))
             nodes.add_children(i - 1, q, count, sampled, rng, exclude=[spine[i]])
 
-    def _distributions(self, logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    def distributions(self, logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
         """q after the sampling transform; in greedy mode the plain softmax, used only to rank nodes."""
         return torch.softmax(logits, dim=-1) if sampling.greedy else probs_from_logits(logits, sampling)
 
-    def _feed_committed(self, slot: _Slot, chain: list[int] = ()):
+    def feed_committed(self, slot: _Slot, chain: list[int] = ()):
         """Feed the pending committed tokens and a first draft chain below them in one causal forward.
 
         Returns the logits after the last committed token and after each chain token."""
@@ -284,7 +284,7 @@ class ModelDrafter:
         slot.branch_index = {}
         return logits
 
-    def _feed(self, slot: _Slot, tokens: list[int], parents: list[int]):
+    def feed_nodes(self, slot: _Slot, tokens: list[int], parents: list[int]):
         """Feed draft nodes (parents in branch indices) in one forward, as a tree."""
         root = slot.cached - 1  # the last committed token's entry; branch node j is entry root + 1 + j
         logits = yield Feed(slot.cache, tokens, tree.entries(torch.tensor(parents, dtype=torch.long), root).tolist())

@@ -12,18 +12,25 @@ from specdec.types import Draft, SamplingParams
 
 
 def lookup_continuation(context: Sequence[int], max_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
-    """Longest suffix n-gram (max_ngram down to min_ngram) matched at its latest earlier occurrence.
+    """Longest suffix n-gram (max_ngram down to min_ngram) found earlier in the context: what
+    followed its latest occurrence that is followed by max_tokens tokens, else by the most.
 
-    Returns up to max_tokens tokens that followed that occurrence; [] when nothing matches.
+    Returns up to max_tokens tokens; [] when nothing matches. (The latest occurrence alone would
+    cut a repeating pattern short: in "a b a b a b" it is followed by one token only.)
     """
     length = len(context)
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         suffix = list(context[length - n :])
+        best: list[int] = []
         for start in range(length - n - 1, -1, -1):  # latest match first; never the suffix itself
             if list(context[start : start + n]) == suffix:
                 follow = context[start + n : start + n + max_tokens]
-                if follow:
-                    return list(follow)
+                if len(follow) > len(best):
+                    best = list(follow)
+                if len(best) >= max_tokens:
+                    break
+        if best:
+            return best
     return []
 
 

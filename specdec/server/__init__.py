@@ -4,7 +4,7 @@ Continuous batching (`batch`): one thread runs every generation in one batch, on
 time (all rows in one target forward). Requests wait in a bounded first-in first-out queue (429
 with Retry-After when it is full) and join the batch between steps, up to `max_batch` at once; a
 finished generation leaves at once, and one whose client went away leaves at the next step, its
-slots freed. The draft depth of a step follows the batch size (`specdec.scheduler`).
+slots freed. The draft depth of a step follows the batch size (`specdec.policy`).
 The wire format (`openai`) refuses what it does not honour; every error a client can cause is an
 OpenAI-style JSON error with a 4xx status. `http` runs it under uvicorn with deadlines and a
 bounded shutdown.

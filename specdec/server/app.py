@@ -18,7 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.api import Generation, SpeculativeDecoder
 from specdec.errors import SpecDecError
-from specdec.scheduler import BatchDepth, batch_depth
+from specdec.drafters import ModelDrafter
+from specdec.policy import BatchDepth
 from specdec.server.batch import Batcher, Job, Metrics
 from specdec.server.openai import (ERROR_RESPONSES, BadRequest, ChatRequest, CompletionRequest, Reply, SamplingFields,
                                        chat_prompt, error_response)
@@ -28,15 +29,28 @@ LONG_PROMPT_CHARS = 20_000  # tokenized in a thread pool, not on the event loop
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
+def batch_depth(decoder: SpeculativeDecoder) -> BatchDepth | None:
+    """A batch-wide depth cap for a decoder with a fixed gamma (None when it does not draft, or
+    when its own cost-aware policy adapts each row to the batch)."""
+    drafter = decoder.drafter
+    if drafter is None or decoder.uses_profile:
+        return None
+    width = drafter.tree.width if isinstance(drafter, ModelDrafter) and drafter.tree else 1
+    return BatchDepth(decoder.profile(), decoder.gamma, models_draft=isinstance(drafter, ModelDrafter), width=width)
+
+
 def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16, max_batch: int = 16,
                max_body_bytes: int = MAX_BODY_BYTES, depth: BatchDepth | None | str = "measure", api_key: str | None = None,
                allowed_origins: list[str] = (), allowed_hosts: list[str] | None = None, body_timeout: float = 30.0) -> FastAPI:
-    """depth: how deep to draft per batch size; "measure" times the models now (`scheduler.batch_depth`),
-    None: always the decoder's gamma. api_key: /v1 routes need `Authorization: Bearer <key>`.
+    """depth, for a decoder with a fixed gamma: "measure" caps each step's draft depth by the batch
+    size from measured forward costs (`batch_depth`), None: always the decoder's gamma. (The
+    default, cost-aware policy sizes each row's draft for the batch itself.) api_key: /v1 routes need `Authorization: Bearer <key>`.
     allowed_origins: browser origins allowed by CORS. allowed_hosts: accepted Host header names
     (None: any). body_timeout: seconds a request body may take to arrive."""
     app = FastAPI(title="specdec", description="OpenAI-compatible lossless speculative decoding", version="1")
     metrics = Metrics()
+    if decoder.uses_profile:
+        decoder.profile()  # measured (or read from the cache) before the first request waits for it
     batcher = Batcher(decoder, max_batch, max_queue, metrics, batch_depth(decoder) if depth == "measure" else depth)
     app.state.batcher = batcher
     created = int(time.time())

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from specdec.api import Generation, SpeculativeDecoder
-from specdec.scheduler import BatchDepth
+from specdec.policy import BatchDepth
 from specdec.server.openai import BadRequest
 from specdec.types import GenerationStats
 

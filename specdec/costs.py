@@ -1,0 +1,238 @@
+"""What a forward costs on this machine: measured once per model, backend, threads and device, kept on disk.
+
+A cost profile holds
+- t_target(k) and t_draft(k): seconds of one forward over k new tokens after a short cached prefix,
+  with logits for every one of them (what a verify, a tree level or a batch of rows needs);
+- the engine's own time per iteration (sampling, verification, bookkeeping) and the draft model's
+  per draft level, outside the forwards: on a fast runtime these decide whether drafting pays at all.
+
+Timings are noisy on a shared machine, so sizes are timed round-robin (drift hits every size alike),
+each size keeps its low quartile over rounds, and rounds go on until two successive estimates of
+the whole curve agree within `STABLE` (at most `MAX_ROUNDS`). A curve is made non-decreasing: a
+forward of more tokens never costs less, whatever the noise said.
+
+Profiles are cached as JSON under $SPECDEC_CACHE_DIR (default ~/.cache/specdec/profiles), keyed by
+the model files (path, size, modification time), backend, threads, device, dtype and CPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.runtime import CausalLM
+
+PREFIX = 32  # tokens cached before a timed forward: a short context, as when decoding
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+DRAFT_SIZES = (1, 2, 4, 8, 16, 32, 64)
+STABLE = 0.05
+MIN_ROUNDS, MAX_ROUNDS = 3, 12
+FORMAT = 1  # bump when what is measured changes: old cache files are then ignored
+
+
+@dataclass
+class Profile:
+    target: dict[int, float]  # k -> seconds
+    draft: dict[int, float] | None = None
+    step_overhead: float = 0.0  # seconds an engine iteration spends outside the target's forward
+    level_overhead: float = 0.0  # seconds a draft level spends per row outside the draft model's forward
+    rounds: int = 0
+    load: float | None = None  # 1-minute load average when measured
+    measured: str = ""
+
+    def verify(self, k: float) -> float:
+        """t_target(k), interpolated."""
+        return interpolate(self.target, k)
+
+    def draft_level(self, rows: float) -> float:
+        """One draft level for `rows` rows of a batch: one forward, and each row's own work (0 without a draft model)."""
+        return interpolate(self.draft, rows) + rows * self.level_overhead if self.draft else 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Profile:
+        data = dict(data)
+        data["target"] = {int(k): v for k, v in data["target"].items()}
+        if data.get("draft"):
+            data["draft"] = {int(k): v for k, v in data["draft"].items()}
+        return cls(**data)
+
+
+def interpolate(costs: dict[int, float], k: float) -> float:
+    """t(k) by linear interpolation between measured sizes; beyond the largest, linear in k."""
+    sizes = sorted(costs)
+    if k <= sizes[0]:
+        return costs[sizes[0]]
+    if k >= sizes[-1]:
+        return costs[sizes[-1]] * k / sizes[-1]
+    i = bisect.bisect_left(sizes, k)
+    low, high = sizes[i - 1], sizes[i]
+    return costs[low] + (costs[high] - costs[low]) * (k - low) / (high - low)
+
+
+def measure_curve(model: CausalLM, sizes=SIZES, max_rounds: int = MAX_ROUNDS) -> tuple[dict[int, float], int]:
+    """Seconds of one forward of k new tokens after PREFIX cached ones, for each k that fits the
+    context (see the module docstring for the noise handling). Returns (curve, rounds taken)."""
+    sizes = tuple(k for k in sizes if PREFIX + k <= model.max_length) or (1,)
+    times: dict[int, list[float]] = {k: [] for k in sizes}
+    sequence = model.sequence()
+    previous, rounds = None, 0
+    try:
+        sequence.forward([i % model.vocab_size for i in range(PREFIX)], last=1)
+        sequence.forward([1])  # warm-up, not kept
+        sequence.truncate(PREFIX)
+        while rounds < max_rounds:
+            rounds += 1
+            for k in sizes:
+                started = time.perf_counter()
+                sequence.forward([(7 * i + 3) % model.vocab_size for i in range(k)])
+                times[k].append(time.perf_counter() - started)
+                sequence.truncate(PREFIX)
+            curve = _monotone({k: _low_quartile(t) for k, t in times.items()})
+            if rounds >= MIN_ROUNDS and previous is not None and _agree(previous, curve):
+                break
+            previous = curve
+    finally:
+        sequence.release()
+    return curve, rounds
+
+
+def measure(target: CausalLM, draft: CausalLM | None = None, max_rounds: int = MAX_ROUNDS) -> Profile:
+    """A fresh profile of a target and an optional draft model (see the module docstring)."""
+    target_curve, rounds = measure_curve(target, max_rounds=max_rounds)
+    profile = Profile(target_curve, rounds=rounds, load=_load(), measured=time.strftime("%Y-%m-%d %H:%M:%S"))
+    profile.step_overhead = max(0.0, _plain_step(target) - profile.verify(1))
+    if draft is not None:
+        profile.draft, draft_rounds = measure_curve(draft, DRAFT_SIZES, max_rounds)
+        profile.rounds = max(rounds, draft_rounds)
+        profile.level_overhead = max(0.0, _draft_level(draft) - profile.draft[1])
+    return profile
+
+
+def profile(target: CausalLM, draft: CausalLM | None = None, refresh: bool = False) -> Profile:
+    """The cached profile for these models on this machine, measured now if there is none (or `refresh`)."""
+    path = cache_dir() / f"{cache_key(target, draft)}.json"
+    if not refresh:
+        try:
+            return Profile.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none yet, or unreadable: measure
+    measured = measure(target, draft)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(measured.to_json(), indent=1))
+        temporary.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+    except OSError:
+        pass  # a read-only home: the profile is still used, just measured again next time
+    return measured
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec" / "profiles")
+
+
+def cache_key(target: CausalLM, draft: CausalLM | None) -> str:
+    facts = {"format": FORMAT, "cpu": _cpu(), "target": model_identity(target), "draft": model_identity(draft) if draft else None}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def model_identity(model: CausalLM) -> dict:
+    """What makes a model's costs what they are: its files, backend, threads, device and dtype."""
+    path = Path(model.path)
+    files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.suffix in (".json", ".safetensors", ".bin", ".gguf"))
+    stamps = [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files if p.exists()]
+    return {"path": str(path.resolve()), "files": stamps, "backend": model.backend, "dtype": model.dtype,
+            "device": str(getattr(model, "device", "cpu")), "threads": getattr(model, "threads", None) or torch.get_num_threads()}
+
+
+def _plain_step(target: CausalLM) -> float:
+    """Median seconds of one engine iteration of plain decoding (a forward of one token plus the
+    engine's sampling and bookkeeping), after a PREFIX-token prompt."""
+    from specdec.engine import DecodeState, Engine
+    from specdec.policy import FixedGamma
+    from specdec.sampling import RandomStreams
+    from specdec.types import SamplingParams
+
+    steps = min(24, target.max_length - PREFIX - 1)
+    if steps < 2:
+        return 0.0
+    state = DecodeState([i % target.vocab_size for i in range(PREFIX)], SamplingParams(temperature=1.0), steps, FixedGamma(0), RandomStreams(0))
+    engine, times = Engine(target, None), []
+    engine.open(state)
+    try:
+        while state.finish_reason is None:
+            started = time.perf_counter()
+            engine.step([state])
+            times.append(time.perf_counter() - started)
+    finally:
+        engine.close(state)
+    return statistics.median(times[1:])
+
+
+def _draft_level(draft: CausalLM) -> float:
+    """Median seconds per draft level of the draft model drafting a chain (its forward, sampling and bookkeeping)."""
+    from specdec.drafters.base import DraftRequest
+    from specdec.drafters.model import ModelDrafter
+    from specdec.types import SamplingParams
+
+    depth = min(8, draft.max_length - PREFIX - 2)
+    if depth < 1:
+        return 0.0
+    drafter, times = ModelDrafter(draft), []
+    prompt = [i % draft.vocab_size for i in range(PREFIX)]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        slot = drafter.open(prompt)
+        try:
+            started = time.perf_counter()
+            drafter.propose([DraftRequest(slot, prompt, depth, SamplingParams(temperature=1.0), generator)])
+            times.append((time.perf_counter() - started) / depth)
+        finally:
+            drafter.close(slot)
+    return statistics.median(times[1:])
+
+
+def _low_quartile(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 4]
+
+
+def _monotone(curve: dict[int, float]) -> dict[int, float]:
+    out, highest = {}, 0.0
+    for k in sorted(curve):
+        highest = max(highest, curve[k])
+        out[k] = highest
+    return out
+
+
+def _agree(a: dict[int, float], b: dict[int, float]) -> bool:
+    return all(abs(a[k] - b[k]) <= STABLE * b[k] for k in b)
+
+
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def _cpu() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

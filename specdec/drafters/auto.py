@@ -1,0 +1,175 @@
+"""The default drafter: prompt lookup and the draft model side by side in one token tree, shaped
+node by node by the cost-aware policy (`specdec.policy.CostAwarePolicy`).
+
+Each iteration, per row:
+1. prompt lookup's continuation (free to draft) enters as a chain while each next token's chance of
+   being accepted pays for the verify cost it adds (the policy's `Budget`);
+2. the draft model then grows level by level, each level one forward shared by the batch's rows,
+   while the value a level is expected to add pays for its forward: in greedy mode the most likely
+   children of the best nodes (a dynamic tree, as in EAGLE-2), when sampling a chain drawn from q.
+   A node's value is its parent's times the policy's acceptance estimate for its source.
+
+Both sources' nodes share one tree: in greedy mode a token both propose is one node; when sampling,
+a lookup token is a point mass, and the draft model's child beside it is drawn from q with the
+lookup token removed (renormalised) and carries that distribution: siblings drawn given the earlier
+ones, which is what `verify_tree` needs to stay lossless. Whether a model token is drawn at all is
+decided on its distribution before the draw, never on the token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from specdec.drafters.base import DraftRequest, DraftSlot
+from specdec.drafters.model import ModelDrafter, pick_children
+from specdec.drafters.prompt_lookup import PromptLookupDrafter, lookup_continuation
+from specdec.policy import Budget, CostAwarePolicy, confidence_bin
+from specdec.runtime.base import forward_together
+from specdec.types import Draft
+
+
+@dataclass
+class _Tree:
+    """A tree being grown: per node its token, parent, the distribution it was drawn from (None: a
+    point mass), its value (probability of acceptance, ancestors included) and its sources."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    drawn_from: list[torch.Tensor | None] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    sources: list[list[tuple[str, int]]] = field(default_factory=list)
+
+    def add(self, token: int, parent: int, drawn_from, value: float, source: tuple[str, int]) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.drawn_from.append(drawn_from)
+        self.values.append(value)
+        self.sources.append([source])
+        return len(self.tokens) - 1
+
+    def value(self, node: int) -> float:
+        return 1.0 if node < 0 else self.values[node]
+
+    def child(self, parent: int, token: int) -> int | None:
+        return next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents)) if p == parent and t == token), None)
+
+    def child_tokens(self, parent: int) -> list[int]:
+        return [t for t, p in zip(self.tokens, self.parents) if p == parent]
+
+    def draft(self) -> Draft:
+        """Point-mass nodes beside sampled ones get one-hot rows: a point mass is a distribution too."""
+        tokens = torch.tensor(self.tokens, dtype=torch.long)
+        sampled = [row for row in self.drawn_from if row is not None]
+        probs = None
+        if sampled:
+            onehot = torch.eye(sampled[0].numel(), dtype=sampled[0].dtype)
+            probs = torch.stack([row if row is not None else onehot[token] for row, token in zip(self.drawn_from, self.tokens)])
+        return Draft(tokens, probs, torch.tensor(self.parents, dtype=torch.long), self.sources)
+
+
+class AutoDrafter:
+    """Prompt lookup and/or a draft model (a chain-mode `ModelDrafter`, whose slots it uses), shaped
+    by the `CostAwarePolicy` each request carries. width: children per node and nodes per level of
+    greedy trees; max_lookup: the longest looked-up continuation considered."""
+
+    def __init__(self, model: ModelDrafter | None, lookup: PromptLookupDrafter | None = None, width: int = 3, max_lookup: int = 10):
+        if model is None and lookup is None:
+            raise ValueError("the auto drafter needs a draft model, prompt lookup or both")
+        if model is not None and (model.tree is not None or model.inner is not None):
+            raise ValueError("the auto drafter shapes its own trees: give it a plain ModelDrafter")
+        self.model, self.lookup, self.width, self.max_lookup = model, lookup, width, max_lookup
+        self.trees = True  # False: one chain per iteration, from one source (models that cannot score trees exactly)
+        self.name = "auto (" + " + ".join(n for n, part in (("draft model", model), ("prompt lookup", lookup)) if part) + ")"
+
+    def open(self, prompt: Sequence[int]) -> DraftSlot:
+        return self.model.open(prompt) if self.model else DraftSlot()
+
+    def accept(self, slot: DraftSlot, tokens: list[int]) -> None:
+        if self.model:
+            self.model.accept(slot, tokens)
+
+    def close(self, slot: DraftSlot) -> None:
+        if self.model:
+            self.model.close(slot)
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        return forward_together(self.model.model if self.model else None, [self._grow(request) for request in requests])
+
+    def _grow(self, request: DraftRequest):
+        """One row's draft, as a generator of its draft-model forwards (see `forward_together`)."""
+        policy = request.policy
+        if not isinstance(policy, CostAwarePolicy):
+            raise ValueError("the auto drafter is shaped by the cost-aware policy (gamma 'auto')")
+        budget, nodes = policy.budget(), _Tree()
+        if self.lookup is not None:
+            self._add_lookup(nodes, request, policy, budget)
+        if self.model is not None and (self.trees or not nodes.tokens):
+            yield from self._grow_model(nodes, request, policy, budget)
+        return nodes.draft()
+
+    def _add_lookup(self, nodes: _Tree, request: DraftRequest, policy: CostAwarePolicy, budget: Budget) -> None:
+        parent = -1
+        for position, token in enumerate(lookup_continuation(request.context, min(request.max_tokens, self.max_lookup))):
+            value = nodes.value(parent) * policy.accept_probability(("lookup", position))
+            if not budget.take_node(value):
+                return
+            parent = nodes.add(token, parent, None, value, ("lookup", position))
+
+    def _grow_model(self, nodes: _Tree, request: DraftRequest, policy: CostAwarePolicy, budget: Budget):
+        model, slot, sampling = self.model, request.slot, request.sampling
+        context = request.context
+        depth = min(request.max_tokens, model.model.verify_room(len(context) - 1))
+        room = model.model.max_length - len(context)  # draft cache entries free once the context is in
+        width = self.width if self.trees and sampling.greedy and (depth - 1) * self.width <= room else 1
+        frontier = [-1]
+        if depth <= 0 or not budget.take_level(policy.model_rate(), 1):
+            return
+        rows = model.distributions((yield from model.feed_committed(slot))[-1:], sampling)
+        for level in range(1, depth + 1):
+            grown = self._add_level(nodes, frontier, rows, width, request, policy, budget)
+            if level == depth or not grown:
+                return
+            frontier = sorted(grown, key=lambda node: -nodes.values[node])[:width]
+            if not budget.take_level(sum(nodes.values[node] for node in frontier) * policy.model_rate(), len(frontier)):
+                return
+            parents = [slot.branch_index[nodes.parents[node]] if nodes.parents[node] >= 0 else -1 for node in frontier]
+            logits = yield from model.feed_nodes(slot, [nodes.tokens[node] for node in frontier], parents)
+            slot.branch_index.update({node: len(slot.branch_tokens) - len(frontier) + j for j, node in enumerate(frontier)})
+            rows = model.distributions(logits, sampling)
+
+    def _add_level(self, nodes: _Tree, frontier: list[int], rows: torch.Tensor, width: int, request: DraftRequest,
+                   policy: CostAwarePolicy, budget: Budget) -> list[int]:
+        """The model's children of the frontier that pay, best first; returns the level's nodes
+        (lookup nodes the model also proposes included, at no cost)."""
+        greedy = request.sampling.greedy
+        candidates = []  # (value, parent, token or None for a draw, q, source)
+        for parent, q in zip(frontier, rows):
+            if greedy:
+                top = torch.topk(q, min(width, q.numel()))
+                for p, token in zip(top.values.tolist(), top.indices.tolist()):
+                    source = ("model", confidence_bin(p))
+                    candidates.append((nodes.value(parent) * policy.accept_probability(source), parent, token, q, source))
+            else:  # the decision is taken on q before anything is drawn from it
+                source = ("model", confidence_bin(float(q.max())))
+                candidates.append((nodes.value(parent) * policy.accept_probability(source), parent, None, q, source))
+        grown = []
+        for value, parent, token, q, source in sorted(candidates, key=lambda c: -c[0]):
+            existing = nodes.child(parent, token) if token is not None else None
+            if existing is not None:  # lookup proposed it too: one node, two sources
+                nodes.sources[existing].append(source)
+                grown.append(existing)
+                continue
+            if not budget.take_node(value):
+                break
+            if token is None:
+                drawn = list(pick_children(q, 1, True, request.rng, exclude=nodes.child_tokens(parent)))
+                if not drawn:
+                    continue
+                (token, drawn_from), = drawn
+            else:
+                drawn_from = None
+            grown.append(nodes.add(token, parent, drawn_from, value, source))
+        return grown

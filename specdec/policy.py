@@ -1,0 +1,229 @@
+"""How much to draft: fixed, or chosen every iteration from measured costs and what was accepted.
+
+- `FixedGamma`: always γ.
+- `CostAwareDepth`: for drafters that grow their own proposals (chains, trees, staged, n-gram):
+  each iteration's depth maximises expected tokens per second, Leviathan et al.'s walltime formula
+  with measured t_target(k) and t_draft(k) (`specdec.costs`) and the acceptance observed so far.
+- `CostAwarePolicy`: the default, for the `AutoDrafter`: node by node, a draft token joins the
+  tree when the probability that it is accepted pays for what it costs (see `Budget`).
+- `BatchDepth`: one depth cap for a whole batch of a fixed-γ server (rows cost more together).
+
+Losslessness (DESIGN pitfall 14): every choice here is a function of the measured costs, the batch
+size, outcomes of iterations already verified, and what the drafter itself computed before the
+choice (its distributions and the tokens drawn from them); never of target probabilities of tokens
+not yet verified. A draft token is kept or not *before* it is drawn (on its distribution, never on
+the token), so each drafted token is still distributed as its stated q given everything before it,
+and the verifiers' guarantee holds for any tree the policy shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.costs import Profile
+from specdec.errors import SpecDecError
+from specdec.tree import children
+from specdec.types import Draft, VerifyResult
+
+MAX_DEPTH = 12  # deepest draft the cost-aware policies consider
+PROBE_EVERY = 64  # steps without drafting before one drafts a token, to keep the acceptance estimate current
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Tokens per iteration with γ drafts each accepted with probability α (Leviathan et al.)."""
+    return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+class FixedGamma:
+    """Always draft `gamma` tokens."""
+
+    def __init__(self, gamma: int):
+        if gamma < 0:
+            raise SpecDecError("gamma must be >= 0")
+        self.gamma = gamma
+
+    def depth(self, batch: int) -> int:
+        return self.gamma
+
+    def update(self, draft: Draft, result: VerifyResult) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return str(self.gamma)
+
+
+class Acceptance:
+    """An acceptance rate that follows recent outcomes: older ones fade (memory), and a weak prior
+    counts as a few outcomes at first."""
+
+    def __init__(self, prior: float, weight: float, memory: float = 256):
+        self.offered, self.accepted, self.memory = weight, prior * weight, memory
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.offered
+
+    def observe(self, offered: int, accepted: int) -> None:
+        fade = max(0.0, 1 - offered / self.memory)
+        self.offered = self.offered * fade + offered
+        self.accepted = self.accepted * fade + accepted
+
+
+class BatchDepth:
+    """The draft depth for a batch of B rows: argmax over γ ≤ max_gamma of
+    B · E[tokens](α, γ) / (t_target(B(γ · width + 1)) + γ · t_draft_level(B) + overhead).
+
+    A tree counts as `width` nodes per level for the target and as a chain for E[tokens]: a
+    conservative estimate. When no drafting wins PROBE_EVERY steps in a row, one step drafts a
+    single token so that α keeps being measured (a fixed schedule: still lossless)."""
+
+    def __init__(self, profile: Profile, max_gamma: int, models_draft: bool, width: int = 1, prior: float = 0.6):
+        self.profile, self.max_gamma, self.models_draft, self.width = profile, max_gamma, models_draft, width
+        self.acceptance = Acceptance(prior, weight=16)
+        self.idle = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.acceptance.rate
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.acceptance.observe(drafted, accepted)
+
+    def rate(self, batch: int, gamma: int) -> float:
+        """Expected tokens per second for the batch at depth γ."""
+        seconds = self.profile.verify(batch * (gamma * self.width + 1)) + self.profile.step_overhead
+        if gamma and self.models_draft:
+            seconds += gamma * self.profile.draft_level(batch)
+        return batch * expected_tokens(self.alpha, gamma) / seconds
+
+    def depth(self, batch: int) -> int:
+        best = max(range(self.max_gamma + 1), key=lambda gamma: (self.rate(batch, gamma), -gamma))
+        self.idle = 0 if best else self.idle + 1
+        if self.idle >= PROBE_EVERY and self.max_gamma:
+            self.idle = 0
+            return 1
+        return best
+
+
+class CostAwareDepth(BatchDepth):
+    """`--gamma auto` for a drafter that grows its own proposals: one generation's BatchDepth."""
+
+    def update(self, draft: Draft, result: VerifyResult) -> None:
+        if len(draft):
+            self.observe(draft.depth, result.accepted)
+
+    def __repr__(self) -> str:
+        return "auto"
+
+
+# ---------------------------------------------------------------- the default: node by node
+
+
+BINS = 10  # confidence bins of the draft model's nodes
+
+
+@dataclass
+class Budget:
+    """One row's iteration while it is planned: `tokens` expected from it and `seconds` it costs
+    (its share of the batch step). A node of value v (the probability it is accepted, its
+    ancestors' included) at marginal cost c raises tokens/second iff v / c > tokens / seconds;
+    a draft level pays when the value it is expected to add does the same for its cost."""
+
+    profile: Profile
+    batch: int
+    verify_size: float  # tokens the batch's verify scores so far (every row counted alike)
+    tokens: float = 1.0  # the token every iteration emits
+    seconds: float = 0.0
+
+    def __post_init__(self):
+        self.seconds = (self.profile.verify(self.verify_size) + self.profile.step_overhead) / self.batch
+
+    @property
+    def node_cost(self) -> float:
+        """Seconds one more node costs this row (every row adding one: the batch's verify grows by B)."""
+        b = self.batch
+        return max(1e-9, (self.profile.verify(self.verify_size + b) - self.profile.verify(self.verify_size)) / b)
+
+    @property
+    def level_cost(self) -> float:
+        """This row's share of a draft level (one draft-model forward over the batch's rows)."""
+        return self.profile.draft_level(self.batch) / self.batch
+
+    def pays(self, value: float, cost: float) -> bool:
+        return value > 0 and value * self.seconds > self.tokens * cost
+
+    def take_node(self, value: float) -> bool:
+        """Add a node of this value if it pays."""
+        cost = self.node_cost
+        if not self.pays(value, cost):
+            return False
+        self.tokens += value
+        self.seconds += cost
+        self.verify_size += self.batch
+        return True
+
+    def take_level(self, expected_value: float, nodes: int) -> bool:
+        """Pay for a draft-model forward that is expected to add this much value in `nodes` nodes."""
+        cost = self.level_cost + nodes * self.node_cost
+        if not self.pays(expected_value, cost):
+            return False
+        self.seconds += self.level_cost
+        return True
+
+
+class CostAwarePolicy:
+    """The default policy: decides each iteration how deep and how wide to draft and from which
+    source (the `AutoDrafter` asks it node by node, through a `Budget`).
+
+    It keeps, for one generation, the probability that a node is accepted given its parent was:
+    for the draft model by confidence bin (its probability of the node's token in greedy mode or of
+    its most likely token when sampling, known before the draw), for prompt lookup by position in
+    the looked-up continuation. Priors: a calibrated draft model, lookup at one half."""
+
+    def __init__(self, profile: Profile, max_depth: int = MAX_DEPTH, models_draft: bool = True):
+        self.profile, self.max_depth, self.models_draft = profile, max_depth, models_draft
+        self.acceptance: dict[tuple, Acceptance] = {}
+        self.batch = 1
+        self.last_nodes = 0
+
+    def depth(self, batch: int) -> int:
+        self.batch = batch
+        return self.max_depth
+
+    def budget(self) -> Budget:
+        return Budget(self.profile, self.batch, self.batch * (1 + self.last_nodes / 2))
+
+    def accept_probability(self, source: tuple) -> float:
+        return self._acceptance(source).rate
+
+    def model_rate(self) -> float:
+        """Acceptance of the draft model's nodes over all confidences: the guess for a level not drafted yet."""
+        rates = [a for key, a in self.acceptance.items() if key[0] == "model"]
+        offered = sum(a.offered for a in rates)
+        return sum(a.accepted for a in rates) / offered if offered else 0.6
+
+    def update(self, draft: Draft, result: VerifyResult) -> None:
+        """Every node whose parent was reached was a trial of its sources: accepted iff on the path."""
+        self.last_nodes = len(draft)
+        if not len(draft) or draft.sources is None:
+            return
+        on_path = set(result.path)
+        for parent in [-1, *result.path]:
+            for node in children(draft.parents, parent):
+                for source in draft.sources[node]:
+                    self._acceptance(source).observe(1, node in on_path)
+
+    def _acceptance(self, source: tuple) -> Acceptance:
+        if source not in self.acceptance:
+            kind, index = source
+            prior = (index + 0.5) / BINS if kind == "model" else 0.5
+            self.acceptance[source] = Acceptance(prior, weight=2, memory=64)
+        return self.acceptance[source]
+
+    def __repr__(self) -> str:
+        return "auto"
+
+
+def confidence_bin(probability: float) -> int:
+    return min(BINS - 1, int(probability * BINS))
+

@@ -1,0 +1,224 @@
+"""The cost-aware policy and the auto drafter: exact losslessness with the policy in the loop,
+greedy equality, what the policy chooses and why, the cost profile and its cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import specdec
+import specdec.drafters.auto as auto_module
+from conftest import CHEAP_VERIFY, measured_profile, reference_greedy
+from specdec import costs, tree
+from specdec.drafters import AutoDrafter, ModelDrafter, PromptLookupDrafter
+from specdec.drafters.base import DraftRequest
+from specdec.policy import BatchDepth, Budget, CostAwareDepth, CostAwarePolicy, confidence_bin, expected_tokens
+from specdec.types import SamplingParams
+from specdec.verify import verify_tree
+from test_tree_exact import DRAFTER_PROMPT, TableLM
+from test_verify_exact import Conditional, completions, enumerator, target_joint  # noqa: F401 (enumerator: a fixture)
+
+# costs under which a node pays or not depending on its value: verify nearly flat, draft levels dear
+STEEP = costs.Profile(target={1: 1.0, 2: 1.04, 4: 1.12, 8: 1.3}, draft={1: 0.05, 8: 0.1}, step_overhead=0.1, level_overhead=0.01)
+
+DRAFT_SEED = 45
+
+
+def draft_table() -> Conditional:
+    """A draft whose confidence varies from history to history (squared Dirichlet rows)."""
+    return Conditional(3, seed=DRAFT_SEED, shape=lambda row, rng: row ** 2)
+
+
+def trained_policy(depth: int) -> CostAwarePolicy:
+    """A policy that has seen outcomes: confident draft nodes (max q >= 0.6) are usually accepted,
+    unsure ones almost never, lookup's first token half the time; so whether a model node is drawn
+    depends on q, which depends on what was drawn before it."""
+    policy = CostAwarePolicy(STEEP, max_depth=depth)
+    for index in range(10):
+        policy._acceptance(("model", index)).observe(40, 36 if index >= 6 else 0)
+    policy._acceptance(("lookup", 0)).observe(10, 5)
+    policy._acceptance(("lookup", 1)).observe(10, 2)
+    return policy
+
+
+def auto_iteration_deviation(enumerator, model: bool, lookup: bool, depth: int = 3) -> float:
+    """Largest deviation of one AutoDrafter + verify_tree iteration's joint from the target's,
+    every draw of the drafter and of the verifier enumerated, the policy deciding in the loop."""
+    target, draft = Conditional(3, seed=41), draft_table()
+
+    def iteration():
+        drafter = AutoDrafter(ModelDrafter(TableLM(draft, DRAFTER_PROMPT)) if model else None, PromptLookupDrafter() if lookup else None)
+        slot = drafter.open(DRAFTER_PROMPT)
+        request = DraftRequest(slot, list(DRAFTER_PROMPT), depth, SamplingParams(temperature=1.0), None, trained_policy(depth))
+        proposal, = drafter.propose([request])
+        paths = [tree.path_to(proposal.parents, node) for node in range(len(proposal))]
+        histories = [()] + [tuple(proposal.tokens[path].tolist()) for path in paths]
+        target_probs = torch.stack([target(h) for h in histories])
+        result = verify_tree(proposal.tokens, proposal.parents, proposal.probs, target_probs, None, None)
+        return tuple(result.tokens)
+
+    joint: dict[tuple, float] = {}
+    for output, weight in enumerator.run(iteration):
+        for seq, tail_weight in completions(target, output, depth + 1):
+            joint[seq] = joint.get(seq, 0.0) + weight * tail_weight
+    assert abs(sum(joint.values()) - 1) < 1e-9
+    return max(abs(joint.get(seq, 0.0) - p) for seq, p in target_joint(target, depth + 1).items())
+
+
+@pytest.mark.parametrize("model,lookup", [(True, True), (True, False), (False, True)], ids=["model+lookup", "model", "lookup"])
+def test_auto_drafter_iteration_keeps_target_distribution(enumerator, model, lookup):
+    """Depth, which source and whether a lookup token stands beside the model's all vary with what
+    was drawn; the output still has the target's joint distribution exactly."""
+    assert auto_iteration_deviation(enumerator, model, lookup) < 1e-9
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_the_policy_really_varies_the_draft(lookup):
+    """The enumeration above is not vacuous: over the draft's draws the trained policy builds
+    drafts of several shapes."""
+    draft = draft_table()
+    shapes = set()
+    for seed in range(40):
+        drafter = AutoDrafter(ModelDrafter(TableLM(draft, DRAFTER_PROMPT)), PromptLookupDrafter() if lookup else None)
+        slot = drafter.open(DRAFTER_PROMPT)
+        request = DraftRequest(slot, list(DRAFTER_PROMPT), 3, SamplingParams(temperature=1.0), torch.Generator().manual_seed(seed), trained_policy(3))
+        proposal, = drafter.propose([request])
+        shapes.add(tuple(proposal.parents.tolist()))
+    assert len(shapes) >= 2, shapes
+
+
+def test_enumeration_catches_a_policy_that_looks_at_the_drawn_token(enumerator, monkeypatch):
+    """The harness can fail: dropping a model token after drawing it, because the draft thought it
+    unlikely, biases the output (the decision must come before the draw)."""
+    pick = auto_module.pick_children
+
+    def peeking(q, count, sampled, rng, exclude=()):
+        for token, drawn_from in pick(q, count, sampled, rng, exclude):
+            if q[token] >= 0.3:
+                yield token, drawn_from
+
+    monkeypatch.setattr(auto_module, "pick_children", peeking)
+    assert auto_iteration_deviation(enumerator, model=True, lookup=False) > 1e-3
+
+
+def test_auto_greedy_equals_reference_with_trees_and_with_chains_only(load64, model_dirs):
+    target = load64(model_dirs["mistral"])
+    prompt = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
+    want = reference_greedy(target, prompt, 40)
+    drafter = AutoDrafter(ModelDrafter(load64(model_dirs["mistral-near"])), PromptLookupDrafter())
+    for trees in (True, False):
+        drafter.trees = trees
+        result = specdec.SpeculativeDecoder(target, drafter).generate(prompt, max_new_tokens=40, temperature=0)
+        assert result.tokens == want
+        assert result.stats.accepted > 0 and {"lookup", "model"} <= {s for label in result.stats.drafters for s in label.split("+")}
+        if not trees:
+            assert all(label in ("lookup", "model", "none") for label in result.stats.drafters)
+
+
+def test_the_default_is_the_policy(model_dirs):
+    decoder = specdec.load(model_dirs["llama"], draft=model_dirs["llama-draft"], device="cpu")
+    assert isinstance(decoder.drafter, AutoDrafter) and decoder.gamma == "auto"
+    assert isinstance(decoder.policy(), CostAwarePolicy)
+    lookup_only = specdec.load(model_dirs["llama"], device="cpu")
+    assert isinstance(lookup_only.drafter, AutoDrafter) and lookup_only.drafter.model is None
+    fixed = specdec.load(model_dirs["llama"], draft=model_dirs["llama-draft"], gamma=3, device="cpu")
+    assert isinstance(fixed.drafter, ModelDrafter) and fixed.policy().depth(1) == 3
+    chain_auto = specdec.SpeculativeDecoder(fixed.target, fixed.drafter, "auto")
+    assert isinstance(chain_auto.policy(), CostAwareDepth)
+
+
+def test_stats_say_what_the_policy_chose(model_dirs):
+    decoder = specdec.load(model_dirs["llama"], draft=model_dirs["llama-near"], device="cpu")
+    result = decoder.generate([1, 2, 3, 4, 1, 2, 3, 5, 1, 2], max_new_tokens=30, temperature=0)
+    stats = result.stats
+    assert len(stats.drafters) == stats.iterations == len(stats.tree_nodes) == len(stats.gammas)
+    assert stats.to_dict()["drafters"] == stats.drafters
+    assert any("model" in label for label in stats.drafters)
+
+
+# ---------------------------------------------------------------- the policy's arithmetic
+
+
+def test_a_node_joins_when_it_raises_tokens_per_second():
+    budget = Budget(STEEP, batch=1, verify_size=1)
+    assert budget.seconds == pytest.approx(1.1)
+    cost = budget.node_cost  # t(2) - t(1)
+    assert cost == pytest.approx(0.04)
+    assert not budget.take_node(0.03) and budget.tokens == 1.0  # 0.03 / 0.04 < 1 / 1.1
+    assert budget.take_node(0.9) and budget.tokens == pytest.approx(1.9) and budget.seconds == pytest.approx(1.14)
+    assert not budget.take_level(0.05, 1)  # a draft forward (0.22 s) for 0.05 expected tokens does not pay
+    assert budget.take_level(0.9, 1)
+
+
+def test_a_big_batch_makes_nodes_dear():
+    """In a batch of 64 rows a node costs each row a share of t(128) - t(64): far more than alone."""
+    flat_then_linear = costs.Profile(target={1: 1.0, 16: 1.1, 64: 4.0, 128: 8.0})
+    alone, crowded = Budget(flat_then_linear, 1, 1), Budget(flat_then_linear, 64, 64)
+    assert alone.take_node(0.3)
+    assert not crowded.take_node(0.3)
+
+
+def test_confidence_bins_and_priors():
+    assert [confidence_bin(p) for p in (0.0, 0.09, 0.5, 0.99, 1.0)] == [0, 0, 5, 9, 9]
+    policy = CostAwarePolicy(STEEP)
+    assert policy.accept_probability(("model", 9)) == pytest.approx(0.95)
+    assert policy.accept_probability(("lookup", 3)) == pytest.approx(0.5)
+
+
+def test_observing_counts_every_child_of_a_reached_node():
+    from specdec.types import Draft, VerifyResult
+
+    policy = CostAwarePolicy(STEEP)
+    # root -> 0 (lookup), 1 (model); 0 -> 2 (lookup); accepted path [0]: nodes 0, 1 and 2 were tried
+    draft = Draft(torch.tensor([5, 6, 7]), None, torch.tensor([-1, -1, 0]), [[("lookup", 0)], [("model", 9)], [("lookup", 1)]])
+    policy.update(draft, VerifyResult(1, [5, 8], path=[0]))
+    fade = 1 - 1 / 64  # each trial fades the earlier ones (the prior: 2 trials at its rate)
+    assert policy.acceptance[("lookup", 0)].accepted == pytest.approx(1 * fade + 1)  # a success
+    assert policy.acceptance[("model", 9)].accepted == pytest.approx(0.95 * 2 * fade)  # a failure
+    assert policy.acceptance[("lookup", 1)].offered == pytest.approx(2 * fade + 1)
+    assert policy.acceptance[("lookup", 1)].accepted == pytest.approx(1 * fade)
+
+
+def test_batch_depth_drops_drafting_when_verify_rows_are_not_free():
+    flat_then_linear = costs.Profile(target={1: 1.0, 8: 1.0, 16: 2.0, 1024: 128.0}, draft={1: 0.1, 64: 6.4})
+    depth = BatchDepth(flat_then_linear, max_gamma=8, models_draft=True)  # α: its prior, 0.6
+    assert depth.depth(1) >= 2  # alone, verifying up to 8 tokens costs what one does
+    assert depth.depth(32) == 0  # 32 rows: every draft token costs each row another 1/8 step
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+# ---------------------------------------------------------------- measuring and caching
+
+
+def test_profile_is_measured_once_and_cached(model_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    target = specdec.load_model(model_dirs["llama"], device="cpu")
+    draft = specdec.load_model(model_dirs["llama-draft"], device="cpu")
+    first = measured_profile(target, draft)
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["target"]
+    assert sorted(first.target) == sorted(k for k in costs.SIZES if costs.PREFIX + k <= target.max_length)
+    assert all(a <= b for a, b in zip(list(first.target.values()), list(first.target.values())[1:]))  # non-decreasing
+    assert first.draft and first.rounds >= costs.MIN_ROUNDS and first.step_overhead >= 0
+    calls = []
+    monkeypatch.setattr(costs, "measure", lambda *args, **kw: calls.append(1))
+    again = measured_profile(target, draft)
+    assert not calls and again.target == first.target  # from the cache
+    other = costs.cache_key(specdec.load_model(model_dirs["qwen2"], device="cpu"), None)
+    assert other != costs.cache_key(target, draft) != costs.cache_key(target, None)
+
+
+def test_a_damaged_cache_file_is_measured_again(model_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    target = specdec.load_model(model_dirs["llama-draft"], device="cpu")
+    (tmp_path / f"{costs.cache_key(target, None)}.json").write_text("{not json")
+    assert measured_profile(target).target[1] > 0
+
+
+def test_interpolation():
+    curve = {1: 1.0, 4: 2.0, 8: 4.0}
+    assert costs.interpolate(curve, 0) == 1.0 and costs.interpolate(curve, 2.5) == pytest.approx(1.5)
+    assert costs.interpolate(curve, 16) == pytest.approx(8.0)
+    assert CHEAP_VERIFY.draft_level(4) == pytest.approx(0.13 + 4 * 0.01)
