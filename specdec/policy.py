@@ -27,6 +27,7 @@ from specdec.types import Draft, VerifyResult
 
 MAX_DEPTH = 12  # deepest draft the cost-aware policies consider
 PROBE_EVERY = 64  # steps without drafting before one drafts a token, to keep the acceptance estimate current
+PROBE_MODEL_EVERY = 8  # iterations without a draft-model node before the auto drafter tries one anyway
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -178,20 +179,27 @@ class CostAwarePolicy:
     It keeps, for one generation, the probability that a node is accepted given its parent was:
     for the draft model by confidence bin (its probability of the node's token in greedy mode or of
     its most likely token when sampling, known before the draw), for prompt lookup by position in
-    the looked-up continuation. Priors: a calibrated draft model, lookup at one half."""
+    the looked-up continuation. Priors: a calibrated draft model, lookup at one half. A source that
+    stopped paying is tried again after PROBE_MODEL_EVERY iterations without it (a schedule fixed by
+    past iterations: still lossless), so a few early rejections do not silence it for good."""
 
-    def __init__(self, profile: Profile, max_depth: int = MAX_DEPTH, models_draft: bool = True):
-        self.profile, self.max_depth, self.models_draft = profile, max_depth, models_draft
+    def __init__(self, profile: Profile, max_depth: int = MAX_DEPTH):
+        self.profile, self.max_depth = profile, max_depth
         self.acceptance: dict[tuple, Acceptance] = {}
         self.batch = 1
-        self.last_nodes = 0
+        self.model_idle = 0  # iterations since a draft-model node was last verified
+
+    @property
+    def probe_model(self) -> bool:
+        """Whether this iteration drafts at least one model token whatever the estimates say."""
+        return self.model_idle >= PROBE_MODEL_EVERY
 
     def depth(self, batch: int) -> int:
         self.batch = batch
         return self.max_depth
 
     def budget(self) -> Budget:
-        return Budget(self.profile, self.batch, self.batch * (1 + self.last_nodes / 2))
+        return Budget(self.profile, self.batch, self.batch)
 
     def accept_probability(self, source: tuple) -> float:
         return self._acceptance(source).rate
@@ -204,7 +212,8 @@ class CostAwarePolicy:
 
     def update(self, draft: Draft, result: VerifyResult) -> None:
         """Every node whose parent was reached was a trial of its sources: accepted iff on the path."""
-        self.last_nodes = len(draft)
+        modelled = any(kind == "model" for node in draft.sources or () for kind, _ in node)
+        self.model_idle = 0 if modelled else self.model_idle + 1
         if not len(draft) or draft.sources is None:
             return
         on_path = set(result.path)
@@ -217,7 +226,7 @@ class CostAwarePolicy:
         if source not in self.acceptance:
             kind, index = source
             prior = (index + 0.5) / BINS if kind == "model" else 0.5
-            self.acceptance[source] = Acceptance(prior, weight=2, memory=64)
+            self.acceptance[source] = Acceptance(prior, weight=4 if kind == "model" else 2, memory=64)
         return self.acceptance[source]
 
     def __repr__(self) -> str:

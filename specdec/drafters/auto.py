@@ -65,8 +65,12 @@ class _Tree:
         sampled = [row for row in self.drawn_from if row is not None]
         probs = None
         if sampled:
-            onehot = torch.eye(sampled[0].numel(), dtype=sampled[0].dtype)
-            probs = torch.stack([row if row is not None else onehot[token] for row, token in zip(self.drawn_from, self.tokens)])
+            probs = torch.zeros(len(self.tokens), sampled[0].numel(), dtype=sampled[0].dtype)
+            for i, (row, token) in enumerate(zip(self.drawn_from, self.tokens)):
+                if row is None:
+                    probs[i, token] = 1.0
+                else:
+                    probs[i] = row
         return Draft(tokens, probs, torch.tensor(self.parents, dtype=torch.long), self.sources)
 
 
@@ -124,12 +128,12 @@ class AutoDrafter:
         depth = min(request.max_tokens, model.model.verify_room(len(context) - 1))
         room = model.model.max_length - len(context)  # draft cache entries free once the context is in
         width = self.width if self.trees and sampling.greedy and (depth - 1) * self.width <= room else 1
-        frontier = [-1]
-        if depth <= 0 or not budget.take_level(policy.model_rate(), 1):
+        frontier, probe = [-1], policy.probe_model
+        if depth <= 0 or not (budget.take_level(policy.model_rate(), 1) or probe):
             return
         rows = model.distributions((yield from model.feed_committed(slot))[-1:], sampling)
         for level in range(1, depth + 1):
-            grown = self._add_level(nodes, frontier, rows, width, request, policy, budget)
+            grown = self._add_level(nodes, frontier, rows, width, request, policy, budget, force=probe and level == 1)
             if level == depth or not grown:
                 return
             frontier = sorted(grown, key=lambda node: -nodes.values[node])[:width]
@@ -141,9 +145,10 @@ class AutoDrafter:
             rows = model.distributions(logits, sampling)
 
     def _add_level(self, nodes: _Tree, frontier: list[int], rows: torch.Tensor, width: int, request: DraftRequest,
-                   policy: CostAwarePolicy, budget: Budget) -> list[int]:
-        """The model's children of the frontier that pay, best first; returns the level's nodes
-        (lookup nodes the model also proposes included, at no cost)."""
+                   policy: CostAwarePolicy, budget: Budget, force: bool = False) -> list[int]:
+        """The model's children of the frontier that pay, best first (with `force`, the best one
+        whether it pays or not); returns the level's nodes (lookup nodes the model also proposes
+        included, at no cost)."""
         greedy = request.sampling.greedy
         candidates = []  # (value, parent, token or None for a draw, q, source)
         for parent, q in zip(frontier, rows):
@@ -162,7 +167,7 @@ class AutoDrafter:
                 nodes.sources[existing].append(source)
                 grown.append(existing)
                 continue
-            if not budget.take_node(value):
+            if not (budget.take_node(value) or (force and not grown)):
                 break
             if token is None:
                 drawn = list(pick_children(q, 1, True, request.rng, exclude=nodes.child_tokens(parent)))
