@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE))
 import llama_tools  # noqa: E402
 
 import specdec  # noqa: E402
-from specdec import ModelDrafter, NgramDrafter, PromptLookupDrafter, SpeculativeDecoder, TreeShape  # noqa: E402
+from specdec import AutoDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, SpeculativeDecoder, TreeShape  # noqa: E402
 from specdec.bench.prompts import humaneval_prompts  # noqa: E402
 from specdec.bench.runner import read_bandwidth  # noqa: E402
 from specdec.ngram import KatzTrigram  # noqa: E402
@@ -47,6 +47,7 @@ def specdec_contestants(target, draft) -> dict:
     ngram = KatzTrigram.load(DEMO / "ngram.safetensors")
     decoders = {
         "specdec plain": SpeculativeDecoder(target),
+        "specdec default (auto)": SpeculativeDecoder(target, AutoDrafter(ModelDrafter(draft), PromptLookupDrafter())),
         "specdec prompt lookup γ=4": SpeculativeDecoder(target, PromptLookupDrafter(), 4),
         "specdec prompt lookup γ=8": SpeculativeDecoder(target, PromptLookupDrafter(), 8),
         "specdec n-gram γ=2": SpeculativeDecoder(target, NgramDrafter(ngram), 2),

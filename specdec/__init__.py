@@ -1,7 +1,7 @@
 """specdec: lossless speculative decoding for local Hugging Face checkpoints.
 
     import specdec
-    decoder = specdec.load("path/to/target", draft="path/to/draft", gamma=4)
+    decoder = specdec.load("path/to/target", draft="path/to/draft")   # self-tuning by default; gamma=4 for a fixed chain
     result = decoder.generate("def fibonacci(n):", max_new_tokens=64, temperature=0)
     print(result.text, result.stats.acceptance_rate)
     for delta in decoder.stream("def fibonacci(n):"):
@@ -9,7 +9,7 @@
 """
 
 from specdec.api import GenerationResult, SpeculativeDecoder, Stream, load
-from specdec.drafters import Drafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
+from specdec.drafters import AutoDrafter, Drafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
 from specdec.errors import SpecDecError
 from specdec.runtime import CausalLM, load_model
 from specdec.types import GenerationStats, SamplingParams
@@ -19,5 +19,5 @@ __version__ = "0.1.0"
 __all__ = [
     "load", "load_model", "SpeculativeDecoder", "GenerationResult", "GenerationStats", "Stream",
     "SamplingParams", "SpecDecError", "CausalLM",
-    "Drafter", "ModelDrafter", "NgramDrafter", "PromptLookupDrafter", "TreeShape",
+    "AutoDrafter", "Drafter", "ModelDrafter", "NgramDrafter", "PromptLookupDrafter", "TreeShape",
 ]

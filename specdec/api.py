@@ -323,13 +323,14 @@ def load(
     context: int | None = None,
     tokenizer: str | None = None,
     slots: int = 1,
+    plain: bool = False,
 ) -> SpeculativeDecoder:
     """Load a target checkpoint and a drafter.
 
     The default (gamma "auto", no n-gram, tree or staging): the `AutoDrafter`, prompt lookup and
     the draft model (when there is one) in one tree shaped every iteration by the cost-aware policy.
     With a fixed gamma, one drafter: a draft model, an n-gram file or prompt lookup, or none (plain
-    decoding). `tree` (a node budget or a
+    decoding). `plain`: no drafter at all. `tree` (a node budget or a
     TreeShape) makes the draft model draft token trees `gamma` deep. `staged` makes the draft model
     draft with the n-gram model or prompt lookup as its own drafter (draft², Spector & Ré).
     With no target, the demo pair shipped with specdec is used (its GGUF files on llama.cpp unless
@@ -342,12 +343,14 @@ def load(
     check_gamma(gamma)
     if target is None:
         choose_backend("", backend)  # validates the name before the demo pair is looked for
+    options = dict(backend=backend, device=device, dtype=dtype, attn_implementation=attn_implementation,
+                   threads=threads, gpu_layers=gpu_layers, context=context, tokenizer=tokenizer, slots=slots)
+    if plain:
+        return SpeculativeDecoder(load_model(target or demo_models(backend)[0], **options), None, gamma)
     auto = gamma == "auto" and ngram is None and tree is None and not staged
     draft, ngram = _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged, backend, auto)
     if tree is not None and not isinstance(tree, TreeShape):
         tree = TreeShape(nodes=tree)  # validates the budget
-    options = dict(backend=backend, device=device, dtype=dtype, attn_implementation=attn_implementation,
-                   threads=threads, gpu_layers=gpu_layers, context=context, tokenizer=tokenizer, slots=slots)
     target_model = load_model(target or demo_models(backend)[0], **options)
     inner: Drafter | None = None
     if ngram is not None:

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from specdec import losslessness
+from specdec import costs, losslessness
 from specdec.errors import SpecDecError
 from specdec.runtime import BACKENDS
 
@@ -35,23 +35,31 @@ def _positive(value: str) -> int:
     return number
 
 
-def load_decoder(args, slots: int = 1):
-    """The decoder the decoding arguments describe; `slots` generations may run at once."""
+def load_decoder(args, slots: int = 1, measure: bool = True):
+    """The decoder the decoding arguments describe; `slots` generations may run at once. With
+    `measure`, forward costs the auto policy needs are timed now if they are not cached yet."""
     import specdec
 
     if args.tree is None and (args.depth is not None or args.tree_width != 3 or args.tree_children != "sampled"):
         raise SpecDecError("--depth, --tree-width and --tree-children shape a tree: add --tree NODES")
     if not args.staged and args.inner_gamma != 4:
         raise SpecDecError("--inner-gamma sets the draft² length of --staged drafting: add --staged")
+    if args.plain and (args.draft or args.ngram or args.prompt_lookup or args.tree or args.staged):
+        raise SpecDecError("--plain decodes without a drafter: drop the drafter flags")
     tree = None
     if args.tree is not None:
         tree = specdec.TreeShape(nodes=args.tree, width=args.tree_width, sampled=args.tree_children == "sampled")
-    return specdec.load(
+    decoder = specdec.load(
         args.target, draft=args.draft, ngram=args.ngram, prompt_lookup=args.prompt_lookup,
         gamma=args.depth if args.depth is not None else args.gamma, device=args.device, dtype=args.dtype,
         ngram_stochastic=not args.ngram_top1, tree=tree, staged=args.staged, inner_gamma=args.inner_gamma,
-        attn_implementation=args.attn_implementation, slots=slots, **runtime_options(args),
+        attn_implementation=args.attn_implementation, slots=slots, plain=args.plain, **runtime_options(args),
     )
+    if measure and decoder.uses_profile and not costs.cache_path(decoder.target, decoder.draft_model).is_file():
+        print("specdec: timing the models' forwards for the auto policy (once per model and machine; `specdec profile` shows them)",
+              file=sys.stderr)
+        decoder.profile()
+    return decoder
 
 
 def runtime_options(args) -> dict:
@@ -86,6 +94,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ngram", help="n-gram model file from `specdec ngram build` (a drafter, or with --staged the draft model's drafter)")
     parser.add_argument("--prompt-lookup", action="store_true", help="draft by matching the context's last tokens earlier in the context")
     parser.add_argument("--ngram-top1", action="store_true", help="with --ngram: propose the top token instead of sampling")
+    parser.add_argument("--plain", action="store_true", help="decode without any drafter (plain autoregressive decoding, the baseline)")
     parser.add_argument("--gamma", type=_gamma, default="auto",
                         help="draft tokens per iteration, or 'auto' (default): chosen every iteration from measured forward costs and "
                              "the acceptance so far; with no other drafter flags, prompt lookup and the draft model share one tree")
@@ -227,9 +236,7 @@ def run_generate(args) -> None:
 
 
 def run_profile(args) -> None:
-    from specdec import costs
-
-    decoder = load_decoder(args)
+    decoder = load_decoder(args, measure=False)
     profile = costs.profile(decoder.target, decoder.draft_model, refresh=args.refresh)
     if args.json:
         print(json.dumps(profile.to_json()))
@@ -394,13 +401,13 @@ def run_serve(args) -> None:
 
 def _check_sequence_ids(decoder, max_batch: int) -> None:
     """On llama.cpp every running generation takes a sequence id of each model, and every tree branch one more."""
-    from specdec.drafters import ModelDrafter
+    from specdec.drafters import AutoDrafter, ModelDrafter
     from specdec.runtime.llamacpp import MAX_SEQUENCE_IDS
 
     drafter = decoder.drafter
     tree = drafter.tree if isinstance(drafter, ModelDrafter) else None
-    models = [decoder.target] + ([drafter.model] if isinstance(drafter, ModelDrafter) else [])
-    per_generation = tree.nodes + 1 if tree is not None else 1
+    models = [decoder.target] + ([decoder.draft_model] if decoder.draft_model else [])
+    per_generation = tree.nodes + 1 if tree is not None else drafter.max_branches + 1 if isinstance(drafter, AutoDrafter) else 1
     if any(model.backend == "llamacpp" for model in models) and max_batch * per_generation > MAX_SEQUENCE_IDS:
         what = f"with {tree.nodes}-node trees " if tree is not None else ""
         raise SpecDecError(f"{max_batch} generations {what}need up to {max_batch * per_generation} llama.cpp sequence ids; it has "

@@ -120,9 +120,13 @@ def measure(target: CausalLM, draft: CausalLM | None = None, max_rounds: int = M
     return profile
 
 
+def cache_path(target: CausalLM, draft: CausalLM | None = None) -> Path:
+    return cache_dir() / f"{cache_key(target, draft)}.json"
+
+
 def profile(target: CausalLM, draft: CausalLM | None = None, refresh: bool = False) -> Profile:
     """The cached profile for these models on this machine, measured now if there is none (or `refresh`)."""
-    path = cache_dir() / f"{cache_key(target, draft)}.json"
+    path = cache_path(target, draft)
     if not refresh:
         try:
             return Profile.from_json(json.loads(path.read_text()))

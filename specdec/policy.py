@@ -28,6 +28,7 @@ from specdec.types import Draft, VerifyResult
 MAX_DEPTH = 12  # deepest draft the cost-aware policies consider
 PROBE_EVERY = 64  # steps without drafting before one drafts a token, to keep the acceptance estimate current
 PROBE_MODEL_EVERY = 8  # iterations without a draft-model node before the auto drafter tries one anyway
+PROBE_MODEL_MAX = 256  # ... doubling after each probe that is rejected, up to this
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -179,23 +180,23 @@ class CostAwarePolicy:
     It keeps, for one generation, the probability that a node is accepted given its parent was:
     for the draft model by confidence bin (its probability of the node's token in greedy mode or of
     its most likely token when sampling, known before the draw), for prompt lookup by position in
-    the looked-up continuation. Priors: a calibrated draft model, lookup at one half. A source that
-    stopped paying is tried again after PROBE_MODEL_EVERY iterations without it (a schedule fixed by
-    past iterations: still lossless), so a few early rejections do not silence it for good."""
+    the looked-up continuation. Priors: a calibrated draft model, lookup at one half. When the draft
+    model stopped paying it is tried again after PROBE_MODEL_EVERY iterations without it, the wait
+    doubling after each rejected probe (a schedule fixed by past iterations: still lossless), so a
+    few early rejections do not silence it for good, nor do probes cost much where it never pays."""
 
     def __init__(self, profile: Profile, max_depth: int = MAX_DEPTH):
         self.profile, self.max_depth = profile, max_depth
         self.acceptance: dict[tuple, Acceptance] = {}
         self.batch = 1
         self.model_idle = 0  # iterations since a draft-model node was last verified
-
-    @property
-    def probe_model(self) -> bool:
-        """Whether this iteration drafts at least one model token whatever the estimates say."""
-        return self.model_idle >= PROBE_MODEL_EVERY
+        self.probe_wait = PROBE_MODEL_EVERY
+        self.probe_model = False  # this iteration drafts at least one model token, whatever the estimates say
 
     def depth(self, batch: int) -> int:
+        """Called once per iteration, before drafting."""
         self.batch = batch
+        self.probe_model = self.model_idle >= self.probe_wait
         return self.max_depth
 
     def budget(self) -> Budget:
@@ -212,8 +213,11 @@ class CostAwarePolicy:
 
     def update(self, draft: Draft, result: VerifyResult) -> None:
         """Every node whose parent was reached was a trial of its sources: accepted iff on the path."""
-        modelled = any(kind == "model" for node in draft.sources or () for kind, _ in node)
+        modelled = [i for i, node in enumerate(draft.sources or ()) if any(kind == "model" for kind, _ in node)]
         self.model_idle = 0 if modelled else self.model_idle + 1
+        if self.probe_model and modelled:
+            accepted = set(result.path) & set(modelled)
+            self.probe_wait = PROBE_MODEL_EVERY if accepted else min(PROBE_MODEL_MAX, 2 * self.probe_wait)
         if not len(draft) or draft.sources is None:
             return
         on_path = set(result.path)

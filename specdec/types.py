@@ -108,6 +108,7 @@ class GenerationStats:
     accepted_lengths: list[int] = field(default_factory=list)  # accepted count per iteration
     gammas: list[int] = field(default_factory=list)  # draft length asked for per iteration
     drafters: list[str] = field(default_factory=list)  # per iteration: what proposed the draft ("lookup+model", "none" ...)
+    depths: list[int] = field(default_factory=list)  # per iteration: the draft's depth (its deepest path)
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -117,6 +118,7 @@ class GenerationStats:
         """drafted: the draft's depth (its length for a chain); nodes: its size (default: drafted);
         drafter: what proposed it."""
         self.iterations += 1
+        self.depths.append(drafted)
         if drafter is not None:
             self.drafters.append(drafter)
         self.tree_nodes.append(drafted if nodes is None else nodes)
@@ -165,6 +167,7 @@ class GenerationStats:
             "accepted_lengths": self.accepted_lengths,
             "gammas": self.gammas,
             "drafters": self.drafters,
+            "depths": self.depths,
             "tokens_per_target_forward": self.tokens_per_target_forward,
             "tokens_per_second": self.tokens_per_second,
             "prefill_seconds": self.prefill_seconds,

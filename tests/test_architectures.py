@@ -77,6 +77,7 @@ def drafters(directory: str, plain: list[int]) -> dict:
         "staged-tree": specdec.ModelDrafter(load(directory), tree=specdec.TreeShape(nodes=6, width=2),
                                             inner=specdec.PromptLookupDrafter(), inner_gamma=2),
         "prompt-lookup": specdec.PromptLookupDrafter(),
+        "auto": specdec.AutoDrafter(specdec.ModelDrafter(load(directory)), specdec.PromptLookupDrafter()),
         "ngram": specdec.NgramDrafter(ngram, stochastic=True),
     }
 

@@ -157,7 +157,7 @@ def plain_greedy(model_dirs) -> dict:
 
 
 def test_generate_streams_text_and_a_stats_line(model_dirs, capsys):
-    args = ["generate", "abc", "--target", model_dirs["llama"], "--temperature", "0", "--max-new-tokens", "8"]
+    args = ["generate", "abc", "--target", model_dirs["llama"], "--plain", "--temperature", "0", "--max-new-tokens", "8"]
     code, out, err = cli(capsys, *args)
     assert code == 0, err
     assert out.endswith("\n") and out.strip()
@@ -172,7 +172,7 @@ def test_generate_streams_text_and_a_stats_line(model_dirs, capsys):
 
 
 def test_json_plain_decoding(model_dirs, capsys, plain_greedy):
-    result = cli_json(capsys, "generate", PROMPT, "--target", model_dirs["llama"], "--temperature", "0",
+    result = cli_json(capsys, "generate", PROMPT, "--target", model_dirs["llama"], "--plain", "--temperature", "0",
                       "--max-new-tokens", "16", *EXACT)
     stats = check_stats(result, prompt_tokens=len(PROMPT))
     assert stats["generated_tokens"] == 16
@@ -262,8 +262,14 @@ def test_bad_gamma_is_an_argparse_error(model_dirs, capsys, gamma):
     ids=lambda d: "+".join(a for a in d if a.startswith("--")),
 )
 def test_two_drafters_without_staging_are_refused(model_dirs, capsys, drafters):
-    code, _, err = cli(capsys, "generate", "abc", "--target", model_dirs["llama"], *drafters)
+    """With a fixed gamma; under the default policy a draft model and prompt lookup share one tree."""
+    code, _, err = cli(capsys, "generate", "abc", "--target", model_dirs["llama"], "--gamma", "3", *drafters)
     assert code == 1 and "choose at most one" in error_line(err)
+
+
+def test_plain_refuses_drafter_flags(model_dirs, capsys):
+    code, _, err = cli(capsys, "generate", "abc", "--target", model_dirs["llama"], "--plain", "--prompt-lookup")
+    assert code == 1 and "--plain decodes without a drafter" in error_line(err)
 
 
 @pytest.mark.parametrize(

@@ -27,10 +27,10 @@ def test_demo_pair_files_and_sizes():
 
 
 def test_demo_pair_shapes(demo):
-    target_params, draft_params = demo.target.parameters, demo.drafter.model.parameters
+    target_params, draft_params = demo.target.parameters, demo.draft_model.parameters
     assert 20e6 <= target_params <= 40e6
     assert draft_params <= target_params / 8
-    assert demo.target.dtype == demo.drafter.model.dtype == "float32"  # fp16 on disk, fp32 on CPU
+    assert demo.target.dtype == demo.draft_model.dtype == "float32"  # fp16 on disk, fp32 on CPU
 
 
 def test_demo_generate_matches_plain_greedy(demo):
@@ -50,7 +50,7 @@ def test_the_default_demo_runs_on_llama_cpp_and_agrees_with_transformers(demo):
     """No model arguments: the demo pair's GGUF files (f16) on llama.cpp. Its greedy text equals the
     transformers demo's (float32 compute of the same f16 weights) on these prompts."""
     gguf = specdec.load(threads=1)
-    assert gguf.target.backend == gguf.drafter.model.backend == "llamacpp"
+    assert gguf.target.backend == gguf.draft_model.backend == "llamacpp"
     assert (gguf.target.dtype, gguf.target.vocab_size, gguf.target.max_length) == ("F16", demo.target.vocab_size, demo.target.max_length)
     for prompt in ("def fibonacci(n):", "import os\n\ndef list_files(path):"):
         ours = gguf.generate(prompt, max_new_tokens=48, temperature=0)

@@ -134,11 +134,13 @@ def test_draft_with_shorter_context_stops_drafting_but_not_generation(model_dirs
     config = json.loads((draft / "config.json").read_text())
     config["max_position_embeddings"] = 16
     (draft / "config.json").write_text(json.dumps(config))
-    decoder = specdec.load(model_dirs["llama"], draft=str(draft), device="cpu")
+    decoder = specdec.load(model_dirs["llama"], draft=str(draft), device="cpu", gamma=3)
     result = decoder.generate("a" * 20, max_new_tokens=10, temperature=0)
     plain = specdec.SpeculativeDecoder(decoder.target).generate("a" * 20, max_new_tokens=10, temperature=0)
     assert result.tokens == plain.tokens and len(result.tokens) == 10
     assert result.stats.drafted == 0
+    auto = specdec.load(model_dirs["llama"], draft=str(draft), device="cpu").generate("a" * 20, max_new_tokens=10, temperature=0)
+    assert auto.tokens == plain.tokens and auto.stats.draft_forwards == 0  # prompt lookup may still draft
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -320,7 +322,7 @@ def test_tokenizer_larger_than_the_model_is_refused(model_dirs, tmp_path):
 
 def test_padded_draft_with_the_same_tokenizer_works(model_dirs):
     plain = specdec.load(model_dirs["llama"], device="cpu")
-    padded = specdec.load(model_dirs["llama"], draft=model_dirs["llama-padded"], device="cpu")
+    padded = specdec.load(model_dirs["llama"], draft=model_dirs["llama-padded"], device="cpu", gamma=3)
     assert padded.drafter.model.model.get_output_embeddings().weight.shape[0] == 24
     expected = plain.generate("abcab", max_new_tokens=12, temperature=0)
     got = padded.generate("abcab", max_new_tokens=12, temperature=0)
@@ -351,7 +353,7 @@ def test_two_drafters_at_once(model_dirs, tmp_path, choice):
     paths = {"D": model_dirs["llama-draft"], "N": str(tmp_path / "missing.safetensors")}
     options = {k: paths.get(v, v) for k, v in choice.items()}
     with pytest.raises(SpecDecError, match=r"choose at most one"):
-        specdec.load(model_dirs["llama"], device="cpu", **options)
+        specdec.load(model_dirs["llama"], device="cpu", gamma=3, **options)
 
 
 @pytest.fixture(scope="module")

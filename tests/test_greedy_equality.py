@@ -29,6 +29,8 @@ def drafters(arch, load64, model_dirs, ngram):
         "prompt-lookup": specdec.PromptLookupDrafter(),
         "ngram": specdec.NgramDrafter(ngram, stochastic=True),
         "ngram-top1": specdec.NgramDrafter(ngram, stochastic=False),
+        "auto": specdec.AutoDrafter(specdec.ModelDrafter(load64(model_dirs[f"{arch}-near"])), specdec.PromptLookupDrafter()),
+        "auto-lookup-only": specdec.AutoDrafter(None, specdec.PromptLookupDrafter()),
     }
 
 

@@ -312,7 +312,7 @@ def test_cli_prints_pass(cli, model_dirs):
 
 
 def test_cli_json(cli, model_dirs):
-    code, out, err = cli("verify", "--target", model_dirs["llama"], "--prompt-lookup", "--prompt", "abcabcab", "--prompt", "hi ej",
+    code, out, err = cli("verify", "--target", model_dirs["llama"], "--prompt-lookup", "--gamma", 4, "--prompt", "abcabcab", "--prompt", "hi ej",
                          "--samples", 100, "--top-k", 6, "--alpha", 0.01, "--json", *EXACT)
     assert code == 0, err
     lines = out.strip().splitlines()
@@ -355,9 +355,9 @@ def test_cli_argument_errors(cli, model_dirs, capsys):
         build_parser().parse_args(["verify", "--gamma", "0"])
     assert info.value.code == 2
     capsys.readouterr()
-    code, _, err = cli("verify", "--target", model_dirs["llama"], "--draft", model_dirs["llama-draft"], "--prompt-lookup")
+    code, _, err = cli("verify", "--target", model_dirs["llama"], "--draft", model_dirs["llama-draft"], "--prompt-lookup", "--gamma", "3")
     assert code == 1 and "choose at most one drafter" in err
-    code, _, err = cli("verify", "--target", model_dirs["llama"], "--prompt", "hi", *EXACT)
+    code, _, err = cli("verify", "--target", model_dirs["llama"], "--plain", "--prompt", "hi", *EXACT)
     assert code == 1 and "nothing to verify" in err
 
 

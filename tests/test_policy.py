@@ -174,9 +174,9 @@ def test_observing_counts_every_child_of_a_reached_node():
     # root -> 0 (lookup), 1 (model); 0 -> 2 (lookup); accepted path [0]: nodes 0, 1 and 2 were tried
     draft = Draft(torch.tensor([5, 6, 7]), None, torch.tensor([-1, -1, 0]), [[("lookup", 0)], [("model", 9)], [("lookup", 1)]])
     policy.update(draft, VerifyResult(1, [5, 8], path=[0]))
-    fade = 1 - 1 / 64  # each trial fades the earlier ones (the prior: 2 trials at its rate)
+    fade = 1 - 1 / 64  # each trial fades the earlier ones (a lookup prior: 2 trials at its rate)
     assert policy.acceptance[("lookup", 0)].accepted == pytest.approx(1 * fade + 1)  # a success
-    assert policy.acceptance[("model", 9)].accepted == pytest.approx(0.95 * 2 * fade)  # a failure
+    assert policy.acceptance[("model", 9)].accepted == pytest.approx(0.95 * 4 * fade)  # a failure (model priors weigh 4 trials)
     assert policy.acceptance[("lookup", 1)].offered == pytest.approx(2 * fade + 1)
     assert policy.acceptance[("lookup", 1)].accepted == pytest.approx(1 * fade)
 
@@ -222,3 +222,62 @@ def test_interpolation():
     assert costs.interpolate(curve, 0) == 1.0 and costs.interpolate(curve, 2.5) == pytest.approx(1.5)
     assert costs.interpolate(curve, 16) == pytest.approx(8.0)
     assert CHEAP_VERIFY.draft_level(4) == pytest.approx(0.13 + 4 * 0.01)
+
+
+def test_branches_stay_within_the_sequence_id_budget():
+    """Cheap verification would branch the greedy tree widely; each extra branch costs a llama.cpp
+    sequence id, so the drafter stops at max_branches."""
+    counts = []
+    for max_branches in (0, 1, 6):
+        drafter = AutoDrafter(ModelDrafter(TableLM(draft_table(), DRAFTER_PROMPT)), PromptLookupDrafter(), max_branches=max_branches)
+        request = DraftRequest(drafter.open(DRAFTER_PROMPT), list(DRAFTER_PROMPT), 4, SamplingParams(temperature=0), None,
+                               CostAwarePolicy(CHEAP_VERIFY, max_depth=4))
+        proposal, = drafter.propose([request])
+        parents = proposal.parents.tolist()
+        counts.append(sum(1 for i, parent in enumerate(parents) if parent in parents[:i]))
+    assert counts[0] == 0 and counts[1] == 1 and counts[2] >= 2, counts
+
+
+def test_probes_of_a_silent_draft_model_back_off():
+    from specdec.types import Draft, VerifyResult
+
+    policy = CostAwarePolicy(STEEP)
+    nothing = Draft(torch.zeros(0, dtype=torch.long), sources=[])
+    rejected = Draft(torch.tensor([3]), sources=[[("model", 5)]])
+    waits = []
+    for _ in range(3):
+        for _ in range(policy.probe_wait):
+            policy.depth(1)
+            assert not policy.probe_model
+            policy.update(nothing, VerifyResult(0, [1]))
+        policy.depth(1)
+        assert policy.probe_model
+        policy.update(rejected, VerifyResult(0, [4], path=[]))
+        waits.append(policy.probe_wait)
+    assert waits == [16, 32, 64]
+    policy.depth(1), policy.update(rejected, VerifyResult(1, [3, 4], path=[0]))
+    assert policy.probe_wait == 64  # not a probe: the model drafted of its own accord
+
+
+def test_cli_profile_shows_the_curves(model_dirs, tmp_path, capsys):
+    from specdec.cli import main
+
+    argv = ["profile", "--target", model_dirs["llama"], "--draft", model_dirs["llama-draft"], "--device", "cpu"]
+    assert main([*argv, "--plot", str(tmp_path / "costs.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| k | target ms | × k=1 | draft ms |" in out and "| 16 | 1500.00 | 1.50 | 200.00 |" in out
+    assert "engine time per iteration outside the target's forward: 50.00 ms" in out
+    assert (tmp_path / "costs.png").stat().st_size > 0
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["target"]["1"] == 1.0
+    assert main([*argv, "--plot", str(tmp_path / "missing" / "costs.png")]) == 1
+    assert "could not write" in capsys.readouterr().err
+
+
+def test_stats_line_says_what_the_policy_chose(model_dirs, capsys):
+    from specdec.cli import main
+
+    code = main(["generate", "abcabcabc", "--target", model_dirs["llama"], "--draft", model_dirs["llama-near"], "--device", "cpu",
+                 "--temperature", "0", "--max-new-tokens", "20"])
+    err = capsys.readouterr().err
+    assert code == 0 and "drafter auto (draft model + prompt lookup), gamma auto" in err and "drafted by " in err

@@ -116,3 +116,17 @@ def test_bad_parents_and_overflows_are_refused(runtime):
         sequence.keep(1, [2])  # entry 2 follows entry 1, not entry 0
     sequence.keep(1, [1])
     assert sequence.cache_len == 2
+
+
+def test_the_small_batch_product_equals_f_linear_wherever_it_is_used():
+    from specdec.runtime import cpu_matmul
+
+    layer = torch.nn.Linear(24, 40)
+    cpu_matmul.use_small_batch_matmul(layer)
+    layer.transposed_rows = frozenset(cpu_matmul.BUCKETS)  # force the transposed form for every small batch
+    import types
+    layer.forward = types.MethodType(cpu_matmul._small_batch_linear, layer)
+    for rows in (1, 2, 3, 5, 8, 16, 17):
+        x = torch.randn(1, rows, 24)
+        assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5)
+    assert cpu_matmul.transposed_wins(40, 24, torch.float32, 1) <= set(cpu_matmul.BUCKETS)

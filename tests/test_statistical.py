@@ -85,17 +85,19 @@ def drafters(model_dirs):
     rng = torch.Generator().manual_seed(5)
     corpus = [torch.randint(0, 16, (200,), generator=rng).tolist() for _ in range(5)]
     ngram = KatzTrigram.build([PROMPT * 3] + corpus, vocab_size=16)
+    draft_model = specdec.ModelDrafter(specdec.load_model(model_dirs["qwen2-draft"], device="cpu", dtype="float64"))
     return {
-        "draft-model": specdec.ModelDrafter(specdec.load_model(model_dirs["qwen2-draft"], device="cpu", dtype="float64")),
+        "draft-model": draft_model,
         "ngram": specdec.NgramDrafter(ngram, stochastic=True),
         "prompt-lookup": specdec.PromptLookupDrafter(),
+        "auto": specdec.AutoDrafter(draft_model, specdec.PromptLookupDrafter()),  # the default, its policy deciding
     }
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("drafter_name", ["draft-model", "ngram", "prompt-lookup"])
+@pytest.mark.parametrize("drafter_name", ["draft-model", "ngram", "prompt-lookup", "auto"])
 def test_first_tokens_follow_target_joint(target, drafters, drafter_name, setting):
-    decoder = specdec.SpeculativeDecoder(target, drafters[drafter_name], gamma=2)
+    decoder = specdec.SpeculativeDecoder(target, drafters[drafter_name], gamma="auto" if drafter_name == "auto" else 2)
     assert_follows_target(decoder, SETTINGS[setting], seed_key=f"{drafter_name}/{setting}")
 
 

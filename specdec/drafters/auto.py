@@ -41,8 +41,10 @@ class _Tree:
     drawn_from: list[torch.Tensor | None] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
     sources: list[list[tuple[str, int]]] = field(default_factory=list)
+    branches: int = 0  # nodes that are not their parent's first child: each needs a branch (a llama.cpp sequence id)
 
     def add(self, token: int, parent: int, drawn_from, value: float, source: tuple[str, int]) -> int:
+        self.branches += parent in self.parents
         self.tokens.append(token)
         self.parents.append(parent)
         self.drawn_from.append(drawn_from)
@@ -77,14 +79,16 @@ class _Tree:
 class AutoDrafter:
     """Prompt lookup and/or a draft model (a chain-mode `ModelDrafter`, whose slots it uses), shaped
     by the `CostAwarePolicy` each request carries. width: children per node and nodes per level of
-    greedy trees; max_lookup: the longest looked-up continuation considered."""
+    greedy trees; max_lookup: the longest looked-up continuation considered; max_branches: nodes
+    beside an earlier sibling per tree (each costs a sequence id on llama.cpp, for both models)."""
 
-    def __init__(self, model: ModelDrafter | None, lookup: PromptLookupDrafter | None = None, width: int = 3, max_lookup: int = 10):
+    def __init__(self, model: ModelDrafter | None, lookup: PromptLookupDrafter | None = None, width: int = 3,
+                 max_lookup: int = 10, max_branches: int = 3):
         if model is None and lookup is None:
             raise ValueError("the auto drafter needs a draft model, prompt lookup or both")
         if model is not None and (model.tree is not None or model.inner is not None):
             raise ValueError("the auto drafter shapes its own trees: give it a plain ModelDrafter")
-        self.model, self.lookup, self.width, self.max_lookup = model, lookup, width, max_lookup
+        self.model, self.lookup, self.width, self.max_lookup, self.max_branches = model, lookup, width, max_lookup, max_branches
         self.trees = True  # False: one chain per iteration, from one source (models that cannot score trees exactly)
         self.name = "auto (" + " + ".join(n for n, part in (("draft model", model), ("prompt lookup", lookup)) if part) + ")"
 
@@ -167,6 +171,8 @@ class AutoDrafter:
                 nodes.sources[existing].append(source)
                 grown.append(existing)
                 continue
+            if parent in nodes.parents and nodes.branches >= self.max_branches:
+                continue  # no sequence id left for another branch
             if not (budget.take_node(value) or (force and not grown)):
                 break
             if token is None:
