@@ -10,8 +10,8 @@ import torch
 
 from specdec import tree
 from specdec.drafters.base import Drafter, DraftRequest, DraftSlot, empty_draft
-from specdec.runtime import CausalLM, Sequence
 from specdec.policy import CostAwareDepth, CostAwarePolicy, FixedGamma
+from specdec.runtime import CausalLM, Sequence
 from specdec.runtime.base import Feed
 from specdec.sampling import RandomStreams, probs_from_logits
 from specdec.types import Draft, GenerationStats, SamplingParams

@@ -55,15 +55,14 @@ class FixedGamma:
 
 
 class Acceptance:
-    """An acceptance rate that follows recent outcomes: older ones fade (memory), and a weak prior
-    counts as a few outcomes at first."""
+    """Accepted and offered counts that follow recent outcomes (older ones fade with `memory`);
+    `rate` shrinks them toward a prior worth `weight` outcomes."""
 
-    def __init__(self, prior: float, weight: float, memory: float = 256):
-        self.offered, self.accepted, self.memory = weight, prior * weight, memory
+    def __init__(self, memory: float = 256):
+        self.offered, self.accepted, self.memory = 0.0, 0.0, memory
 
-    @property
-    def rate(self) -> float:
-        return self.accepted / self.offered
+    def rate(self, prior: float, weight: float) -> float:
+        return (self.accepted + prior * weight) / (self.offered + weight)
 
     def observe(self, offered: int, accepted: int) -> None:
         fade = max(0.0, 1 - offered / self.memory)
@@ -80,13 +79,13 @@ class BatchDepth:
     single token so that α keeps being measured (a fixed schedule: still lossless)."""
 
     def __init__(self, profile: Profile, max_gamma: int, models_draft: bool, width: int = 1, prior: float = 0.6):
-        self.profile, self.max_gamma, self.models_draft, self.width = profile, max_gamma, models_draft, width
-        self.acceptance = Acceptance(prior, weight=16)
+        self.profile, self.max_gamma, self.models_draft, self.width, self.prior = profile, max_gamma, models_draft, width, prior
+        self.acceptance = Acceptance()
         self.idle = 0
 
     @property
     def alpha(self) -> float:
-        return self.acceptance.rate
+        return self.acceptance.rate(self.prior, weight=16)
 
     def observe(self, drafted: int, accepted: int) -> None:
         self.acceptance.observe(drafted, accepted)
@@ -164,6 +163,21 @@ class Budget:
         self.verify_size += self.batch
         return True
 
+    def take_chain(self, values: list[float]) -> int:
+        """How many of a chain's next nodes (values in order) to add: the prefix that maximises
+        tokens per second, looking past a step in the cost curve that one node alone would not pay
+        for. Adds them and returns the count."""
+        def rate(count: int) -> float:
+            cost = (self.profile.verify(self.verify_size + self.batch * count) - self.profile.verify(self.verify_size)) / self.batch
+            return (self.tokens + sum(values[:count])) / (self.seconds + cost)
+
+        best = max(range(len(values) + 1), key=lambda count: (rate(count), -count))
+        cost = (self.profile.verify(self.verify_size + self.batch * best) - self.profile.verify(self.verify_size)) / self.batch
+        self.tokens += sum(values[:best])
+        self.seconds += cost
+        self.verify_size += self.batch * best
+        return best
+
     def take_level(self, expected_value: float, nodes: int) -> bool:
         """Pay for a draft-model forward that is expected to add this much value in `nodes` nodes."""
         cost = self.level_cost + nodes * self.node_cost
@@ -180,7 +194,8 @@ class CostAwarePolicy:
     It keeps, for one generation, the probability that a node is accepted given its parent was:
     for the draft model by confidence bin (its probability of the node's token in greedy mode or of
     its most likely token when sampling, known before the draw), for prompt lookup by position in
-    the looked-up continuation. Priors: a calibrated draft model, lookup at one half. When the draft
+    the looked-up continuation. Priors: a calibrated draft model; lookup at one half for its first
+    token, then each position like the one before it. When the draft
     model stopped paying it is tried again after PROBE_MODEL_EVERY iterations without it, the wait
     doubling after each rejected probe (a schedule fixed by past iterations: still lossless), so a
     few early rejections do not silence it for good, nor do probes cost much where it never pays."""
@@ -203,13 +218,17 @@ class CostAwarePolicy:
         return Budget(self.profile, self.batch, self.batch)
 
     def accept_probability(self, source: tuple) -> float:
-        return self._acceptance(source).rate
+        kind, index = source
+        observed = self._acceptance(source)
+        if kind == "model":
+            return observed.rate((index + 0.5) / BINS, weight=4)
+        # a lookup position seldom tried is guessed to be like the one before it, as that one is now
+        return observed.rate(self.accept_probability((kind, index - 1)) if index > 0 else 0.5, weight=2)
 
     def model_rate(self) -> float:
         """Acceptance of the draft model's nodes over all confidences: the guess for a level not drafted yet."""
         rates = [a for key, a in self.acceptance.items() if key[0] == "model"]
-        offered = sum(a.offered for a in rates)
-        return sum(a.accepted for a in rates) / offered if offered else 0.6
+        return (sum(a.accepted for a in rates) + 0.6 * 4) / (sum(a.offered for a in rates) + 4)
 
     def update(self, draft: Draft, result: VerifyResult) -> None:
         """Every node whose parent was reached was a trial of its sources: accepted iff on the path."""
@@ -228,9 +247,7 @@ class CostAwarePolicy:
 
     def _acceptance(self, source: tuple) -> Acceptance:
         if source not in self.acceptance:
-            kind, index = source
-            prior = (index + 0.5) / BINS if kind == "model" else 0.5
-            self.acceptance[source] = Acceptance(prior, weight=4 if kind == "model" else 2, memory=64)
+            self.acceptance[source] = Acceptance(memory=64)
         return self.acceptance[source]
 
     def __repr__(self) -> str:

@@ -154,7 +154,7 @@ def test_expected_tokens_and_interpolation():
 def test_batch_depth_drafts_only_where_it_pays():
     """Verification nearly free for few rows, linear beyond 8 tokens: deep drafts alone, none in a
     big batch; and low observed acceptance stops drafting even alone."""
-    costs = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 2.2, 32: 4.4, 64: 8.8, 128: 17.6}
+    costs = {1: 1.0, 2: 1.06, 4: 1.1, 8: 1.15, 16: 2.2, 32: 4.4, 64: 8.8, 128: 17.6}
     depth = BatchDepth(Profile(costs), max_gamma=6, models_draft=False, prior=0.8)
     assert depth.depth(1) >= 3
     assert depth.depth(32) == 0
@@ -163,7 +163,7 @@ def test_batch_depth_drafts_only_where_it_pays():
     assert depth.alpha < 0.05 and depth.depth(1) == 0
     for _ in range(200):
         depth.observe(4, 4)
-    assert depth.alpha > 0.95 and depth.depth(1) == 6
+    assert depth.alpha > 0.94 and depth.depth(1) == 6
 
 
 def test_batch_depth_counts_the_draft_model(load64, model_dirs):

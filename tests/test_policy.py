@@ -152,6 +152,19 @@ def test_a_node_joins_when_it_raises_tokens_per_second():
     assert budget.take_level(0.9, 1)
 
 
+def test_a_chain_looks_past_a_step_in_the_cost_curve():
+    """One node alone does not pay for the step from 3 to 4 tokens, but five more do."""
+    stepped = costs.Profile(target={1: 1.0, 3: 1.1, 4: 1.5, 9: 1.6})
+    values = [0.9, 0.8, 0.7, 0.6, 0.55, 0.5, 0.45, 0.4]
+    myopic = Budget(stepped, 1, 1)
+    taken = 0
+    while taken < len(values) and myopic.take_node(values[taken]):
+        taken += 1
+    assert taken == 2
+    assert Budget(stepped, 1, 1).take_chain(values) == 8
+    assert Budget(stepped, 1, 1).take_chain([0.01, 0.01]) == 0
+
+
 def test_a_big_batch_makes_nodes_dear():
     """In a batch of 64 rows a node costs each row a share of t(128) - t(64): far more than alone."""
     flat_then_linear = costs.Profile(target={1: 1.0, 16: 1.1, 64: 4.0, 128: 8.0})
@@ -174,11 +187,13 @@ def test_observing_counts_every_child_of_a_reached_node():
     # root -> 0 (lookup), 1 (model); 0 -> 2 (lookup); accepted path [0]: nodes 0, 1 and 2 were tried
     draft = Draft(torch.tensor([5, 6, 7]), None, torch.tensor([-1, -1, 0]), [[("lookup", 0)], [("model", 9)], [("lookup", 1)]])
     policy.update(draft, VerifyResult(1, [5, 8], path=[0]))
-    fade = 1 - 1 / 64  # each trial fades the earlier ones (a lookup prior: 2 trials at its rate)
-    assert policy.acceptance[("lookup", 0)].accepted == pytest.approx(1 * fade + 1)  # a success
-    assert policy.acceptance[("model", 9)].accepted == pytest.approx(0.95 * 4 * fade)  # a failure (model priors weigh 4 trials)
-    assert policy.acceptance[("lookup", 1)].offered == pytest.approx(2 * fade + 1)
-    assert policy.acceptance[("lookup", 1)].accepted == pytest.approx(1 * fade)
+    counts = {source: (a.offered, a.accepted) for source, a in policy.acceptance.items()}
+    assert counts == {("lookup", 0): (1, 1), ("model", 9): (1, 0), ("lookup", 1): (1, 0)}
+    assert policy.accept_probability(("lookup", 0)) == pytest.approx((1 + 0.5 * 2) / 3)
+    assert policy.accept_probability(("model", 9)) == pytest.approx((0 + 0.95 * 4) / 5)
+    # position 1 shrinks toward position 0's current estimate; an untried position 2 is position 1's
+    assert policy.accept_probability(("lookup", 1)) == pytest.approx((0 + 2 / 3 * 2) / 3)
+    assert policy.accept_probability(("lookup", 2)) == pytest.approx(policy.accept_probability(("lookup", 1)))
 
 
 def test_batch_depth_drops_drafting_when_verify_rows_are_not_free():

@@ -119,12 +119,15 @@ class AutoDrafter:
         return nodes.draft()
 
     def _add_lookup(self, nodes: _Tree, request: DraftRequest, policy: CostAwarePolicy, budget: Budget) -> None:
+        """The looked-up continuation's best prefix (all its values are known at once)."""
+        values, value = [], 1.0
+        continuation = lookup_continuation(request.context, min(request.max_tokens, self.max_lookup))
+        for position in range(len(continuation)):
+            value *= policy.accept_probability(("lookup", position))
+            values.append(value)
         parent = -1
-        for position, token in enumerate(lookup_continuation(request.context, min(request.max_tokens, self.max_lookup))):
-            value = nodes.value(parent) * policy.accept_probability(("lookup", position))
-            if not budget.take_node(value):
-                return
-            parent = nodes.add(token, parent, None, value, ("lookup", position))
+        for position, token in enumerate(continuation[: budget.take_chain(values)]):
+            parent = nodes.add(token, parent, None, values[position], ("lookup", position))
 
     def _grow_model(self, nodes: _Tree, request: DraftRequest, policy: CostAwarePolicy, budget: Budget):
         model, slot, sampling = self.model, request.slot, request.sampling
