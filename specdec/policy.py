@@ -139,11 +139,10 @@ class Budget:
     def __post_init__(self):
         self.seconds = (self.profile.verify(self.verify_size) + self.profile.step_overhead) / self.batch
 
-    @property
-    def node_cost(self) -> float:
-        """Seconds one more node costs this row (every row adding one: the batch's verify grows by B)."""
-        b = self.batch
-        return max(1e-9, (self.profile.verify(self.verify_size + b) - self.profile.verify(self.verify_size)) / b)
+    def added_cost(self, nodes: int) -> float:
+        """Seconds `nodes` more nodes cost this row (every row adding as many: the batch's verify grows B-fold)."""
+        grown = self.profile.verify(self.verify_size + self.batch * nodes) - self.profile.verify(self.verify_size)
+        return max(1e-9 * nodes, grown / self.batch)
 
     @property
     def level_cost(self) -> float:
@@ -155,32 +154,25 @@ class Budget:
 
     def take_node(self, value: float) -> bool:
         """Add a node of this value if it pays."""
-        cost = self.node_cost
-        if not self.pays(value, cost):
-            return False
-        self.tokens += value
-        self.seconds += cost
-        self.verify_size += self.batch
-        return True
+        return self.take_chain([value]) == 1
 
     def take_chain(self, values: list[float]) -> int:
         """How many of a chain's next nodes (values in order) to add: the prefix that maximises
         tokens per second, looking past a step in the cost curve that one node alone would not pay
         for. Adds them and returns the count."""
         def rate(count: int) -> float:
-            cost = (self.profile.verify(self.verify_size + self.batch * count) - self.profile.verify(self.verify_size)) / self.batch
-            return (self.tokens + sum(values[:count])) / (self.seconds + cost)
+            return (self.tokens + sum(values[:count])) / (self.seconds + (self.added_cost(count) if count else 0.0))
 
         best = max(range(len(values) + 1), key=lambda count: (rate(count), -count))
-        cost = (self.profile.verify(self.verify_size + self.batch * best) - self.profile.verify(self.verify_size)) / self.batch
-        self.tokens += sum(values[:best])
-        self.seconds += cost
-        self.verify_size += self.batch * best
+        if best:
+            self.tokens += sum(values[:best])
+            self.seconds += self.added_cost(best)
+            self.verify_size += self.batch * best
         return best
 
     def take_level(self, expected_value: float, nodes: int) -> bool:
         """Pay for a draft-model forward that is expected to add this much value in `nodes` nodes."""
-        cost = self.level_cost + nodes * self.node_cost
+        cost = self.level_cost + self.added_cost(nodes)
         if not self.pays(expected_value, cost):
             return False
         self.seconds += self.level_cost

@@ -144,8 +144,7 @@ def test_stats_say_what_the_policy_chose(model_dirs):
 def test_a_node_joins_when_it_raises_tokens_per_second():
     budget = Budget(STEEP, batch=1, verify_size=1)
     assert budget.seconds == pytest.approx(1.1)
-    cost = budget.node_cost  # t(2) - t(1)
-    assert cost == pytest.approx(0.04)
+    assert budget.added_cost(1) == pytest.approx(0.04)  # t(2) - t(1)
     assert not budget.take_node(0.03) and budget.tokens == 1.0  # 0.03 / 0.04 < 1 / 1.1
     assert budget.take_node(0.9) and budget.tokens == pytest.approx(1.9) and budget.seconds == pytest.approx(1.14)
     assert not budget.take_level(0.05, 1)  # a draft forward (0.22 s) for 0.05 expected tokens does not pay
