@@ -205,7 +205,7 @@ class Metrics:
                                              buckets=self.LATENCY_BUCKETS, registry=registry)
         self.batch_rows = Histogram("specdec_batch_rows", "generations advanced per engine step",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
-        self.draft_depth = Gauge("specdec_draft_depth", "the draft depth cap of the last step (-1: the configured gamma)", registry=registry)
+        self.draft_depth = Gauge("specdec_draft_depth", "the batch-wide draft depth cap of the last step (-1: none; the configured gamma, or the auto policy per row)", registry=registry)
         self.request_duration = Histogram("specdec_request_duration_seconds", "arrival to the end of finished generations",
                                           buckets=self.LATENCY_BUCKETS, registry=registry)
         self._totals = GenerationStats()
