@@ -4,9 +4,7 @@ A cost profile holds
 - t_target(k) and t_draft(k): seconds of one forward over k new tokens after a short cached prefix,
   with logits for every one of them (what a verify, a tree level or a batch of rows needs);
 - the engine's own time per iteration (sampling, verification, bookkeeping) and the draft model's
-  per draft level, outside the forwards, and what an iteration that drafts costs beyond one that
-  does not (rolling caches back, keeping the accepted path, the drafter's bookkeeping): on a fast
-  runtime these decide whether drafting pays at all.
+  per draft level, outside the forwards: on a fast runtime these decide whether drafting pays at all.
 
 Timings are noisy on a shared machine, so sizes are timed round-robin (drift hits every size alike),
 each size keeps its low quartile over rounds, and rounds go on until two successive estimates of
@@ -38,7 +36,7 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 DRAFT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 STABLE = 0.05
 MIN_ROUNDS, MAX_ROUNDS = 3, 12
-FORMAT = 2  # bump when what is measured changes: old cache files are then ignored
+FORMAT = 1  # bump when what is measured changes: old cache files are then ignored
 
 
 @dataclass
@@ -47,7 +45,6 @@ class Profile:
     draft: dict[int, float] | None = None
     step_overhead: float = 0.0  # seconds an engine iteration spends outside the target's forward
     level_overhead: float = 0.0  # seconds a draft level spends per row outside the draft model's forward
-    draft_overhead: float = 0.0  # seconds an iteration that drafts costs beyond its forwards and a plain step's overhead
     rounds: int = 0
     load: float | None = None  # 1-minute load average when measured
     measured: str = ""
@@ -115,14 +112,11 @@ def measure(target: CausalLM, draft: CausalLM | None = None, max_rounds: int = M
     """A fresh profile of a target and an optional draft model (see the module docstring)."""
     target_curve, rounds = measure_curve(target, max_rounds=max_rounds)
     profile = Profile(target_curve, rounds=rounds, load=_load(), measured=time.strftime("%Y-%m-%d %H:%M:%S"))
-    plain_step = _step(target)
-    profile.step_overhead = max(0.0, plain_step - profile.verify(1))
+    profile.step_overhead = max(0.0, _plain_step(target) - profile.verify(1))
     if draft is not None:
         profile.draft, draft_rounds = measure_curve(draft, DRAFT_SIZES, max_rounds)
         profile.rounds = max(rounds, draft_rounds)
         profile.level_overhead = max(0.0, _draft_level(draft) - profile.draft[1])
-    drafting_step = _step(target, draft, drafting=True)
-    profile.draft_overhead = max(0.0, drafting_step - plain_step - (profile.verify(2) - profile.verify(1)) - profile.draft_level(1))
     return profile
 
 
@@ -167,23 +161,19 @@ def model_identity(model: CausalLM) -> dict:
             "device": str(getattr(model, "device", "cpu")), "threads": getattr(model, "threads", None) or torch.get_num_threads()}
 
 
-def _step(target: CausalLM, draft: CausalLM | None = None, drafting: bool = False) -> float:
-    """Median seconds of one engine iteration after a PREFIX-token prompt: plain decoding, or
-    (`drafting`) drafting one token with the draft model, or with prompt lookup over the repeating
-    prompt when there is none: the whole iteration, drafting, verify, rollback and bookkeeping."""
-    from specdec.drafters import ModelDrafter, PromptLookupDrafter  # here: the engine's policies import this module
+def _plain_step(target: CausalLM) -> float:
+    """Median seconds of one engine iteration of plain decoding (a forward of one token plus the
+    engine's sampling and bookkeeping), after a PREFIX-token prompt."""
     from specdec.engine import DecodeState, Engine
     from specdec.policy import FixedGamma
     from specdec.sampling import RandomStreams
     from specdec.types import SamplingParams
 
-    steps = min(24, target.max_length - PREFIX - 2)
+    steps = min(24, target.max_length - PREFIX - 1)
     if steps < 2:
         return 0.0
-    drafter = (ModelDrafter(draft) if draft is not None else PromptLookupDrafter()) if drafting else None
-    prompt = [(i % 7) % target.vocab_size for i in range(PREFIX)]  # repeats: prompt lookup always proposes
-    state = DecodeState(prompt, SamplingParams(temperature=1.0), steps, FixedGamma(1 if drafting else 0), RandomStreams(0))
-    engine, times = Engine(target, drafter), []
+    state = DecodeState([i % target.vocab_size for i in range(PREFIX)], SamplingParams(temperature=1.0), steps, FixedGamma(0), RandomStreams(0))
+    engine, times = Engine(target, None), []
     engine.open(state)
     try:
         while state.finish_reason is None:

@@ -135,17 +135,14 @@ class Budget:
     verify_size: float  # tokens the batch's verify scores so far (every row counted alike)
     tokens: float = 1.0  # the token every iteration emits
     seconds: float = 0.0
-    drafted: bool = False  # a node was taken: the iteration pays the profile's draft_overhead
 
     def __post_init__(self):
         self.seconds = (self.profile.verify(self.verify_size) + self.profile.step_overhead) / self.batch
 
     def added_cost(self, nodes: int) -> float:
-        """Seconds `nodes` more nodes cost this row (every row adding as many: the batch's verify grows
-        B-fold), the first one also what drafting at all costs the row (rollback, bookkeeping)."""
+        """Seconds `nodes` more nodes cost this row (every row adding as many: the batch's verify grows B-fold)."""
         grown = self.profile.verify(self.verify_size + self.batch * nodes) - self.profile.verify(self.verify_size)
-        first = self.profile.draft_overhead if nodes and not self.drafted else 0.0
-        return max(1e-9 * nodes, grown / self.batch) + first
+        return max(1e-9 * nodes, grown / self.batch)
 
     @property
     def level_cost(self) -> float:
@@ -171,7 +168,6 @@ class Budget:
             self.tokens += sum(values[:best])
             self.seconds += self.added_cost(best)
             self.verify_size += self.batch * best
-            self.drafted = True
         return best
 
     def take_level(self, expected_value: float, nodes: int) -> bool:

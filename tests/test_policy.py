@@ -164,18 +164,6 @@ def test_a_chain_looks_past_a_step_in_the_cost_curve():
     assert Budget(stepped, 1, 1).take_chain([0.01, 0.01]) == 0
 
 
-def test_what_drafting_at_all_costs_is_charged_once():
-    """An iteration that drafts pays for rollback and bookkeeping once: a node that would pay alone
-    does not when that cost is high, and a second node does not pay it again."""
-    cheap, dear = costs.Profile(target={1: 1.0, 8: 1.05}), costs.Profile(target={1: 1.0, 8: 1.05}, draft_overhead=0.6)
-    assert Budget(cheap, 1, 1).take_node(0.5)
-    assert not Budget(dear, 1, 1).take_node(0.5)
-    budget = Budget(dear, 1, 1)
-    assert budget.take_chain([0.9, 0.9]) == 2 and budget.seconds == pytest.approx(1.0 + 0.6 + 2 * 0.05 / 7, rel=1e-6)
-    before = budget.seconds
-    assert budget.take_node(0.9) and budget.seconds - before < 0.01
-
-
 def test_a_big_batch_makes_nodes_dear():
     """In a batch of 64 rows a node costs each row a share of t(128) - t(64): far more than alone."""
     flat_then_linear = costs.Profile(target={1: 1.0, 16: 1.1, 64: 4.0, 128: 8.0})
