@@ -11,14 +11,13 @@ import torch
 import specdec
 import specdec.drafters.auto as auto_module
 from conftest import CHEAP_VERIFY, measured_profile, reference_greedy
-from specdec import costs, tree
+from specdec import costs
 from specdec.drafters import AutoDrafter, ModelDrafter, PromptLookupDrafter
 from specdec.drafters.base import DraftRequest
 from specdec.policy import BatchDepth, Budget, CostAwareDepth, CostAwarePolicy, confidence_bin, expected_tokens
 from specdec.types import SamplingParams
-from specdec.verify import verify_tree
-from test_tree_exact import DRAFTER_PROMPT, TableLM
-from test_verify_exact import Conditional, completions, enumerator, target_joint  # noqa: F401 (enumerator: a fixture)
+from test_tree_exact import DRAFTER_PROMPT, TableLM, proposal_deviation
+from test_verify_exact import Conditional, enumerator  # noqa: F401 (enumerator: a fixture)
 
 # costs under which a node pays or not depending on its value: verify nearly flat, draft levels dear
 STEEP = costs.Profile(target={1: 1.0, 2: 1.04, 4: 1.12, 8: 1.3}, draft={1: 0.05, 8: 0.1}, step_overhead=0.1, level_overhead=0.01)
@@ -46,25 +45,15 @@ def trained_policy(depth: int) -> CostAwarePolicy:
 def auto_iteration_deviation(enumerator, model: bool, lookup: bool, depth: int = 3) -> float:
     """Largest deviation of one AutoDrafter + verify_tree iteration's joint from the target's,
     every draw of the drafter and of the verifier enumerated, the policy deciding in the loop."""
-    target, draft = Conditional(3, seed=41), draft_table()
+    draft = draft_table()
 
-    def iteration():
+    def propose():
         drafter = AutoDrafter(ModelDrafter(TableLM(draft, DRAFTER_PROMPT)) if model else None, PromptLookupDrafter() if lookup else None)
         slot = drafter.open(DRAFTER_PROMPT)
         request = DraftRequest(slot, list(DRAFTER_PROMPT), depth, SamplingParams(temperature=1.0), None, trained_policy(depth))
-        proposal, = drafter.propose([request])
-        paths = [tree.path_to(proposal.parents, node) for node in range(len(proposal))]
-        histories = [()] + [tuple(proposal.tokens[path].tolist()) for path in paths]
-        target_probs = torch.stack([target(h) for h in histories])
-        result = verify_tree(proposal.tokens, proposal.parents, proposal.probs, target_probs, None, None)
-        return tuple(result.tokens)
+        return drafter.propose([request])[0]
 
-    joint: dict[tuple, float] = {}
-    for output, weight in enumerator.run(iteration):
-        for seq, tail_weight in completions(target, output, depth + 1):
-            joint[seq] = joint.get(seq, 0.0) + weight * tail_weight
-    assert abs(sum(joint.values()) - 1) < 1e-9
-    return max(abs(joint.get(seq, 0.0) - p) for seq, p in target_joint(target, depth + 1).items())
+    return proposal_deviation(enumerator, propose, Conditional(3, seed=41), depth)
 
 
 @pytest.mark.parametrize("model,lookup", [(True, True), (True, False), (False, True)], ids=["model+lookup", "model", "lookup"])

@@ -197,6 +197,26 @@ DRAFTERS = {
 }
 
 
+def proposal_deviation(enumerator, propose, target: Conditional, depth: int) -> float:
+    """Largest deviation from the target's joint of one iteration: `propose()` gives a drafter's
+    proposal after DRAFTER_PROMPT, the real verify_tree checks it against `target`; every draw of
+    the drafter and of the verifier is enumerated."""
+
+    def iteration():
+        proposal = propose()
+        paths = [tree.path_to(proposal.parents, node) for node in range(len(proposal))]
+        histories = [()] + [tuple(proposal.tokens[path].tolist()) for path in paths]
+        target_probs = torch.stack([target(h) for h in histories])
+        return tuple(verify_tree(proposal.tokens, proposal.parents, proposal.probs, target_probs, None, None).tokens)
+
+    joint: dict[tuple, float] = {}
+    for output, weight in enumerator.run(iteration):
+        for seq, tail_weight in completions(target, output, depth + 1):
+            joint[seq] = joint.get(seq, 0.0) + weight * tail_weight
+    assert abs(sum(joint.values()) - 1) < 1e-9
+    return max(abs(joint.get(seq, 0.0) - p) for seq, p in target_joint(target, depth + 1).items())
+
+
 def drafter_iteration_deviation(enumerator, name) -> float:
     """Largest deviation of one ModelDrafter + verify_tree iteration's joint from the target's."""
     options, depth = DRAFTERS[name]
@@ -204,23 +224,12 @@ def drafter_iteration_deviation(enumerator, name) -> float:
     target, draft, inner_table = Conditional(vocab, seed=31), Conditional(vocab, seed=32), Conditional(vocab, seed=33)
     inner = {"table": lambda: TableDrafter(inner_table, DRAFTER_PROMPT), "lookup": PromptLookupDrafter, None: lambda: None}[options.get("inner")]
 
-    def iteration():
+    def propose():
         drafter = ModelDrafter(TableLM(draft, DRAFTER_PROMPT), tree=options.get("tree"), inner=inner(), inner_gamma=2)
         slot = drafter.open(DRAFTER_PROMPT)
-        proposal, = drafter.propose([DraftRequest(slot, list(DRAFTER_PROMPT), depth, SamplingParams(temperature=1.0), None)])
-        paths = [tree.path_to(proposal.parents, node) for node in range(len(proposal))]
-        histories = [()] + [tuple(proposal.tokens[path].tolist()) for path in paths]
-        target_probs = torch.stack([target(h) for h in histories])
-        result = verify_tree(proposal.tokens, proposal.parents, proposal.probs, target_probs, None, None)
-        return tuple(result.tokens)
+        return drafter.propose([DraftRequest(slot, list(DRAFTER_PROMPT), depth, SamplingParams(temperature=1.0), None)])[0]
 
-    joint: dict[tuple, float] = {}
-    for output, weight in enumerator.run(iteration):
-        for seq, tail_weight in completions(target, output, depth + 1):
-            joint[seq] = joint.get(seq, 0.0) + weight * tail_weight
-    want = target_joint(target, depth + 1)
-    assert abs(sum(joint.values()) - 1) < 1e-9
-    return max(abs(joint.get(seq, 0.0) - p) for seq, p in want.items())
+    return proposal_deviation(enumerator, propose, target, depth)
 
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
