@@ -13,7 +13,7 @@ from specdec.engine import DecodeState, Engine, StepResult, TokenLogprob
 from specdec.errors import SpecDecError
 from specdec.ngram import KatzTrigram
 from specdec.runtime import CausalLM, check_same_vocabulary, choose_backend, load_model, require_trees, tokenizer_fingerprint
-from specdec.policy import MAX_DEPTH, CostAwareDepth, CostAwarePolicy, FixedGamma
+from specdec.policy import MAX_DEPTH, BatchDepth, CostAwareDepth, CostAwarePolicy, FixedGamma
 from specdec.sampling import RandomStreams
 from specdec.types import GenerationStats, SamplingParams
 
@@ -87,9 +87,13 @@ class SpeculativeDecoder:
         if isinstance(self.drafter, AutoDrafter):
             return CostAwarePolicy(self.profile(), limit)
         if self.gamma == "auto":
-            width = self.drafter.tree.width if isinstance(self.drafter, ModelDrafter) and self.drafter.tree else 1
-            return CostAwareDepth(self.profile(), limit, models_draft=isinstance(self.drafter, ModelDrafter), width=width)
+            return self.depth_policy(CostAwareDepth, limit)
         return FixedGamma(self.gamma)
+
+    def depth_policy(self, kind: type[BatchDepth], max_gamma: int) -> BatchDepth:
+        """A depth policy (`BatchDepth` or a subclass) for this decoder's drafter, with measured costs."""
+        width = self.drafter.tree.width if isinstance(self.drafter, ModelDrafter) and self.drafter.tree else 1
+        return kind(self.profile(), max_gamma, models_draft=isinstance(self.drafter, ModelDrafter), width=width)
 
     @property
     def tokenizer(self):

@@ -111,7 +111,7 @@ def measure_curve(model: CausalLM, sizes=SIZES, max_rounds: int = MAX_ROUNDS) ->
 def measure(target: CausalLM, draft: CausalLM | None = None, max_rounds: int = MAX_ROUNDS) -> Profile:
     """A fresh profile of a target and an optional draft model (see the module docstring)."""
     target_curve, rounds = measure_curve(target, max_rounds=max_rounds)
-    profile = Profile(target_curve, rounds=rounds, load=_load(), measured=time.strftime("%Y-%m-%d %H:%M:%S"))
+    profile = Profile(target_curve, rounds=rounds, load=load_average(), measured=time.strftime("%Y-%m-%d %H:%M:%S"))
     profile.step_overhead = max(0.0, _plain_step(target) - profile.verify(1))
     if draft is not None:
         profile.draft, draft_rounds = measure_curve(draft, DRAFT_SIZES, max_rounds)
@@ -148,7 +148,7 @@ def cache_dir() -> Path:
 
 
 def cache_key(target: CausalLM, draft: CausalLM | None) -> str:
-    facts = {"format": FORMAT, "cpu": _cpu(), "target": model_identity(target), "draft": model_identity(draft) if draft else None}
+    facts = {"format": FORMAT, "cpu": cpu_name(), "target": model_identity(target), "draft": model_identity(draft) if draft else None}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -225,14 +225,15 @@ def _agree(a: dict[int, float], b: dict[int, float]) -> bool:
     return all(abs(a[k] - b[k]) <= STABLE * b[k] for k in b)
 
 
-def _load() -> float | None:
+def load_average() -> float | None:
+    """The 1-minute load average (None where the system does not say)."""
     try:
         return os.getloadavg()[0]
     except OSError:
         return None
 
 
-def _cpu() -> str:
+def cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):

@@ -189,10 +189,9 @@ class LoadMonitor:
         self.own_threads, self.samples = own_threads, []
 
     def sample(self) -> None:
-        try:
-            self.samples.append(os.getloadavg()[0])
-        except OSError:
-            pass
+        load = costs.load_average()
+        if load is not None:
+            self.samples.append(load)
 
     def summary(self) -> dict:
         cores = os.cpu_count() or 1
@@ -286,18 +285,9 @@ def read_bandwidth(threads: int = 1, megabytes: int = 256, repeats: int = 5) -> 
 
 
 def machine_description() -> dict:
-    import os
     import platform
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {"cpu": costs.cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "python": platform.python_version()}
 
 

@@ -146,9 +146,7 @@ class AutoDrafter:
             frontier = sorted(grown, key=lambda node: -nodes.values[node])[:width]
             if not budget.take_level(sum(nodes.values[node] for node in frontier) * policy.model_rate(), len(frontier)):
                 return
-            parents = [slot.branch_index[nodes.parents[node]] if nodes.parents[node] >= 0 else -1 for node in frontier]
-            logits = yield from model.feed_nodes(slot, [nodes.tokens[node] for node in frontier], parents)
-            slot.branch_index.update({node: len(slot.branch_tokens) - len(frontier) + j for j, node in enumerate(frontier)})
+            logits = yield from model.feed_frontier(slot, frontier, nodes.tokens, nodes.parents)
             rows = model.distributions(logits, sampling)
 
     def _add_level(self, nodes: _Tree, frontier: list[int], rows: torch.Tensor, width: int, request: DraftRequest,

@@ -227,9 +227,7 @@ class ModelDrafter:
                 return
             if sampled:  # feed only the nodes the remaining budget can give children
                 frontier = frontier[: max(1, math.ceil((allowed - len(new) + 1) / shape.width))]
-            parents = [slot.branch_index[nodes.parents[i]] if nodes.parents[i] >= 0 else -1 for i in frontier]
-            logits = yield from self.feed_nodes(slot, [nodes.tokens[i] for i in frontier], parents)
-            slot.branch_index.update({node: len(slot.branch_tokens) - len(frontier) + j for j, node in enumerate(frontier)})
+            logits = yield from self.feed_frontier(slot, frontier, nodes.tokens, nodes.parents)
             rows = self.distributions(logits, sampling)
 
     def _grow_staged(self, slot: _Slot, nodes: _Nodes, context, depth: int, shape: TreeShape, sampled: bool, sampling, rng, inner_gamma: int):
@@ -291,6 +289,14 @@ class ModelDrafter:
         slot.forwards += 1
         slot.branch_tokens += tokens
         slot.branch_parents += parents
+        return logits
+
+    def feed_frontier(self, slot: _Slot, frontier: list[int], tokens: list[int], parents: list[int]):
+        """Feed tree nodes `frontier` (tokens and parents indexed by tree node; every parent fed
+        before, or -1) in one forward, and remember which branch entry each became."""
+        branch_parents = [slot.branch_index[parents[node]] if parents[node] >= 0 else -1 for node in frontier]
+        logits = yield from self.feed_nodes(slot, [tokens[node] for node in frontier], branch_parents)
+        slot.branch_index.update({node: len(slot.branch_tokens) - len(frontier) + j for j, node in enumerate(frontier)})
         return logits
 
     def _drop_branch_tail(self, slot: _Slot, count: int) -> None:

@@ -18,7 +18,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.api import Generation, SpeculativeDecoder
 from specdec.errors import SpecDecError
-from specdec.drafters import ModelDrafter
 from specdec.policy import BatchDepth
 from specdec.server.batch import Batcher, Job, Metrics
 from specdec.server.openai import (ERROR_RESPONSES, BadRequest, ChatRequest, CompletionRequest, Reply, SamplingFields,
@@ -32,11 +31,9 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 def batch_depth(decoder: SpeculativeDecoder) -> BatchDepth | None:
     """A batch-wide depth cap for a decoder with a fixed gamma (None when it does not draft, or
     when its own cost-aware policy adapts each row to the batch)."""
-    drafter = decoder.drafter
-    if drafter is None or decoder.uses_profile:
+    if decoder.drafter is None or decoder.uses_profile:
         return None
-    width = drafter.tree.width if isinstance(drafter, ModelDrafter) and drafter.tree else 1
-    return BatchDepth(decoder.profile(), decoder.gamma, models_draft=isinstance(drafter, ModelDrafter), width=width)
+    return decoder.depth_policy(BatchDepth, decoder.gamma)
 
 
 def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16, max_batch: int = 16,
