@@ -15,6 +15,7 @@ from specdec.ngram import KatzTrigram
 from specdec.runtime import CausalLM, check_same_vocabulary, choose_backend, load_model, require_trees, tokenizer_fingerprint
 from specdec.policy import MAX_DEPTH, BatchDepth, CostAwareDepth, CostAwarePolicy, FixedGamma
 from specdec.sampling import RandomStreams
+from specdec.stops import StopStrings
 from specdec.types import GenerationStats, SamplingParams
 
 
@@ -191,10 +192,14 @@ class Generation:
         self.state, self.text = state, text
         self.started = 0.0
 
-    def open(self, engine: Engine) -> None:
-        """Prefill on `engine` (which must `close` the state when the generation ends)."""
+    def open(self, engine: Engine, prefill: bool = True) -> None:
+        """Start on `engine` (which must `close` the state when the generation ends), the prompt
+        prefilled, or (prefill False) left for `engine.prefill` to feed in chunks."""
         self.started = time.perf_counter()
-        engine.open(self.state)
+        if prefill:
+            engine.open(self.state)
+        else:
+            engine.start(self.state)
 
     @property
     def done(self) -> bool:
@@ -218,7 +223,7 @@ class TextAssembler:
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
         self.decode_text = _continuation_decoder(tokenizer, prompt_ids)
-        self.stop = stop
+        self.stops = StopStrings(stop)
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprob] = []  # one per token, when the generation records them
         self.text = ""
@@ -234,10 +239,13 @@ class TextAssembler:
         return min(self._settled, len(self.tokens))
 
     def add(self, step: StepResult) -> str:
+        """The text delta this step's tokens make visible: no half-decoded character at the end, and
+        nothing that could still begin a stop string, until the generation ends."""
         self.tokens += step.tokens
         self.logprobs += step.logprobs or []
         text = self.decode_text(self.tokens)
-        cut = _first_stop(text, self.stop, max(0, self.emitted - max(map(len, self.stop), default=0)))
+        whole = text.rstrip("\ufffd")  # a character still missing bytes is not text yet
+        cut, held = self.stops.scan(whole)
         if cut is not None:
             text, self.finish_reason = text[:cut], "stop"
             self.tokens = _tokens_within(self.decode_text, self.tokens, text)
@@ -245,22 +253,10 @@ class TextAssembler:
         elif step.finish_reason:
             self.finish_reason = step.finish_reason
         self.text = text
-        safe = len(text) if self.finish_reason else _safe_length(text, self.stop)
+        safe = len(text) if self.finish_reason else len(whole) - held
         delta = text[self.emitted:safe] if safe > self.emitted else ""
         self.emitted = max(self.emitted, safe)
         return delta
-
-
-def _first_stop(text: str, stop: list[str], start: int) -> int | None:
-    hits = [i for i in (text.find(s, start) for s in stop) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _safe_length(text: str, stop: list[str]) -> int:
-    """How much of text can be shown now: no half-decoded character, no possible start of a stop string."""
-    end = len(text.rstrip("\ufffd"))
-    held = max((k for s in stop for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
-    return end - held
 
 
 def _continuation_decoder(tokenizer, prompt_ids: list[int]):
@@ -282,8 +278,18 @@ def _continuation_decoder(tokenizer, prompt_ids: list[int]):
 
 
 def _tokens_within(decode_text, tokens: list[int], text: str) -> list[int]:
-    """The longest prefix of tokens whose text is a prefix of `text` (the text before a stop string)."""
-    n = len(tokens)
+    """The longest prefix of tokens whose text is a prefix of `text` (the text before a stop string).
+    A prefix's text grows with it (but for a character still missing bytes, a few replacement
+    characters): bisect to the longest prefix whose text is not longer than `text` allows, then
+    walk back, so a long stop string costs a few decodes, not one per token it spans."""
+    low, high = 0, len(tokens)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if len(decode_text(tokens[:middle])) <= len(text) + 4:
+            low = middle
+        else:
+            high = middle - 1
+    n = low
     while n and not text.startswith(decode_text(tokens[:n])):
         n -= 1
     return tokens[:n]

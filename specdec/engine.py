@@ -80,21 +80,41 @@ class Engine:
         self.target, self.drafter = target, drafter
 
     def open(self, state: DecodeState) -> None:
+        """Start a generation with its prompt prefilled."""
+        self.start(state)
+        if state.finish_reason is None:
+            self.prefill(state)
+
+    def start(self, state: DecodeState) -> None:
+        """Take the generation's slots; its prompt is not fed yet (`prefill`)."""
         state.context = list(state.prompt)
         state.room = min(state.max_new_tokens, self.target.max_length - len(state.context))
-        started = time.perf_counter()
         state.sequence = self.target.sequence()
         try:
-            if len(state.context) > 1:  # the prefill is not counted in target_forwards: those are per iteration
-                state.sequence.forward(state.context[:-1], last=1)
             if self.drafter is not None:
                 state.draft_slot = self.drafter.open(state.context)
         except BaseException:
             self.close(state)
             raise
-        state.stats.prefill_seconds = time.perf_counter() - started
         if state.room <= 0:
             state.finish_reason = "length"
+
+    def prefill(self, state: DecodeState, budget: int | None = None) -> bool:
+        """Feed the next `budget` prompt tokens (None: all that are left) to the target, and as many
+        to the draft model; True once the whole prompt is in. A server prefills a long prompt in
+        chunks between batch steps. Not counted in target_forwards: those are per iteration."""
+        started = time.perf_counter()
+        fed = state.sequence.cache_len  # invariant while prefilling: the cache holds context[:fed]
+        count = len(state.context) - 1 - fed if budget is None else min(budget, len(state.context) - 1 - fed)
+        try:
+            if count > 0:
+                state.sequence.forward(state.context[fed : fed + count], last=1)
+            drafter_done = self.drafter is None or self.drafter.prefill(state.draft_slot, budget)
+        except BaseException:
+            self.close(state)
+            raise
+        state.stats.prefill_seconds += time.perf_counter() - started
+        return drafter_done and state.sequence.cache_len >= len(state.context) - 1
 
     def run(self, state: DecodeState) -> Iterator[StepResult]:
         """One generation alone (a batch of one), opened here; the slots are given back however the

@@ -184,6 +184,9 @@ class SlowDrafter:
     def open(self, prompt):
         return self.inner.open(prompt)
 
+    def prefill(self, slot, budget=None):
+        return self.inner.prefill(slot, budget)
+
     def accept(self, slot, tokens):
         self.inner.accept(slot, tokens)
 
@@ -233,6 +236,14 @@ BAD = [
     ("oversized body", {"model": MODEL, "prompt": "a" * (2 << 20)}, 413, None),
     ("a lone surrogate", {"model": MODEL, "prompt": "a\ud800b"}, 400, "prompt"),
     ("chat without messages", {"model": MODEL, "messages": []}, 400, "messages"),
+    # OpenAI's types are strict: nothing is coerced
+    ("max_tokens true", {"model": MODEL, "prompt": "a", "max_tokens": True}, 400, "max_tokens"),
+    ("max_tokens 2.0", {"model": MODEL, "prompt": "a", "max_tokens": 2.0}, 400, "max_tokens"),
+    ("stream as a string", {"model": MODEL, "prompt": "a", "stream": "yes"}, 400, "stream"),
+    ("temperature as a string", {"model": MODEL, "prompt": "a", "temperature": "0.5"}, 400, "temperature"),
+    ("top_k 2**64", {"model": MODEL, "prompt": "a", "top_k": 2**64}, 400, "top_k"),
+    ("token ids as booleans", {"model": MODEL, "prompt": [True, False]}, 400, "prompt"),
+    ("chat logprobs as a number", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "logprobs": 1}, 400, "logprobs"),
 ]
 
 
@@ -246,6 +257,8 @@ def test_bad_input_gets_an_openai_error(server, name, body, status, param):
     assert error["message"] and error["type"] == "invalid_request_error"
     if param:
         assert error["param"] and param in error["param"]
+    else:
+        assert error["param"] is None  # malformed JSON has no field to name (its loc is a character offset)
 
 
 def test_chat_without_a_template_is_a_400(model_dirs):

@@ -351,3 +351,163 @@ def test_streamed_logprobs_wait_for_text_a_stop_string_may_cut():
     assert text.add(step([0, 1])) == "Hi" and text.settled() == 1  # "\n" may begin the stop: held back, with its logprob
     assert text.add(step([1])) == "" and text.finish_reason == "stop"
     assert text.tokens == [0] and len(text.logprobs) == 1 and text.settled() == 1
+
+
+# ---------------------------------------------------------------- one request never stalls the others
+
+
+def post_and_hang_up(url: str, body: dict, after: float) -> None:
+    """A raw client that sends a non-streamed request and closes its socket `after` seconds later."""
+    payload = json.dumps(body).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        time.sleep(after)
+
+
+def test_a_non_streamed_request_is_cancelled_when_its_client_leaves(model_dirs):
+    """Finding (outside probe): a non-streamed request went on generating after its client had gone,
+    because `Request.is_disconnected` never fired behind the middleware. Now it stops at the next
+    step, is counted as cancelled, and its slot is free for the next request."""
+    decoder = make_decoder(model_dirs)
+    decoder.drafter = SlowDrafter(decoder.drafter)  # 55 tokens take >= 0.7 s
+    live = LiveServer(create_app(decoder, MODEL, depth=None))
+    try:
+        post_and_hang_up(live.url, {"model": MODEL, "prompt": "hi ej", "max_tokens": 55, "temperature": 1}, after=0.3)
+        hung_up = time.time()
+        while metric(live, "specdec_cancelled_total") < 1:
+            assert time.time() < hung_up + 5, "the generation was not cancelled"
+            time.sleep(0.02)
+        assert time.time() - hung_up < 0.6, "cancelled promptly, before the generation could finish"
+        assert metric(live, "specdec_generated_tokens_total") == 0  # it never finished
+        assert httpx.get(live.url + "/health").json()["batch_size"] == 0
+        assert metric(live, 'specdec_requests_total{endpoint="/v1/completions",status="499"}') == 1
+    finally:
+        live.stop()
+
+
+def test_a_storm_of_abandoned_requests_drains_at_once(model_dirs):
+    """Twelve non-streamed requests whose clients all leave: every one is cancelled, none runs to its end."""
+    decoder = make_decoder(model_dirs)
+    decoder.drafter = SlowDrafter(decoder.drafter)
+    live = LiveServer(create_app(decoder, MODEL, depth=None, max_batch=4))
+    body = {"model": MODEL, "prompt": "ab", "max_tokens": 55, "temperature": 1}
+    try:
+        with ThreadPoolExecutor(12) as pool:
+            list(pool.map(lambda i: post_and_hang_up(live.url, {**body, "seed": i}, after=0.3), range(12)))
+        deadline = time.time() + 3  # twelve whole generations, four at a time, would take >= 2 s
+        while metric(live, "specdec_cancelled_total") < 12:
+            assert time.time() < deadline, f"{metric(live, 'specdec_cancelled_total')} of 12 cancelled"
+            time.sleep(0.05)
+        assert metric(live, "specdec_generated_tokens_total") == 0
+    finally:
+        live.stop()
+
+
+def test_one_heavy_request_beside_light_ones(server, offline):
+    """Finding (outside probe): four stop strings of 200,000 characters took 15 s for 8 tokens, on
+    the batch thread every generation shares (each step tried every prefix of every stop), and the
+    requests beside it waited as long. Stop strings now cost what the text costs: the heavy
+    request stops where offline generation does and the light ones are not held up (a generous
+    bound: the old code needed over 10 s here; these take well under one alone)."""
+    huge = ["q" * 200_000, "m" * 199_999 + "a", "b" * 200_000, "z" * 200_000]  # ~800 kB, under the 1 MiB body limit
+    heavy = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 40, "temperature": 0, "stop": huge}
+    light = {"model": MODEL, "prompt": "hi ej", "max_tokens": 8, "temperature": 0}
+    with ThreadPoolExecutor(4) as pool:
+        heavy_reply = pool.submit(httpx.post, server.url + "/v1/completions", json=heavy, timeout=60)
+        time.sleep(0.1)
+        started = time.time()
+        lights = [pool.submit(httpx.post, server.url + "/v1/completions", json=light, timeout=60) for _ in range(3)]
+        assert all(f.result().status_code == 200 for f in lights)
+        light_seconds = time.time() - started
+        reply = heavy_reply.result()
+    assert light_seconds < 5
+    assert reply.status_code == 200
+    assert reply.json()["choices"][0]["text"] == offline.generate("def f(x):", max_new_tokens=40, temperature=0, stop=huge).text
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_steps(model_dirs, offline, monkeypatch):
+    """A joining request's prompt goes in PREFILL_CHUNK tokens a round, so a request already
+    running is stepped between the chunks instead of waiting for the whole prefill; the chunked
+    prefill changes nothing in what is generated."""
+    from specdec.server import batch
+    monkeypatch.setattr(batch, "PREFILL_CHUNK", 8)
+    decoder = make_decoder(model_dirs)
+    decoder.drafter = SlowDrafter(decoder.drafter)
+    app = create_app(decoder, MODEL, depth=None)
+    engine, calls = app.state.batcher.engine, []
+    prefill, step = engine.prefill, engine.step
+    monkeypatch.setattr(engine, "prefill", lambda state, budget=None: calls.append(("prefill", len(state.prompt))) or prefill(state, budget))
+    monkeypatch.setattr(engine, "step", lambda states, cap=None: calls.append(("step", len(states))) or step(states, cap))
+    live = LiveServer(app)
+    long_prompt = "ab cd ef gh ij kl ab cd ef gh ij kl ab cd"  # 41 tokens: six chunks of 8 (the last token is fed by the first step)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(stream, live.url, {"model": MODEL, "prompt": "hi", "max_tokens": 40, "temperature": 0})
+            time.sleep(0.3)
+            joining = pool.submit(httpx.post, live.url + "/v1/completions", timeout=60,
+                                  json={"model": MODEL, "prompt": long_prompt, "max_tokens": 8, "temperature": 0.8, "seed": 5})
+            text = joining.result().json()["choices"][0]["text"]
+            running.result()
+    finally:
+        live.stop()
+    chunks = [i for i, call in enumerate(calls) if call == ("prefill", len(offline.prompt_ids(long_prompt)))]
+    assert len(chunks) == 5
+    assert all(("step", 1) in calls[a + 1 : b] for a, b in zip(chunks, chunks[1:])), "the running request was stepped between chunks"
+    assert text == offline.generate(long_prompt, max_new_tokens=8, temperature=0.8, seed=5).text
+
+
+# ---------------------------------------------------------------- rough edges of the outside probe
+
+
+def test_sigterm_answers_new_requests_with_503_while_draining(model_dirs):
+    """After SIGTERM the server keeps accepting connections while running generations finish:
+    a new request gets 503 with Retry-After, /health 503 (out of rotation), never a refused connection."""
+    decoder = make_decoder(model_dirs)
+    decoder.drafter = SlowDrafter(decoder.drafter)
+    live = LiveServer(create_app(decoder, MODEL, depth=None), shutdown_timeout=3.0)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 40, "temperature": 0}
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(stream, live.url, body)
+        time.sleep(0.3)
+        live.server.handle_exit(signal.SIGTERM, None)
+        time.sleep(0.1)
+        refused = httpx.post(live.url + "/v1/completions", json=body, timeout=10)
+        health = httpx.get(live.url + "/health", timeout=10)
+        events = running.result()
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert health.status_code == 503 and health.json()["status"] == "shutting down"
+    assert events[-1] == "[DONE]" and "error" not in events[-2], "the running stream was let finish"
+    live.thread.join(10)
+    assert not live.thread.is_alive(), "the server exited once drained"
+
+
+def test_a_408_closes_its_connection(decoder):
+    """The rest of a late body may still arrive: the connection is closed with the 408, not kept alive."""
+    live = LiveServer(create_app(decoder, MODEL, depth=None, body_timeout=0.5))
+    try:
+        with socket.create_connection(("127.0.0.1", live.port)) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 100\r\n\r\n{\"model\":")
+            client.settimeout(5)
+            reply, started = b"", time.time()
+            while chunk := client.recv(4096):
+                reply += chunk
+            closed = time.time() - started
+        assert reply.startswith(b"HTTP/1.1 408") and b"connection: close" in reply.lower()
+        assert closed < 2, "closed with the reply, not after the keep-alive timeout"
+    finally:
+        live.stop()
+
+
+def test_openapi_documents_streams_and_strict_types(server):
+    schema = httpx.get(server.url + "/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        content = schema["paths"][path]["post"]["responses"]["200"]["content"]
+        assert {"application/json", "text/event-stream"} <= set(content)
+    top_k = schema["components"]["schemas"]["CompletionRequest"]["properties"]["top_k"]
+    assert "2147483647" in json.dumps(top_k)
+    malformed = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny",, }', headers={"content-type": "application/json"})
+    error = malformed.json()["error"]
+    assert malformed.status_code == 400 and error["param"] is None and "not valid JSON" in error["message"]

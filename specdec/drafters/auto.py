@@ -95,6 +95,9 @@ class AutoDrafter:
     def open(self, prompt: Sequence[int]) -> DraftSlot:
         return self.model.open(prompt) if self.model else DraftSlot()
 
+    def prefill(self, slot: DraftSlot, budget: int | None = None) -> bool:
+        return self.model.prefill(slot, budget) if self.model else True
+
     def accept(self, slot: DraftSlot, tokens: list[int]) -> None:
         if self.model:
             self.model.accept(slot, tokens)

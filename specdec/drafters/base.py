@@ -42,7 +42,11 @@ class Drafter(Protocol):
     name: str
 
     def open(self, prompt: Sequence[int]) -> DraftSlot:
-        """A generation begins with `prompt`."""
+        """A generation begins with `prompt` (no model work yet: see `prefill`)."""
+        ...
+
+    def prefill(self, slot: DraftSlot, budget: int | None = None) -> bool:
+        """Take in up to `budget` more tokens of the prompt (None: all); True when it is all in."""
         ...
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -66,6 +70,9 @@ class ContextDrafter:
 
     def open(self, prompt: Sequence[int]) -> DraftSlot:
         return DraftSlot()
+
+    def prefill(self, slot: DraftSlot, budget: int | None = None) -> bool:
+        return True
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         return [self.propose_one(r.context, r.max_tokens, r.sampling, r.rng) for r in requests]

@@ -157,12 +157,20 @@ class ModelDrafter:
         self.name = "draft-model" + (f"+{inner.name}" if inner else "") + (f" tree {tree.nodes}" if tree else "")
 
     def open(self, prompt: Sequence[int]) -> _Slot:
-        """A slot with the prompt prefilled up to its last token (which the first proposal feeds)."""
-        slot = _Slot(cache=self.model.sequence(), pending=list(prompt))
-        if 1 < len(prompt) <= self.model.max_length:  # a longer prompt leaves the draft model no room: it never drafts
-            slot.cache.forward(prompt[:-1], last=1)
-            slot.cached, slot.pending = len(prompt) - 1, [prompt[-1]]
-        return slot
+        """A slot with the whole prompt pending: `prefill` feeds it (else the first proposal would)."""
+        return _Slot(cache=self.model.sequence(), pending=list(prompt))
+
+    def prefill(self, slot: _Slot, budget: int | None = None) -> bool:
+        """Feed up to `budget` pending tokens (None: all) but the last, which the next proposal
+        feeds; True when no more are to be fed. A prompt longer than the draft model's context is
+        never fed: it leaves no room, and the slot never drafts."""
+        if slot.cached + len(slot.pending) > self.model.max_length:
+            return True
+        count = len(slot.pending) - 1 if budget is None else min(budget, len(slot.pending) - 1)
+        if count > 0:
+            slot.cache.forward(slot.pending[:count], last=1)
+            slot.cached, slot.pending = slot.cached + count, slot.pending[count:]
+        return len(slot.pending) <= 1
 
     def close(self, slot: _Slot) -> None:
         slot.cache.release()
@@ -180,9 +188,8 @@ class ModelDrafter:
         if len(slot.pending) > CATCH_UP and slot.cached + len(slot.pending) <= self.model.max_length:
             # steps without drafting (a big batch) leave committed text unfed; feed it now, so the next
             # proposal's forward stays short (a batched forward pads every row to the longest)
-            slot.cache.forward(slot.pending[:-1], last=1)
+            self.prefill(slot)
             slot.forwards += 1
-            slot.cached, slot.pending = slot.cached + len(slot.pending) - 1, slot.pending[-1:]
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         return forward_together(self.model, [self._grow(request) for request in requests])

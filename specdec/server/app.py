@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -26,6 +26,9 @@ from specdec.server.openai import (ERROR_RESPONSES, BadRequest, ChatRequest, Com
 MAX_BODY_BYTES = 1 << 20
 LONG_PROMPT_CHARS = 20_000  # tokenized in a thread pool, not on the event loop
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+STREAM_OR_JSON = {200: {"description": "The whole reply as JSON, or with `stream: true` server-sent events: one `data: {chunk}` "
+                        "per text delta (an error event if the generation fails), then `data: [DONE]`",
+                        "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 def batch_depth(decoder: SpeculativeDecoder) -> BatchDepth | None:
@@ -58,6 +61,9 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError):
         first = error.errors()[0] if error.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc holds a character offset, not a field
+            reason = first.get("ctx", {}).get("error", "JSON decode error")
+            return error_response(f"the request body is not valid JSON: {reason} (at character {first['loc'][-1]})", 400)
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", "invalid request body"))
         return error_response(message, 400, param=where or None)
@@ -70,14 +76,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
     async def bad_request(request: Request, error: BadRequest):
         return error_response(str(error), error.status, error.code, error.param)
 
-    @app.middleware("http")
-    async def guard_and_count(request: Request, call_next):
-        response = _refusal(request) or await call_next(request)
-        if request.url.path in GENERATION_PATHS:
-            metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
-
-    def _refusal(request: Request):
+    def refusal(request: Request):
         """An error response for a request refused before routing, or None."""
         if allowed_hosts is not None and request.url.hostname not in allowed_hosts:
             return error_response(f"the Host header {request.headers.get('host')!r} is not one this server answers to", 400)
@@ -94,9 +93,12 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
         return None
 
     @app.head("/health", include_in_schema=False)
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "The server is shutting down: send no more requests here"}})
     async def health():
-        return {"status": "ok", "queue_depth": len(batcher.waiting), "batch_size": len(batcher.running)}
+        busy = {"queue_depth": len(batcher.waiting), "batch_size": len(batcher.running)}
+        if batcher.closing:  # a load balancer takes this server out of rotation while it drains
+            return JSONResponse({"status": "shutting down", **busy}, status_code=503)
+        return {"status": "ok", **busy}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
@@ -106,7 +108,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "specdec"}]}
 
-    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    @app.post("/v1/completions", responses={**STREAM_OR_JSON, **ERROR_RESPONSES})
     async def completions(body: CompletionRequest, request: Request):
         prompt = body.prompt_input()
         size = len(prompt) if isinstance(prompt, str) else 0
@@ -114,7 +116,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
         echo = "" if not body.echo else prompt if isinstance(prompt, str) else decoder.tokenizer.decode(prompt, skip_special_tokens=True)
         return await _serve(request, body, generation, Reply("text_completion", model_name, len(generation.state.prompt), decoder.tokenizer, echo))
 
-    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    @app.post("/v1/chat/completions", responses={**STREAM_OR_JSON, **ERROR_RESPONSES})
     async def chat(body: ChatRequest, request: Request):
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
@@ -167,21 +169,27 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
         if isinstance(result, tuple):
             kind, message = result
             return error_response(message, 503) if kind == "unavailable" else error_response(f"generation failed: {message}", 500)
+        if result.logprobs:  # one tokenizer decode per token and alternative: not on the event loop
+            return await run_in_threadpool(reply.whole, result)
         return reply.whole(result)
 
     async def _result(request: Request, job: Job):
-        """The finished GenerationResult; None if the client left; (kind, message) if it failed."""
-        while True:
-            try:
-                kind, value = await asyncio.wait_for(job.events.get(), timeout=0.25)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
+        """The finished GenerationResult; None as soon as the client leaves; (kind, message) if it failed."""
+        left = asyncio.ensure_future(_disconnect(request))
+        try:
+            while True:
+                event = asyncio.ensure_future(job.events.get())
+                await asyncio.wait((event, left), return_when=asyncio.FIRST_COMPLETED)
+                if not event.done():
+                    event.cancel()
                     return None
-                continue
-            if kind == "done":
-                return value
-            if kind != "delta":
-                return kind, value
+                kind, value = event.result()
+                if kind == "done":
+                    return value
+                if kind != "delta":
+                    return kind, value
+        finally:
+            left.cancel()
 
     async def _sse(job: Job, reply: Reply, include_usage: bool):
         try:
@@ -220,8 +228,46 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
         return app.openapi_schema
 
     app.openapi = openapi
+    app.add_middleware(Guard, refusal=refusal, count=lambda path, status: metrics.requests.labels(path, str(status)).inc())
     app.add_middleware(BodyDeadline, timeout=body_timeout)
     return app
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone. Once the body is read, the server's next message is the
+    disconnect: waiting for it costs nothing (`Request.is_disconnected` only peeks, and behind
+    Starlette's BaseHTTPMiddleware a peek never sees it, see `Guard`)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Guard:
+    """ASGI middleware: refuses what must not reach a route (wrong Host, no API key, no or too big a
+    Content-Length) and counts the generation endpoints' replies by status.
+
+    Pure ASGI on purpose: Starlette's BaseHTTPMiddleware (`@app.middleware("http")`) hands the
+    route a receive that goes through an anyio task group, whose set-up is a cancellation point,
+    so `Request.is_disconnected()` (a receive inside an already cancelled scope) was cancelled
+    there every time, before the server's receive could report the disconnect: non-streamed
+    requests never noticed their client leave."""
+
+    def __init__(self, app, refusal, count):
+        self.app, self.refusal, self.count = app, refusal, count
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        counted = scope["path"] in GENERATION_PATHS
+
+        async def counting_send(message):
+            if counted and message["type"] == "http.response.start":
+                self.count(scope["path"], message["status"])
+            await send(message)
+
+        refused = self.refusal(Request(scope))
+        if refused is not None:
+            return await refused(scope, receive, counting_send)
+        await self.app(scope, receive, counting_send)
 
 
 class BodyDeadline:
@@ -258,8 +304,9 @@ class BodyDeadline:
                 await send(message)
 
         await self.app(scope, timed_receive, guarded_send)
-        if timed_out and not started:
-            await error_response(f"the request body did not arrive within {self.timeout:g} seconds", 408)(scope, receive, send)
+        if timed_out and not started:  # the rest of the body may still come: the connection cannot serve another request
+            await error_response(f"the request body did not arrive within {self.timeout:g} seconds", 408,
+                                 headers={"Connection": "close"})(scope, receive, send)
 
 
 class CancellingStream(StreamingResponse):

@@ -15,6 +15,10 @@ from specdec.policy import BatchDepth
 from specdec.server.openai import BadRequest
 from specdec.types import GenerationStats
 
+# prompt tokens prefilled per round, for one request at a time: a long prompt delays the other rows'
+# next step by one chunk's forward, never by its whole prefill (llama.cpp's forwards hold 128 tokens)
+PREFILL_CHUNK = 128
+
 
 @dataclass
 class Job:
@@ -26,6 +30,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
     last_token: float | None = None  # when the last text delta went out
+    prefilling: bool = True  # its prompt is not all fed yet: it is not stepped
     logprobs_sent: int = 0  # tokens whose logprobs went out with a delta
 
     def emit(self, kind: str, value) -> None:
@@ -38,8 +43,9 @@ class Job:
 class Batcher:
     """Continuous batching on one thread: every running generation advances by one engine step
     at a time, all rows in one target forward. Between steps, waiting jobs join (up to `max_batch`
-    run at once) and finished or cancelled ones leave at once. At most `max_queue` jobs wait;
-    `submit` refuses beyond that. The draft depth of a step comes from `depth` (a BatchDepth)."""
+    run at once) and finished or cancelled ones leave at once; a joining job's prompt is prefilled
+    `PREFILL_CHUNK` tokens a round, oldest first, before it is stepped. At most `max_queue` jobs
+    wait; `submit` refuses beyond that. The draft depth of a step comes from `depth` (a BatchDepth)."""
 
     def __init__(self, decoder: SpeculativeDecoder, max_batch: int, max_queue: int, metrics: "Metrics", depth: BatchDepth | None):
         self.metrics, self.max_batch, self.max_queue, self.depth = metrics, max_batch, max_queue, depth
@@ -123,32 +129,44 @@ class Batcher:
             self._open(job)
         for job in [job for job in self.running if job.cancelled.is_set() or stopping]:
             self._retire(job, "unavailable" if stopping else None, "the server shut down before the generation finished")
-        if self.running:
-            self._step()
+        self._prefill()
+        ready = [job for job in self.running if not job.prefilling]
+        if ready:
+            self._step(ready)
         return not self.running and self.closing is not None
 
     def _open(self, job: Job) -> None:
         self.running.append(job)  # from here on, a failure anywhere ends it with the others (see _run)
         try:
-            job.generation.open(self.engine)
+            job.generation.open(self.engine, prefill=False)
         except Exception as error:  # never let one request take the batch down
             self._abandon(job, f"{type(error).__name__}: {error}")
             return
         if job.generation.done:  # nothing to generate (max_tokens 0)
             self._retire(job, "done", None)
 
-    def _step(self) -> None:
-        states = [job.generation.state for job in self.running]
+    def _prefill(self) -> None:
+        """One chunk of the oldest unfinished prefill."""
+        job = next((job for job in self.running if job.prefilling), None)
+        if job is None:
+            return
+        try:
+            job.prefilling = not self.engine.prefill(job.generation.state, PREFILL_CHUNK)
+        except Exception as error:  # its slots are closed; the others go on
+            self._abandon(job, f"{type(error).__name__}: {error}")
+
+    def _step(self, jobs: list[Job]) -> None:
+        states = [job.generation.state for job in jobs]
         cap = self.depth.depth(len(states)) if self.depth is not None else None
         self.metrics.step(len(states), cap)
         try:
             results = self.engine.step(states, cap)
         except Exception as error:  # a failed forward leaves the rows' caches unknown: end them all
-            for job in list(self.running):
+            for job in jobs:
                 self._retire(job, "error", f"{type(error).__name__}: {error}")
             return
         now = time.perf_counter()
-        for job, result in zip(list(self.running), results):
+        for job, result in zip(jobs, results):
             if self.depth is not None:
                 self.depth.observe(result.drafted, result.accepted)
             delta = job.generation.add(result)

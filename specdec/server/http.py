@@ -14,17 +14,25 @@ KEEP_ALIVE_TIMEOUT = 5  # seconds an idle keep-alive connection stays open
 
 class Server(uvicorn.Server):
     """uvicorn, shutting down in bounded time: on SIGTERM/SIGINT the batch refuses new requests
-    (503), ends waiting ones with an error event and gives running ones `shutdown_timeout` seconds
-    before they end with an error event too (streams still get their `[DONE]`)."""
+    (503, and /health answers 503), ends waiting ones with an error event and gives running ones
+    `shutdown_timeout` seconds before they end with an error event too (streams still get their
+    `[DONE]`). The server keeps accepting connections while it drains, so that a new request gets
+    its 503 rather than a refused connection; then uvicorn shuts down. A second signal stops at once."""
 
     def __init__(self, config: uvicorn.Config, shutdown_timeout: float):
         super().__init__(config)
         self.shutdown_timeout = shutdown_timeout
+        self.draining: threading.Thread | None = None
 
     def handle_exit(self, sig, frame) -> None:
-        batcher = self.config.app.state.batcher
-        threading.Thread(target=batcher.shut_down, args=(self.shutdown_timeout,), daemon=True).start()
-        super().handle_exit(sig, frame)
+        if self.draining is not None:
+            return super().handle_exit(sig, frame)
+        self.draining = threading.Thread(target=self._drain, args=(sig,), daemon=True)
+        self.draining.start()
+
+    def _drain(self, sig) -> None:
+        self.config.app.state.batcher.shut_down(self.shutdown_timeout)
+        super().handle_exit(sig, None)  # uvicorn's main loop sees should_exit within 0.1 s
 
 
 class HeaderDeadline(H11Protocol):

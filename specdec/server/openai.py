@@ -60,20 +60,28 @@ def error_response(message: str, status: int, code: str | None = None, param: st
 # ---------------------------------------------------------------------------- request bodies
 
 
+STRICT = ConfigDict(extra="ignore", strict=True)  # OpenAI's types, not coerced: `true` is no max_tokens, "yes" no stream
+MAX_TOP_K = 2**31 - 1
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
-    """What both endpoints accept; top_k is an extension. Other unknown fields are ignored (e.g. user)."""
+    """What both endpoints accept; top_k is an extension (above the vocabulary's size it limits
+    nothing). Other unknown fields are ignored (e.g. user). Types are strict, as in OpenAI's schema:
+    an integer is a valid float, nothing else is coerced."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str
     max_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(1.0, ge=0, le=2)
     top_p: float | None = Field(1.0, gt=0, le=1)
-    top_k: int | None = Field(0, ge=0)
+    top_k: int | None = Field(0, ge=0, le=MAX_TOP_K)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     n: int | None = 1
@@ -138,11 +146,15 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    model_config = STRICT
+
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
 

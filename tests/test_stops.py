@@ -1,0 +1,56 @@
+"""Stop strings: the linear automaton against a brute-force reference, however the text arrives."""
+
+from hypothesis import given, settings, strategies as st
+
+from specdec.stops import StopStrings
+
+ALPHABET = "ab\u00e9c"  # few letters: overlaps, borders and repeats are common
+texts = st.text(alphabet=ALPHABET, max_size=40)
+stop_lists = st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=8), min_size=0, max_size=4)
+
+
+def reference(text: str, stops: list[str]) -> tuple[int | None, int]:
+    """Slow and obvious: the first character at which some stop ends (the longest of those ending
+    there wins); else the longest end of the text that is a proper prefix of a stop."""
+    for end in range(1, len(text) + 1):
+        ending = [len(s) for s in stops if text[:end].endswith(s)]
+        if ending:
+            return end - max(ending), 0
+    return None, max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+@settings(max_examples=400, deadline=None)
+@given(texts, stop_lists, st.lists(st.integers(0, 40), max_size=6))
+def test_matches_reference_however_the_text_is_split(text, stops, cuts):
+    """Fed in pieces (steps of a speculative generation), the answer is that of the whole text."""
+    matcher = StopStrings(stops)
+    for cut in sorted(c for c in cuts if c < len(text)):
+        found = matcher.scan(text[:cut])
+        assert found == reference(text[:cut], stops)
+        if found[0] is not None:
+            return
+    assert matcher.scan(text) == reference(text, stops)
+
+
+@settings(max_examples=300, deadline=None)
+@given(texts, texts, texts, stop_lists)
+def test_a_rewritten_end_is_rescanned(common, before, after, stops):
+    """A decode may rewrite the text's last characters once more tokens arrive."""
+    matcher = StopStrings(stops)
+    first = matcher.scan(common + before)
+    if first[0] is None:
+        assert matcher.scan(common + after) == reference(common + after, stops)
+
+
+def test_overlapping_stops_cut_where_the_first_one_ends():
+    """'c' ends before 'abcd' does: token by token a plain decode stops at 'c', so must a step of many tokens."""
+    assert StopStrings(["abcd", "c"]).scan("xabcd") == (3, 0)
+    assert StopStrings(["bc", "abc"]).scan("xabc") == (1, 0)  # both end at 'c': the longer begins first
+
+
+def test_a_huge_stop_string_costs_only_the_text():
+    """The failure table grows only as far as the automaton's state: a 200,000-character stop
+    matched against a short text builds a few entries, however long the stop is."""
+    matcher = StopStrings(["q" * 200_000] * 4)
+    assert matcher.scan("def f(x): qqq") == (None, 3)
+    assert max(len(table) for table in matcher._failure) <= 4
