@@ -127,9 +127,12 @@ def test_sigterm_stops_specdec_serve_within_its_timeout(model_dirs):
             time.sleep(0.5)
             process.send_signal(signal.SIGTERM)
             signalled = time.time()
+            time.sleep(0.2)
+            refused = httpx.post(url + "/v1/completions", json=body, timeout=10)  # while it drains: a 503, not a refused connection
             assert process.wait(timeout=10) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
             exited = time.time() - signalled
             events = [f.result() for f in streams]
+        assert refused.status_code == 503
         assert exited < 5
         assert all(e[-1] == "[DONE]" for e in events)
         assert any("error" in e[-2] for e in events), "the queued streams were ended with an error event"

@@ -54,3 +54,29 @@ def test_a_huge_stop_string_costs_only_the_text():
     matcher = StopStrings(["q" * 200_000] * 4)
     assert matcher.scan("def f(x): qqq") == (None, 3)
     assert max(len(table) for table in matcher._failure) <= 4
+
+
+class Distinct:
+    """A tokenizer whose token i is the character chr(0x4E00 + i), counting its decodes."""
+
+    def __init__(self):
+        self.decodes = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decodes += 1
+        return "".join(chr(0x4E00 + i) for i in ids)
+
+
+def test_a_stop_spanning_many_tokens_cuts_them_with_few_decodes():
+    """The tokens before a stop string that spans 399 tokens are found by bisection, not by one
+    decode of the whole text per token it spans."""
+    from specdec.api import TextAssembler
+    from specdec.engine import StepResult
+
+    tokenizer = Distinct()
+    tokens = list(range(1000))
+    text = TextAssembler(tokenizer, [999], [tokenizer.decode(range(601, 1000))])
+    for start in range(0, 1000, 50):  # 50 tokens a step
+        text.add(StepResult(tokens[start : start + 50]))
+    assert text.finish_reason == "stop" and text.text == tokenizer.decode(range(601)) and text.tokens == tokens[:601]
+    assert tokenizer.decodes < 60, f"{tokenizer.decodes} decodes"  # 20 steps, ~12 to find the cut; one per spanned token would be 400

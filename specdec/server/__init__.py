@@ -3,8 +3,10 @@
 Continuous batching (`batch`): one thread runs every generation in one batch, one engine step at a
 time (all rows in one target forward). Requests wait in a bounded first-in first-out queue (429
 with Retry-After when it is full) and join the batch between steps, up to `max_batch` at once; a
-finished generation leaves at once, and one whose client went away leaves at the next step, its
-slots freed. The draft depth of a step follows the batch size (`specdec.policy`).
+finished generation leaves at once, and one whose client went away (streamed or not) leaves at the
+next step, its slots freed. Joining prompts are prefilled a chunk per step, and stop strings cost
+time linear in the new text, so no request holds up the others for more than its share of a step.
+The draft depth of a step follows the batch size (`specdec.policy`).
 The wire format (`openai`) refuses what it does not honour; every error a client can cause is an
 OpenAI-style JSON error with a 4xx status. `http` runs it under uvicorn with deadlines and a
 bounded shutdown.

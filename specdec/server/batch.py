@@ -15,8 +15,8 @@ from specdec.policy import BatchDepth
 from specdec.server.openai import BadRequest
 from specdec.types import GenerationStats
 
-# prompt tokens prefilled per round, for one request at a time: a long prompt delays the other rows'
-# next step by one chunk's forward, never by its whole prefill (llama.cpp's forwards hold 128 tokens)
+# prompt tokens prefilled per round (oldest joining request first): a long prompt delays the other
+# rows' next step by one chunk's forward, never by its whole prefill (llama.cpp's forwards hold 128 tokens)
 PREFILL_CHUNK = 128
 
 
@@ -43,8 +43,8 @@ class Job:
 class Batcher:
     """Continuous batching on one thread: every running generation advances by one engine step
     at a time, all rows in one target forward. Between steps, waiting jobs join (up to `max_batch`
-    run at once) and finished or cancelled ones leave at once; a joining job's prompt is prefilled
-    `PREFILL_CHUNK` tokens a round, oldest first, before it is stepped. At most `max_queue` jobs
+    run at once) and finished or cancelled ones leave at once; joining jobs' prompts are prefilled
+    `PREFILL_CHUNK` tokens a round, oldest first, before they are stepped. At most `max_queue` jobs
     wait; `submit` refuses beyond that. The draft depth of a step comes from `depth` (a BatchDepth)."""
 
     def __init__(self, decoder: SpeculativeDecoder, max_batch: int, max_queue: int, metrics: "Metrics", depth: BatchDepth | None):
@@ -146,14 +146,21 @@ class Batcher:
             self._retire(job, "done", None)
 
     def _prefill(self) -> None:
-        """One chunk of the oldest unfinished prefill."""
-        job = next((job for job in self.running if job.prefilling), None)
-        if job is None:
-            return
-        try:
-            job.prefilling = not self.engine.prefill(job.generation.state, PREFILL_CHUNK)
-        except Exception as error:  # its slots are closed; the others go on
-            self._abandon(job, f"{type(error).__name__}: {error}")
+        """About PREFILL_CHUNK prompt tokens this round (less than two chunks), oldest joining jobs
+        first. Each job is fed whole chunks, so its prompt is cut where one long forward would be
+        (llama.cpp splits at 128 tokens too: the same cells, however busy the server)."""
+        budget = PREFILL_CHUNK
+        for job in [job for job in self.running if job.prefilling]:
+            if budget <= 0:
+                return
+            state = job.generation.state
+            fed = state.sequence.cache_len
+            try:
+                job.prefilling = not self.engine.prefill(state, PREFILL_CHUNK)
+            except Exception as error:  # its slots are closed; the others go on
+                self._abandon(job, f"{type(error).__name__}: {error}")
+                continue
+            budget -= max(1, state.sequence.cache_len - fed)
 
     def _step(self, jobs: list[Job]) -> None:
         states = [job.generation.state for job in jobs]
