@@ -200,6 +200,7 @@ def _draft_level(draft: CausalLM) -> float:
     for _ in range(5):
         slot = drafter.open(prompt)
         try:
+            drafter.prefill(slot)  # the prompt is not part of a draft level
             started = time.perf_counter()
             drafter.propose([DraftRequest(slot, prompt, depth, SamplingParams(temperature=1.0), generator)])
             times.append((time.perf_counter() - started) / depth)

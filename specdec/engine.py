@@ -17,6 +17,11 @@ from specdec.sampling import RandomStreams, probs_from_logits
 from specdec.types import Draft, GenerationStats, SamplingParams
 from specdec.verify import verify_tree, verify_tree_greedy
 
+# prompt tokens per prefill forward, on every path (a server feeds one such chunk per job and round
+# between batch steps; a lone generation feeds them back to back): a prompt is cut in the same places
+# however it is served, and so computes the same cache (llama.cpp's forwards hold 128 tokens too)
+PREFILL_CHUNK = 128
+
 
 @dataclass
 class StepResult:
@@ -82,8 +87,8 @@ class Engine:
     def open(self, state: DecodeState) -> None:
         """Start a generation with its prompt prefilled."""
         self.start(state)
-        if state.finish_reason is None:
-            self.prefill(state)
+        while state.finish_reason is None and not self.prefill(state):
+            pass
 
     def start(self, state: DecodeState) -> None:
         """Take the generation's slots; its prompt is not fed yet (`prefill`)."""
@@ -99,17 +104,17 @@ class Engine:
         if state.room <= 0:
             state.finish_reason = "length"
 
-    def prefill(self, state: DecodeState, budget: int | None = None) -> bool:
-        """Feed the next `budget` prompt tokens (None: all that are left) to the target, and as many
-        to the draft model; True once the whole prompt is in. A server prefills a long prompt in
-        chunks between batch steps. Not counted in target_forwards: those are per iteration."""
+    def prefill(self, state: DecodeState) -> bool:
+        """Feed the next PREFILL_CHUNK prompt tokens to the target, and as many to the draft model;
+        True once the whole prompt is in (all but its last token, which the first step feeds). Not
+        counted in target_forwards: those are per iteration."""
         started = time.perf_counter()
         fed = state.sequence.cache_len  # invariant while prefilling: the cache holds context[:fed]
-        count = len(state.context) - 1 - fed if budget is None else min(budget, len(state.context) - 1 - fed)
+        count = min(PREFILL_CHUNK, len(state.context) - 1 - fed)
         try:
             if count > 0:
                 state.sequence.forward(state.context[fed : fed + count], last=1)
-            drafter_done = self.drafter is None or self.drafter.prefill(state.draft_slot, budget)
+            drafter_done = self.drafter is None or self.drafter.prefill(state.draft_slot, PREFILL_CHUNK)
         except BaseException:
             self.close(state)
             raise

@@ -20,7 +20,10 @@ class StopStrings:
 
     Which stop wins: the first to *end* in the text, and of those ending at the same character the
     longest. That depends only on the text, not on how it was split into steps, so speculative
-    decoding (several tokens a step) cuts exactly where plain decoding (one token a step) does."""
+    decoding (several tokens a step) cuts exactly where plain decoding (one token a step) does, as
+    long as decoding more tokens only appends text. Where a tokenizer rewrites the end of the text
+    once more tokens arrive (clean-up of spaces before punctuation: "a ." becomes "a."), a stop that
+    only the short-lived text contained can be seen by one step grouping and not by another."""
 
     def __init__(self, stops: Sequence[str]):
         if any(not isinstance(s, str) or not s for s in stops):

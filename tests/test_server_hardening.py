@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -127,12 +128,9 @@ def test_sigterm_stops_specdec_serve_within_its_timeout(model_dirs):
             time.sleep(0.5)
             process.send_signal(signal.SIGTERM)
             signalled = time.time()
-            time.sleep(0.2)
-            refused = httpx.post(url + "/v1/completions", json=body, timeout=10)  # while it drains: a 503, not a refused connection
             assert process.wait(timeout=10) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
             exited = time.time() - signalled
             events = [f.result() for f in streams]
-        assert refused.status_code == 503
         assert exited < 5
         assert all(e[-1] == "[DONE]" for e in events)
         assert any("error" in e[-2] for e in events), "the queued streams were ended with an error event"
@@ -382,8 +380,7 @@ def test_a_non_streamed_request_is_cancelled_when_its_client_leaves(model_dirs):
         while metric(live, "specdec_cancelled_total") < 1:
             assert time.time() < hung_up + 5, "the generation was not cancelled"
             time.sleep(0.02)
-        assert time.time() - hung_up < 0.6, "cancelled promptly, before the generation could finish"
-        assert metric(live, "specdec_generated_tokens_total") == 0  # it never finished
+        assert metric(live, "specdec_generated_tokens_total") == 0  # it never finished: cancelled before its end
         assert httpx.get(live.url + "/health").json()["batch_size"] == 0
         assert metric(live, 'specdec_requests_total{endpoint="/v1/completions",status="499"}') == 1
     finally:
@@ -427,38 +424,77 @@ def test_one_heavy_request_beside_light_ones(server, offline):
         reply = heavy_reply.result()
     assert light_seconds < 5
     assert reply.status_code == 200
-    assert reply.json()["choices"][0]["text"] == offline.generate("def f(x):", max_new_tokens=40, temperature=0, stop=huge).text
+    # none of the stops can occur in 40 tokens of this 15-character vocabulary: the whole text
+    assert reply.json()["choices"][0]["text"] == offline.generate("def f(x):", max_new_tokens=40, temperature=0).text
 
 
-def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_steps(model_dirs, offline, monkeypatch):
-    """A joining request's prompt goes in PREFILL_CHUNK tokens a round, so a request already
-    running is stepped between the chunks instead of waiting for the whole prefill; the chunked
-    prefill changes nothing in what is generated."""
-    from specdec.server import batch
-    monkeypatch.setattr(batch, "PREFILL_CHUNK", 8)
+def took_turns(turns: list) -> bool:
+    """Once both prompts have had a chunk, neither gets two in a row while the other has some left."""
+    left, seen = Counter(turns), set()
+    for current, following in zip(turns, turns[1:]):
+        left[current] -= 1
+        seen.add(current)
+        other = next(iter(set(turns) - {current}))
+        if following == current and other in seen and left[other] > 0:
+            return False
+    return True
+
+
+def test_long_prompts_are_prefilled_in_turns_between_the_others_steps(model_dirs, offline, monkeypatch):
+    """Joining prompts go in one PREFILL_CHUNK a round, taking turns, so a request already running
+    is stepped between the chunks and no prompt waits for another's whole prefill; the chunks are
+    those of a lone generation (the same cut everywhere), so the text is offline generation's."""
+    from specdec import engine as engine_module
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 8)
     decoder = make_decoder(model_dirs)
     decoder.drafter = SlowDrafter(decoder.drafter)
     app = create_app(decoder, MODEL, depth=None)
     engine, calls = app.state.batcher.engine, []
     prefill, step = engine.prefill, engine.step
-    monkeypatch.setattr(engine, "prefill", lambda state, budget=None: calls.append(("prefill", len(state.prompt))) or prefill(state, budget))
+    monkeypatch.setattr(engine, "prefill", lambda state: calls.append(("prefill", len(state.prompt))) or prefill(state))
     monkeypatch.setattr(engine, "step", lambda states, cap=None: calls.append(("step", len(states))) or step(states, cap))
     live = LiveServer(app)
-    long_prompt = "ab cd ef gh ij kl ab cd ef gh ij kl ab cd"  # 41 tokens: six chunks of 8 (the last token is fed by the first step)
+    prompts = ["ab cd ef gh ij kl ab cd ef gh ij kl ab cd", "hi ej hi ej hi ej hi ej hi ej hi ej hi ej hi"]  # 41 and 44 tokens
+    bodies = [{"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0.8, "seed": 5} for prompt in prompts]
     try:
-        with ThreadPoolExecutor(2) as pool:
-            running = pool.submit(stream, live.url, {"model": MODEL, "prompt": "hi", "max_tokens": 40, "temperature": 0})
+        with ThreadPoolExecutor(3) as pool:
+            running = pool.submit(stream, live.url, {"model": MODEL, "prompt": "hi", "max_tokens": 60, "temperature": 0})
             time.sleep(0.3)
-            joining = pool.submit(httpx.post, live.url + "/v1/completions", timeout=60,
-                                  json={"model": MODEL, "prompt": long_prompt, "max_tokens": 8, "temperature": 0.8, "seed": 5})
-            text = joining.result().json()["choices"][0]["text"]
+            joining = [pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=60) for body in bodies]
+            texts = [f.result().json()["choices"][0]["text"] for f in joining]
             running.result()
     finally:
         live.stop()
-    chunks = [i for i, call in enumerate(calls) if call == ("prefill", len(offline.prompt_ids(long_prompt)))]
-    assert len(chunks) == 5
-    assert all(("step", 1) in calls[a + 1 : b] for a, b in zip(chunks, chunks[1:])), "the running request was stepped between chunks"
-    assert text == offline.generate(long_prompt, max_new_tokens=8, temperature=0.8, seed=5).text
+    lengths = [len(offline.prompt_ids(prompt)) for prompt in prompts]
+    chunks = [(i, call[1]) for i, call in enumerate(calls) if call[0] == "prefill" and call[1] in lengths]
+    assert sorted(n for _, n in chunks) == [lengths[0]] * 5 + [lengths[1]] * 6  # 40 and 43 tokens fed, 8 at a time
+    assert all(any(call[0] == "step" for call in calls[a + 1 : b]) for (a, _), (b, _) in zip(chunks, chunks[1:])), \
+        "the running request was stepped between chunks"
+    assert took_turns([n for _, n in chunks]), "the two prompts took turns"
+    for body, text in zip(bodies, texts):
+        assert text == offline.generate(body["prompt"], max_new_tokens=8, temperature=0.8, seed=5).text
+
+
+def test_a_request_cancelled_while_its_prompt_is_prefilled_frees_its_slots(model_dirs, monkeypatch):
+    from specdec import engine as engine_module
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 1)  # 40 rounds of prefill, each beside a slow step
+    decoder = make_decoder(model_dirs)
+    decoder.drafter = SlowDrafter(decoder.drafter)
+    live = LiveServer(create_app(decoder, MODEL, depth=None))
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(stream, live.url, {"model": MODEL, "prompt": "hi", "max_tokens": 60, "temperature": 0})
+            time.sleep(0.3)
+            post_and_hang_up(live.url, {"model": MODEL, "prompt": "ab cd ef gh ij kl ab cd ef gh ij kl ab cd", "max_tokens": 4}, after=0.3)
+            deadline = time.time() + 5
+            while metric(live, "specdec_cancelled_total") < 1:
+                assert time.time() < deadline, "the prefilling request was not cancelled"
+                time.sleep(0.02)
+            assert httpx.get(live.url + "/health").json()["batch_size"] == 1  # only the running stream is left
+            running.result()
+        assert metric(live, "specdec_generated_tokens_total") == 60
+    finally:
+        live.stop()
 
 
 # ---------------------------------------------------------------- rough edges of the outside probe
@@ -484,6 +520,24 @@ def test_sigterm_answers_new_requests_with_503_while_draining(model_dirs):
     assert events[-1] == "[DONE]" and "error" not in events[-2], "the running stream was let finish"
     live.thread.join(10)
     assert not live.thread.is_alive(), "the server exited once drained"
+
+
+def test_a_second_signal_ends_running_generations_at_once(model_dirs):
+    decoder = make_decoder(model_dirs)
+    decoder.drafter = SlowDrafter(decoder.drafter)
+    live = LiveServer(create_app(decoder, MODEL, depth=None), shutdown_timeout=30.0)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(stream, live.url, {"model": MODEL, "prompt": "hi", "max_tokens": 60, "temperature": 0})
+        time.sleep(0.3)
+        live.server.handle_exit(signal.SIGTERM, None)
+        time.sleep(0.1)
+        signalled = time.time()
+        live.server.handle_exit(signal.SIGTERM, None)
+        events = running.result()
+        live.thread.join(10)
+        exited = time.time() - signalled
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "unavailable"
+    assert not live.thread.is_alive() and exited < 5, "not the 30 s the first signal would have waited"
 
 
 def test_a_408_closes_its_connection(decoder):

@@ -42,6 +42,22 @@ def test_a_rewritten_end_is_rescanned(common, before, after, stops):
         assert matcher.scan(common + after) == reference(common + after, stops)
 
 
+@settings(max_examples=300, deadline=None)
+@given(texts, stop_lists, st.lists(st.tuples(st.integers(0, 40), texts), min_size=1, max_size=6))
+def test_rewrites_at_any_depth_are_rescanned(start, stops, edits):
+    """Each scan keeps some prefix of the last text and appends new characters: checkpoints in the
+    middle of the stack are rewound to, and every answer is the reference's."""
+    matcher, text = StopStrings(stops), start
+    found = matcher.scan(text)
+    for keep, appended in edits:
+        if found[0] is not None:
+            return
+        assert found == reference(text, stops)
+        text = text[:keep] + appended
+        found = matcher.scan(text)
+    assert found == reference(text, stops)
+
+
 def test_overlapping_stops_cut_where_the_first_one_ends():
     """'c' ends before 'abcd' does: token by token a plain decode stops at 'c', so must a step of many tokens."""
     assert StopStrings(["abcd", "c"]).scan("xabcd") == (3, 0)

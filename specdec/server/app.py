@@ -175,21 +175,22 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
 
     async def _result(request: Request, job: Job):
         """The finished GenerationResult; None as soon as the client leaves; (kind, message) if it failed."""
-        left = asyncio.ensure_future(_disconnect(request))
+        left, event = asyncio.ensure_future(_disconnect(request)), None
         try:
             while True:
                 event = asyncio.ensure_future(job.events.get())
                 await asyncio.wait((event, left), return_when=asyncio.FIRST_COMPLETED)
                 if not event.done():
-                    event.cancel()
                     return None
                 kind, value = event.result()
                 if kind == "done":
                     return value
                 if kind != "delta":
                     return kind, value
-        finally:
+        finally:  # however this ends (the handler itself may be cancelled), no task is left waiting
             left.cancel()
+            if event is not None:
+                event.cancel()
 
     async def _sse(job: Job, reply: Reply, include_usage: bool):
         try:
@@ -228,8 +229,9 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
         return app.openapi_schema
 
     app.openapi = openapi
-    app.add_middleware(Guard, refusal=refusal, count=lambda path, status: metrics.requests.labels(path, str(status)).inc())
     app.add_middleware(BodyDeadline, timeout=body_timeout)
+    # outermost: it counts what the client is sent, a BodyDeadline 408 included
+    app.add_middleware(Guard, refusal=refusal, count=lambda path, status: metrics.requests.labels(path, str(status)).inc())
     return app
 
 

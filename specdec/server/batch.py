@@ -15,12 +15,8 @@ from specdec.policy import BatchDepth
 from specdec.server.openai import BadRequest
 from specdec.types import GenerationStats
 
-# prompt tokens prefilled per round (oldest joining request first): a long prompt delays the other
-# rows' next step by one chunk's forward, never by its whole prefill (llama.cpp's forwards hold 128 tokens)
-PREFILL_CHUNK = 128
 
-
-@dataclass
+@dataclass(eq=False)  # a job is itself: found in the queues by identity
 class Job:
     """One request: the batch thread fills `events`; the request handler reads them."""
 
@@ -30,7 +26,6 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
     last_token: float | None = None  # when the last text delta went out
-    prefilling: bool = True  # its prompt is not all fed yet: it is not stepped
     logprobs_sent: int = 0  # tokens whose logprobs went out with a delta
 
     def emit(self, kind: str, value) -> None:
@@ -43,8 +38,10 @@ class Job:
 class Batcher:
     """Continuous batching on one thread: every running generation advances by one engine step
     at a time, all rows in one target forward. Between steps, waiting jobs join (up to `max_batch`
-    run at once) and finished or cancelled ones leave at once; joining jobs' prompts are prefilled
-    `PREFILL_CHUNK` tokens a round, oldest first, before they are stepped. At most `max_queue` jobs
+    run at once) and finished or cancelled ones leave at once. A joining job's prompt is prefilled
+    one chunk (`engine.PREFILL_CHUNK` tokens) a round, the joining jobs taking turns, before it is
+    stepped: a long prompt delays the others' steps by one chunk's forward, and the prompts that
+    join after it by their own chunks' turns, never by its whole prefill. At most `max_queue` jobs
     wait; `submit` refuses beyond that. The draft depth of a step comes from `depth` (a BatchDepth)."""
 
     def __init__(self, decoder: SpeculativeDecoder, max_batch: int, max_queue: int, metrics: "Metrics", depth: BatchDepth | None):
@@ -52,6 +49,7 @@ class Batcher:
         self.engine = decoder.engine()
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
+        self.prefilling: deque[Job] = deque()  # running jobs whose prompt is not all in, in turn
         self.changed = threading.Condition()
         self.closing: str | None = None  # why new requests are refused (shutting down)
         metrics.queue_depth.set_function(lambda: len(self.waiting))
@@ -92,10 +90,14 @@ class Batcher:
                 self.waiting.popleft().emit("unavailable", "the server is shutting down")
             self.changed.notify()
         self.thread.join(timeout)
-        with self.changed:
-            self.closing = "the server has shut down"  # the batch thread ends every running job now
-            self.changed.notify()
+        self.stop_now()
         self.thread.join(5)
+
+    def stop_now(self) -> None:
+        """End every running job at the next step, with an error; returns at once."""
+        with self.changed:
+            self.closing = "the server has shut down"
+            self.changed.notify()
 
     def _run(self) -> None:
         while True:
@@ -110,6 +112,8 @@ class Batcher:
         """End a job after an unexpected failure, whatever state its slots are in."""
         if job in self.running:
             self.running.remove(job)
+        if job in self.prefilling:
+            self.prefilling.remove(job)
         try:
             self.engine.close(job.generation.state)
         except Exception:
@@ -130,7 +134,7 @@ class Batcher:
         for job in [job for job in self.running if job.cancelled.is_set() or stopping]:
             self._retire(job, "unavailable" if stopping else None, "the server shut down before the generation finished")
         self._prefill()
-        ready = [job for job in self.running if not job.prefilling]
+        ready = [job for job in self.running if job not in self.prefilling]
         if ready:
             self._step(ready)
         return not self.running and self.closing is not None
@@ -144,23 +148,19 @@ class Batcher:
             return
         if job.generation.done:  # nothing to generate (max_tokens 0)
             self._retire(job, "done", None)
+        else:
+            self.prefilling.append(job)
 
     def _prefill(self) -> None:
-        """About PREFILL_CHUNK prompt tokens this round (less than two chunks), oldest joining jobs
-        first. Each job is fed whole chunks, so its prompt is cut where one long forward would be
-        (llama.cpp splits at 128 tokens too: the same cells, however busy the server)."""
-        budget = PREFILL_CHUNK
-        for job in [job for job in self.running if job.prefilling]:
-            if budget <= 0:
-                return
-            state = job.generation.state
-            fed = state.sequence.cache_len
-            try:
-                job.prefilling = not self.engine.prefill(state, PREFILL_CHUNK)
-            except Exception as error:  # its slots are closed; the others go on
-                self._abandon(job, f"{type(error).__name__}: {error}")
-                continue
-            budget -= max(1, state.sequence.cache_len - fed)
+        """One chunk of the next joining job's prompt; it goes to the back of the line if more is left."""
+        if not self.prefilling:
+            return
+        job = self.prefilling.popleft()
+        try:
+            if not self.engine.prefill(job.generation.state):
+                self.prefilling.append(job)
+        except Exception as error:  # its slots are closed; the others go on
+            self._abandon(job, f"{type(error).__name__}: {error}")
 
     def _step(self, jobs: list[Job]) -> None:
         states = [job.generation.state for job in jobs]
@@ -198,6 +198,8 @@ class Batcher:
         """The job leaves the batch; its slots go back. kind: what the client is told (None: it left)."""
         self.engine.close(job.generation.state)
         self.running.remove(job)
+        if job in self.prefilling:
+            self.prefilling.remove(job)
         if kind is None:
             self.metrics.cancelled.inc()
         elif kind in ("error", "unavailable"):

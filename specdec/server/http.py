@@ -17,7 +17,8 @@ class Server(uvicorn.Server):
     (503, and /health answers 503), ends waiting ones with an error event and gives running ones
     `shutdown_timeout` seconds before they end with an error event too (streams still get their
     `[DONE]`). The server keeps accepting connections while it drains, so that a new request gets
-    its 503 rather than a refused connection; then uvicorn shuts down. A second signal stops at once."""
+    its 503 rather than a refused connection; then uvicorn shuts down. A second signal ends every
+    running generation (with an error event) and exits without waiting for connections."""
 
     def __init__(self, config: uvicorn.Config, shutdown_timeout: float):
         super().__init__(config)
@@ -25,14 +26,19 @@ class Server(uvicorn.Server):
         self.draining: threading.Thread | None = None
 
     def handle_exit(self, sig, frame) -> None:
-        if self.draining is not None:
-            return super().handle_exit(sig, frame)
-        self.draining = threading.Thread(target=self._drain, args=(sig,), daemon=True)
-        self.draining.start()
+        if self.draining is None:
+            self.draining = threading.Thread(target=self._drain, args=(sig,), daemon=True)
+            self.draining.start()
+            return
+        self.config.app.state.batcher.stop_now()
+        super().handle_exit(sig, frame)
+        self.force_exit = True
 
     def _drain(self, sig) -> None:
-        self.config.app.state.batcher.shut_down(self.shutdown_timeout)
-        super().handle_exit(sig, None)  # uvicorn's main loop sees should_exit within 0.1 s
+        try:
+            self.config.app.state.batcher.shut_down(self.shutdown_timeout)
+        finally:
+            super().handle_exit(sig, None)  # uvicorn's main loop sees should_exit within 0.1 s
 
 
 class HeaderDeadline(H11Protocol):
