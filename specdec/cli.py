@@ -138,8 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--target", help="target checkpoint (default: the demo pair with its draft and n-gram)")
     bench.add_argument("--draft", help="draft checkpoint for the chain strategies and HF assisted generation")
     bench.add_argument("--ngram", help="n-gram file for the n-gram strategy")
-    bench.add_argument("--prompts", help="prompts file (.jsonl with a \"prompt\" field, or one prompt per line); default HumanEval")
-    bench.add_argument("--limit", type=int, help="use the first N prompts")
+    bench.add_argument("--suite", nargs="+", default=None, metavar="NAME",
+                       help="workload suites: complete (HumanEval, the default), edit, extract, chat, agent, prose, or all")
+    bench.add_argument("--prompts", help="a prompts file instead of the suites (.jsonl with a \"prompt\" field, or one prompt per line)")
+    bench.add_argument("--limit", type=int, help="use the first N prompts of each suite")
+    bench.add_argument("--rounds", type=int, default=None, help="run every prompt this many times, in interleaved rounds (default 1)")
     bench.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (--quick: 64)")
     bench.add_argument("--mode", choices=["greedy", "sampled", "both"], default="both")
     bench.add_argument("--temperature", type=float, default=0.8, help="sampled mode (default 0.8)")
@@ -321,8 +324,10 @@ def run_ngram_build(args) -> None:
 def run_bench_command(args) -> None:
     from specdec.bench import BenchConfig, run_bench
     from specdec.bench.report import markdown, write_report
+    from specdec.bench.suites import SUITES
 
-    given = dict(target=args.target, draft=args.draft, ngram=args.ngram, prompts=args.prompts, limit=args.limit,
+    suites = tuple(SUITES) if args.suite == ["all"] else tuple(args.suite) if args.suite else None
+    given = dict(target=args.target, draft=args.draft, ngram=args.ngram, prompts=args.prompts, limit=args.limit, suites=suites, rounds=args.rounds,
                  max_new_tokens=args.max_new_tokens, modes=("greedy", "sampled") if args.mode == "both" else (args.mode,),
                  temperature=args.temperature, top_k=args.top_k, tree_width=args.tree_width, staged_gamma=args.staged_gamma,
                  staged_tree=args.staged_tree, peers=not args.no_peers, seed=args.seed, device=args.device, dtype=args.dtype,

@@ -8,7 +8,7 @@ import pytest
 
 from specdec.analysis import expected_tokens, optimal_gamma, predicted_speedup, weight_bytes_per_token
 from specdec.bench import BenchConfig, run_bench
-from specdec.bench.report import markdown, write_report
+from specdec.bench.report import markdown, read_bench, write_report
 from specdec.bench.runner import LoadMonitor
 from specdec.cli import main
 from specdec.ngram import KatzTrigram
@@ -32,8 +32,9 @@ def test_every_strategy_and_peer_is_measured(bench_data):
     assert names == ["plain", "default (auto)", "chain γ=1", "chain γ=3", "chain γ=auto", "tree 4 γ=2",
                      "staged γ=3 (n-gram)", "staged tree 3 γ=3 (n-gram)", "staged γ=3 (lookup)", "staged tree 3 γ=3 (lookup)",
                      "prompt lookup γ=8", "n-gram γ=4", "HF generate", "HF assisted", "HF prompt lookup"]
+    assert list(data["suites"]) == ["prompts"]
     for mode in ("greedy", "sampled"):
-        rows = data["summary"][mode]
+        rows = data["suites"]["prompts"]["summary"][mode]
         assert rows["plain"]["speedup"] == 1.0 and rows["plain"]["target_forwards_per_token"] == 1.0
         assert rows["HF generate"]["target_forwards_per_token"] == pytest.approx(1.0, abs=0.11)  # its prefill is a forward too
         for name in ("chain γ=1", "chain γ=3"):
@@ -45,11 +46,12 @@ def test_every_strategy_and_peer_is_measured(bench_data):
         assert rows["chain γ=3"]["tree_nodes_per_iteration"] <= 3 < rows["tree 4 γ=2"]["tree_nodes_per_iteration"] <= 4
         for name in ("tree 4 γ=2", "staged tree 3 γ=3 (lookup)"):
             assert rows[name]["tokens_per_target_forward"] > 1 and rows[name]["predicted_speedup"] > 0
-        assert all(len(runs) == 3 for runs in data["runs"][mode].values())
+        assert all(len(runs) == 3 for runs in data["suites"]["prompts"]["runs"][mode].values())
         for row in rows.values():  # the spread of the per-prompt ratios brackets their median
             q1, q3 = row["speedup_iqr"]
             assert q1 <= row["speedup"] <= q3
         assert rows["default (auto)"]["tokens"] > 0
+        assert sum(rows["default (auto)"]["drafted_by"].values()) == pytest.approx(1.0)  # what it chose, iteration by iteration
 
 
 def test_the_run_records_its_load_and_a_stable_cost_curve(bench_data):
@@ -76,8 +78,8 @@ def test_the_quick_preset():
 
 def test_greedy_texts_agree_across_strategies_and_peers(bench_data):
     data, _ = bench_data
-    assert data["greedy_mismatches"] == {}
-    greedy = data["runs"]["greedy"]
+    assert data["suites"]["prompts"]["greedy_mismatches"] == {}
+    greedy = data["suites"]["prompts"]["runs"]["greedy"]
     for runs in greedy.values():
         assert [r["tokens"] for r in runs] == [r["tokens"] for r in greedy["plain"]]
 
@@ -85,12 +87,13 @@ def test_greedy_texts_agree_across_strategies_and_peers(bench_data):
 def test_report_files(bench_data):
     data, root = bench_data
     paths = write_report(data, root / "out")
-    assert {p.name for p in paths} == {"bench.json", "bench.md", "speedup.png", "speedup_vs_gamma.png",
-                                       "acceptance_by_position.png", "accepted_lengths.png", "forward_cost.png"}
+    assert {p.name for p in paths} == {"bench.json", "bench.md", "prompts-speedup.png", "prompts-speedup_vs_gamma.png",
+                                       "prompts-acceptance_by_position.png", "prompts-accepted_lengths.png", "forward_cost.png"}
     assert all(p.stat().st_size > 0 for p in paths)
-    assert json.loads((root / "out" / "bench.json").read_text())["prompts"] == 3
+    assert json.loads((root / "out" / "bench.json").read_text())["suites"]["prompts"]["prompts"] == 3
+    assert read_bench(root / "out" / "bench.json")["suites"]["prompts"]["summary"]["greedy"]["plain"]["speedup"] == 1.0
     table = markdown(data)
-    assert "| chain γ=3 |" in table and "HF assisted" in table and "identical" in table
+    assert "| chain γ=3 |" in table and "HF assisted" in table and "identical" in table and "The default drafted:" in table
 
 
 def test_cli_bench(model_dirs, tmp_path, capsys):
@@ -101,7 +104,7 @@ def test_cli_bench(model_dirs, tmp_path, capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "| chain γ=2 |" in out and "| tree 3 γ=2 |" in out and "| staged γ=3 (lookup) |" in out
-    assert (tmp_path / "o" / "speedup.png").exists()
+    assert (tmp_path / "o" / "prompts-speedup.png").exists()
     assert main(["bench", "--target", model_dirs["llama"], "--prompts", str(tmp_path / "none.txt")]) == 1
     assert "prompts file not found" in capsys.readouterr().err
     assert main(["bench", "--target", model_dirs["llama"], "--gammas", "2,x"]) == 1

@@ -20,7 +20,8 @@ from tqdm import tqdm
 from specdec import costs
 from specdec.analysis import expected_tokens, weight_bytes_per_token
 from specdec.api import SpeculativeDecoder, load
-from specdec.bench.prompts import file_prompts, humaneval_prompts
+from specdec.bench.prompts import file_prompts
+from specdec.bench.suites import suite_tasks
 from specdec.drafters import AutoDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
 from specdec.errors import SpecDecError
 from specdec.runtime import CausalLM, choose_backend
@@ -32,8 +33,10 @@ class BenchConfig:
     target: str | None = None  # None: the demo pair (its draft and n-gram too)
     draft: str | None = None
     ngram: str | None = None
-    prompts: str | None = None  # None: HumanEval
-    limit: int | None = None
+    prompts: str | None = None  # a file of prompts instead of the suites
+    suites: tuple[str, ...] = ("complete",)  # specdec.bench.suites; "complete" is HumanEval
+    limit: int | None = None  # prompts per suite (None: every task of the suite)
+    rounds: int = 1  # every prompt runs this many times, in rounds over all suites
     max_new_tokens: int = 128
     modes: tuple[str, ...] = ("greedy", "sampled")
     temperature: float = 0.8  # sampled mode
@@ -214,51 +217,72 @@ def own_threads(target: CausalLM) -> int:
 # ------------------------------------------------------------------------------------ the run
 
 
+def suite_prompts(config: BenchConfig, target: CausalLM) -> dict[str, list[list[int]]]:
+    """Prompt token ids per suite: the first `limit` tasks of each that leave room for the new
+    tokens (chat models get their chat template), or a file's prompts as the suite "prompts"."""
+    if config.limit is not None and config.limit < 1:
+        raise SpecDecError("--limit must be >= 1")
+    if config.rounds < 1:
+        raise SpecDecError("--rounds must be >= 1")
+    tokenizer, room = target.tokenizer, target.max_length - config.max_new_tokens
+    encode = lambda prompt: tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
+    if config.prompts:
+        ids = [encode(p) for p in file_prompts(config.prompts)[: config.limit]]
+        too_long = [i for i, prompt in enumerate(ids) if len(prompt) > room]
+        if too_long:
+            raise SpecDecError(f"{len(too_long)} prompts (first #{too_long[0]}) plus {config.max_new_tokens} new tokens exceed the context of {target.max_length}")
+        return {"prompts": ids}
+    chosen: dict[str, list[list[int]]] = {}
+    for name in config.suites:
+        fitting = (ids for ids in (encode(task.prompt_for(tokenizer)) for task in suite_tasks(name)) if len(ids) <= room)
+        chosen[name] = [ids for _, ids in zip(range(config.limit or 10**9), fitting)]
+        if not chosen[name]:
+            raise SpecDecError(f"no task of the {name} suite leaves room for {config.max_new_tokens} new tokens in the context of {target.max_length}")
+    return chosen
+
+
 def run_bench(config: BenchConfig) -> dict:
-    """Everything `specdec bench` reports, as plain data (see report.py for the table and plots)."""
-    prompts = file_prompts(config.prompts) if config.prompts else humaneval_prompts()
-    if config.limit is not None:
-        if config.limit < 1:
-            raise SpecDecError("--limit must be >= 1")
-        prompts = prompts[: config.limit]
+    """Everything `specdec bench` reports, as plain data (see report.py for the tables and plots).
+    Strategies take turns prompt by prompt; with several rounds, every suite's prompts run once
+    per round, round after round."""
+    for name in config.suites if not config.prompts else ():
+        suite_tasks(name)  # an unknown name is refused before any model loads
     target, draft, strategies = build_strategies(config)
-    tokenizer = target.tokenizer
-    prompt_ids = [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
-    too_long = [i for i, ids in enumerate(prompt_ids) if len(ids) + config.max_new_tokens > target.max_length]
-    if too_long:
-        raise SpecDecError(f"{len(too_long)} prompts (first #{too_long[0]}) plus {config.max_new_tokens} new tokens exceed the context of {target.max_length}")
+    suites = suite_prompts(config, target)
     monitor = LoadMonitor(own_threads(target))
     monitor.sample()
     # measured now, under this run's conditions, until stable; cached, so the default policy decides with it
     profile = costs.profile(target, draft, refresh=True)
     cost_curves = {"target": profile.target, **({"draft": profile.draft} if profile.draft else {})}
-    runs: dict[str, dict[str, list[Run]]] = {}
-    total = len(config.modes) * len(prompts) * len(strategies)
+    runs = {suite: {mode: {s.name: [] for s in strategies} for mode in config.modes} for suite in suites}
+    total = len(config.modes) * config.rounds * sum(map(len, suites.values())) * len(strategies)
     bar = tqdm(total=total, desc="bench", unit="run", disable=not config.progress)
     for mode in config.modes:
         sampling = sampling_for(mode, config)
         for strategy in strategies:  # warm-up: every code path once, not recorded
-            strategy.run(prompt_ids[0][-16:], sampling, config.seed)
-        runs[mode] = {s.name: [] for s in strategies}
-        for i, ids in enumerate(prompt_ids):
-            for strategy in strategies:
-                bar.set_postfix_str(f"{mode} · {strategy.name}", refresh=False)
-                runs[mode][strategy.name].append(strategy.run(ids, sampling, config.seed + i))
-                bar.update(1)
-            monitor.sample()
+            strategy.run(next(iter(suites.values()))[0][-16:], sampling, config.seed)
+        for round_ in range(config.rounds):
+            for suite, prompts in suites.items():
+                for i, ids in enumerate(prompts):
+                    for strategy in strategies:
+                        bar.set_postfix_str(f"{mode} · {suite} · {strategy.name}", refresh=False)
+                        runs[suite][mode][strategy.name].append(strategy.run(ids, sampling, config.seed + i + round_ * len(prompts)))
+                        bar.update(1)
+                    monitor.sample()
     bar.close()
     return {
         "config": {k: v for k, v in asdict(config).items()},
         "machine": machine_description(),
         "models": {"target": model_facts(target), "draft": model_facts(draft) if draft else None},
-        "prompts": len(prompts),
         "costs": cost_curves,
         "profile": {"step_overhead": profile.step_overhead, "level_overhead": profile.level_overhead, "rounds": profile.rounds},
         "load": monitor.summary(),
         "strategies": [{"name": s.name, "family": s.family, "gamma": s.gamma, "uses_draft_model": s.uses_draft_model} for s in strategies],
-        "summary": {mode: summarize(runs[mode], strategies, target, draft, cost_curves) for mode in config.modes},
-        "greedy_mismatches": greedy_mismatches(runs.get("greedy")),
-        "runs": {mode: {name: [asdict(r) for r in rs] for name, rs in by_name.items()} for mode, by_name in runs.items()},
+        "suites": {suite: {"prompts": len(suites[suite]), "rounds": config.rounds,
+                           "summary": {mode: summarize(by_mode[mode], strategies, target, draft, cost_curves) for mode in config.modes},
+                           "greedy_mismatches": greedy_mismatches(by_mode.get("greedy")),
+                           "runs": {mode: {name: [asdict(r) for r in rs] for name, rs in by_name.items()} for mode, by_name in by_mode.items()}}
+                   for suite, by_mode in runs.items()},
     }
 
 
@@ -325,8 +349,17 @@ def summarize(runs: dict[str, list[Run]], strategies, target: CausalLM, draft: C
             "predicted_speedup_iid_alpha": predicted(strategy, alpha, drafted, iterations, rs, curves) if strategy.family == "chain" else None,
             "acceptance_by_position": [a / d for a, d in zip(_sum_lists(s.accepted_by_position for s in stats), _sum_lists(s.drafted_by_position for s in stats))],
             "accepted_length_counts": _histogram(length for s in stats for length in s.accepted_lengths),
+            "drafted_by": shares(label for s in stats for label in s.drafters),
+            "mean_depth": statistics.mean(d for s in stats for d in s.depths) if iterations and strategy.family != "peer" else None,
         }
     return rows
+
+
+def shares(labels) -> dict[str, float]:
+    """How often each label occurs, as shares of all, most frequent first (what the default chose)."""
+    counts = _histogram(labels)
+    total = sum(counts.values())
+    return {label: count / total for label, count in sorted(counts.items(), key=lambda item: -item[1])}
 
 
 def predicted(strategy, alpha, drafted, iterations, runs, curves, tokens: int | None = None) -> float | None:
