@@ -13,7 +13,7 @@ from specdec.engine import DecodeState, Engine, StepResult, TokenLogprob
 from specdec.errors import SpecDecError
 from specdec.ngram import KatzTrigram
 from specdec.runtime import CausalLM, check_same_vocabulary, choose_backend, load_model, require_trees, tokenizer_fingerprint
-from specdec.policy import MAX_DEPTH, BatchDepth, CostAwareDepth, CostAwarePolicy, FixedGamma
+from specdec.policy import AUTO_MAX_DEPTH, MAX_DEPTH, BatchDepth, CostAwareDepth, CostAwarePolicy, FixedGamma
 from specdec.sampling import RandomStreams
 from specdec.stops import StopStrings
 from specdec.types import GenerationStats, SamplingParams
@@ -53,14 +53,16 @@ class SpeculativeDecoder:
     gamma: draft length per iteration (a tree's depth), or "auto": chosen every iteration from
     measured forward costs and the acceptance so far (`specdec.policy`); an `AutoDrafter` is
     always shaped by the cost-aware policy, at most `gamma` deep when that is a number.
+    explore: the auto drafter's policy tries prompt lookup on a probe schedule when its estimate
+    does not pay (False: lookup only when it pays by the estimate).
     """
 
-    def __init__(self, target: CausalLM, drafter: Drafter | None = None, gamma: int | str = "auto"):
+    def __init__(self, target: CausalLM, drafter: Drafter | None = None, gamma: int | str = "auto", explore: bool = True):
         check_gamma(gamma)
         _check_drafter(drafter, target)
         if isinstance(drafter, AutoDrafter) and drafter.model is not None:  # it drafts trees only where both models score them exactly
             drafter.trees = drafter.trees and target.tree_refusal() is None and drafter.model.model.tree_refusal() is None
-        self.target, self.drafter, self.gamma = target, drafter, gamma
+        self.target, self.drafter, self.gamma, self.explore = target, drafter, gamma, explore
         self._busy = False  # one generation at a time: the caches belong to it
         self._profile: costs.Profile | None = None
 
@@ -84,9 +86,9 @@ class SpeculativeDecoder:
         """A fresh draft policy for one generation."""
         if self.drafter is None:
             return FixedGamma(0)
-        limit = MAX_DEPTH if self.gamma == "auto" else self.gamma
         if isinstance(self.drafter, AutoDrafter):
-            return CostAwarePolicy(self.profile(), limit)
+            return CostAwarePolicy(self.profile(), AUTO_MAX_DEPTH if self.gamma == "auto" else self.gamma, explore=self.explore)
+        limit = MAX_DEPTH if self.gamma == "auto" else self.gamma
         if self.gamma == "auto":
             return self.depth_policy(CostAwareDepth, limit)
         return FixedGamma(self.gamma)
@@ -334,6 +336,7 @@ def load(
     tokenizer: str | None = None,
     slots: int = 1,
     plain: bool = False,
+    explore: bool = True,
 ) -> SpeculativeDecoder:
     """Load a target checkpoint and a drafter.
 
@@ -348,7 +351,7 @@ def load(
     unless told otherwise. A .gguf path runs on llama.cpp, a checkpoint directory on transformers;
     `backend` overrides. The model options (see `specdec.runtime.load_model`; `slots`: generations
     that may run at once, for a server's batch) apply to both models;
-    trees are refused on a model that cannot score them exactly.
+    trees are refused on a model that cannot score them exactly. `explore`: see SpeculativeDecoder.
     """
     check_gamma(gamma)
     if target is None:
@@ -368,12 +371,12 @@ def load(
     elif prompt_lookup:
         inner = PromptLookupDrafter()
     if draft is None:
-        return SpeculativeDecoder(target_model, AutoDrafter(None, PromptLookupDrafter()) if auto else inner, gamma)
+        return SpeculativeDecoder(target_model, AutoDrafter(None, PromptLookupDrafter()) if auto else inner, gamma, explore)
     if device is None and target_model.backend == "transformers" and choose_backend(draft, backend) == "transformers":
         options["device"] = str(target_model.device)  # the draft runs beside the target
     draft_model = load_model(draft, **options)
     drafter = ModelDrafter(draft_model, tree=tree, inner=inner if staged else None, inner_gamma=inner_gamma)
-    return SpeculativeDecoder(target_model, AutoDrafter(drafter, PromptLookupDrafter()) if auto else drafter, gamma)
+    return SpeculativeDecoder(target_model, AutoDrafter(drafter, PromptLookupDrafter()) if auto else drafter, gamma, explore)
 
 
 def _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged, backend="auto", auto=False):

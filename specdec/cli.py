@@ -53,7 +53,7 @@ def load_decoder(args, slots: int = 1, measure: bool = True):
         args.target, draft=args.draft, ngram=args.ngram, prompt_lookup=args.prompt_lookup,
         gamma=args.depth if args.depth is not None else args.gamma, device=args.device, dtype=args.dtype,
         ngram_stochastic=not args.ngram_top1, tree=tree, staged=args.staged, inner_gamma=args.inner_gamma,
-        attn_implementation=args.attn_implementation, slots=slots, plain=args.plain, **runtime_options(args),
+        attn_implementation=args.attn_implementation, slots=slots, plain=args.plain, explore=not args.no_explore, **runtime_options(args),
     )
     if measure and decoder.uses_profile and not costs.cache_path(decoder.target, decoder.draft_model).is_file():
         print("specdec: timing the models' forwards for the auto policy (once per model and machine; `specdec profile` shows them)",
@@ -95,6 +95,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-lookup", action="store_true", help="draft by matching the context's last tokens earlier in the context")
     parser.add_argument("--ngram-top1", action="store_true", help="with --ngram: propose the top token instead of sampling")
     parser.add_argument("--plain", action="store_true", help="decode without any drafter (plain autoregressive decoding, the baseline)")
+    parser.add_argument("--no-explore", action="store_true",
+                        help="the default policy drafts prompt lookup only when its estimate pays, without probing it")
     parser.add_argument("--gamma", type=_gamma, default="auto",
                         help="draft tokens per iteration, or 'auto' (default): chosen every iteration from measured forward costs and "
                              "the acceptance so far; with no other drafter flags, prompt lookup and the draft model share one tree")

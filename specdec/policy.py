@@ -19,16 +19,22 @@ and the verifiers' guarantee holds for any tree the policy shapes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 from specdec.costs import Profile
 from specdec.errors import SpecDecError
 from specdec.tree import children
 from specdec.types import Draft, VerifyResult
 
-MAX_DEPTH = 12  # deepest draft the cost-aware policies consider
+MAX_DEPTH = 12  # deepest draft the cost-aware depth policies consider, and the draft model's deepest level in the default
+AUTO_MAX_DEPTH = 64  # deepest draft of the default: looked-up chains run as long as the match and the costs allow
 PROBE_EVERY = 64  # steps without drafting before one drafts a token, to keep the acceptance estimate current
 PROBE_MODEL_EVERY = 8  # iterations without a draft-model node before the auto drafter tries one anyway
-PROBE_MODEL_MAX = 256  # ... doubling after each probe that is rejected, up to this
+PROBE_LOOKUP_EVERY = 8  # iterations without a looked-up node before the auto drafter tries lookup anyway ...
+PROBE_LOOKUP_TOKENS = 8  # ... with this many tokens of the continuation (fewer if it is shorter)
+PROBE_MAX = 256  # the wait between probes doubles after each probe that is rejected, up to this
+LOOKUP_PRIORS = (0.5, 0.8)  # lookup: its first token's acceptance, and each next one's given the one before was accepted
+LOOKUP_MEMORY = 16  # lookup's estimates follow recent outcomes closely: text starts and stops copying
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -156,16 +162,18 @@ class Budget:
         """Add a node of this value if it pays."""
         return self.take_chain([value]) == 1
 
-    def take_chain(self, values: list[float]) -> int:
+    def take_chain(self, values: list[float], at_least: int = 0) -> int:
         """How many of a chain's next nodes (values in order) to add: the prefix that maximises
         tokens per second, looking past a step in the cost curve that one node alone would not pay
-        for. Adds them and returns the count."""
-        def rate(count: int) -> float:
-            return (self.tokens + sum(values[:count])) / (self.seconds + (self.added_cost(count) if count else 0.0))
+        for; at least `at_least` of them (a probe). Adds them and returns the count."""
+        gained = [0.0, *accumulate(values)]
 
-        best = max(range(len(values) + 1), key=lambda count: (rate(count), -count))
+        def rate(count: int) -> float:
+            return (self.tokens + gained[count]) / (self.seconds + (self.added_cost(count) if count else 0.0))
+
+        best = max(max(range(len(values) + 1), key=lambda count: (rate(count), -count)), min(at_least, len(values)))
         if best:
-            self.tokens += sum(values[:best])
+            self.tokens += gained[best]
             self.seconds += self.added_cost(best)
             self.verify_size += self.batch * best
         return best
@@ -179,31 +187,66 @@ class Budget:
         return True
 
 
+@dataclass
+class Probe:
+    """When to try a source that the estimates say does not pay: after `wait` iterations without
+    it, one iteration drafts it anyway (`due`); the wait doubles after a probe that is rejected, up
+    to PROBE_MAX, and starts over after one that is accepted. A schedule fixed by past iterations'
+    verified outcomes: still lossless."""
+
+    every: int
+    wait: int = 0
+    idle: int = 0  # iterations since the source was last drafted
+    due: bool = False
+
+    def __post_init__(self):
+        self.wait = self.every
+
+    def start(self, enabled: bool = True) -> None:
+        """A new iteration begins."""
+        self.due = enabled and self.idle >= self.wait
+
+    def observe(self, tried: bool, accepted: bool) -> None:
+        if self.due and tried:
+            self.wait = self.every if accepted else min(PROBE_MAX, 2 * self.wait)
+        self.idle = 0 if tried else self.idle + 1
+
+
 class CostAwarePolicy:
     """The default policy: decides each iteration how deep and how wide to draft and from which
     source (the `AutoDrafter` asks it node by node, through a `Budget`).
 
     It keeps, for one generation, the probability that a node is accepted given its parent was:
     for the draft model by confidence bin (its probability of the node's token in greedy mode or of
-    its most likely token when sampling, known before the draw), for prompt lookup by position in
-    the looked-up continuation. Priors: a calibrated draft model; lookup at one half for its first
-    token, then each position like the one before it. When the draft
-    model stopped paying it is tried again after PROBE_MODEL_EVERY iterations without it, the wait
-    doubling after each rejected probe (a schedule fixed by past iterations: still lossless), so a
-    few early rejections do not silence it for good, nor do probes cost much where it never pays."""
+    its most likely token when sampling, known before the draw); for prompt lookup, one for the
+    first looked-up token and one for each next token given the one before was accepted (in copied
+    text they run long; when copying stops the first one drops within a few iterations). Priors: a
+    calibrated draft model; LOOKUP_PRIORS for lookup. A source whose estimate does not pay is
+    tried anyway on a `Probe` schedule (`explore`; the draft model is always probed), so that it is
+    found when the text starts copying, on machines where a long verify is dear and the priors
+    alone would never draft."""
 
-    def __init__(self, profile: Profile, max_depth: int = MAX_DEPTH):
-        self.profile, self.max_depth = profile, max_depth
+    def __init__(self, profile: Profile, max_depth: int = AUTO_MAX_DEPTH, explore: bool = True):
+        self.profile, self.max_depth, self.explore = profile, max_depth, explore
         self.acceptance: dict[tuple, Acceptance] = {}
         self.batch = 1
-        self.model_idle = 0  # iterations since a draft-model node was last verified
-        self.probe_wait = PROBE_MODEL_EVERY
-        self.probe_model = False  # this iteration drafts at least one model token, whatever the estimates say
+        self.model_probe, self.lookup_probe = Probe(PROBE_MODEL_EVERY), Probe(PROBE_LOOKUP_EVERY)
+
+    @property
+    def probe_model(self) -> bool:
+        """This iteration drafts at least one model token, whatever the estimates say."""
+        return self.model_probe.due
+
+    @property
+    def probe_lookup(self) -> int:
+        """Looked-up tokens this iteration drafts at least (when there is a continuation)."""
+        return PROBE_LOOKUP_TOKENS if self.lookup_probe.due else 0
 
     def depth(self, batch: int) -> int:
         """Called once per iteration, before drafting."""
         self.batch = batch
-        self.probe_model = self.model_idle >= self.probe_wait
+        self.model_probe.start()
+        self.lookup_probe.start(self.explore)
         return self.max_depth
 
     def budget(self) -> Budget:
@@ -214,8 +257,7 @@ class CostAwarePolicy:
         observed = self._acceptance(source)
         if kind == "model":
             return observed.rate((index + 0.5) / BINS, weight=4)
-        # a lookup position seldom tried is guessed to be like the one before it, as that one is now
-        return observed.rate(self.accept_probability((kind, index - 1)) if index > 0 else 0.5, weight=2)
+        return observed.rate(LOOKUP_PRIORS[min(index, 1)], weight=2)
 
     def model_rate(self) -> float:
         """Acceptance of the draft model's nodes over all confidences: the guess for a level not drafted yet."""
@@ -224,11 +266,9 @@ class CostAwarePolicy:
 
     def update(self, draft: Draft, result: VerifyResult) -> None:
         """Every node whose parent was reached was a trial of its sources: accepted iff on the path."""
-        modelled = [i for i, node in enumerate(draft.sources or ()) if any(kind == "model" for kind, _ in node)]
-        self.model_idle = 0 if modelled else self.model_idle + 1
-        if self.probe_model and modelled:
-            accepted = set(result.path) & set(modelled)
-            self.probe_wait = PROBE_MODEL_EVERY if accepted else min(PROBE_MODEL_MAX, 2 * self.probe_wait)
+        for kind, probe in (("model", self.model_probe), ("lookup", self.lookup_probe)):
+            drafted = {i for i, node in enumerate(draft.sources or ()) if any(k == kind for k, _ in node)}
+            probe.observe(bool(drafted), bool(drafted & set(result.path)))
         if not len(draft) or draft.sources is None:
             return
         on_path = set(result.path)
@@ -238,9 +278,12 @@ class CostAwarePolicy:
                     self._acceptance(source).observe(1, node in on_path)
 
     def _acceptance(self, source: tuple) -> Acceptance:
-        if source not in self.acceptance:
-            self.acceptance[source] = Acceptance(memory=64)
-        return self.acceptance[source]
+        """The counts behind a source's estimate: lookup's positions after the first share one."""
+        kind, index = source
+        key = (kind, min(index, 1)) if kind == "lookup" else source
+        if key not in self.acceptance:
+            self.acceptance[key] = Acceptance(memory=LOOKUP_MEMORY if kind == "lookup" else 64)
+        return self.acceptance[key]
 
     def __repr__(self) -> str:
         return "auto"

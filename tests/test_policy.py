@@ -30,19 +30,23 @@ def draft_table() -> Conditional:
     return Conditional(3, seed=DRAFT_SEED, shape=lambda row, rng: row ** 2)
 
 
-def trained_policy(depth: int) -> CostAwarePolicy:
+def trained_policy(depth: int, probing: bool = False) -> CostAwarePolicy:
     """A policy that has seen outcomes: confident draft nodes (max q >= 0.6) are usually accepted,
     unsure ones almost never, lookup's first token half the time; so whether a model node is drawn
-    depends on q, which depends on what was drawn before it."""
+    depends on q, which depends on what was drawn before it. probing: both sources' probes are due."""
     policy = CostAwarePolicy(STEEP, max_depth=depth)
     for index in range(10):
         policy._acceptance(("model", index)).observe(40, 36 if index >= 6 else 0)
     policy._acceptance(("lookup", 0)).observe(10, 5)
     policy._acceptance(("lookup", 1)).observe(10, 2)
+    if probing:
+        policy.model_probe.idle = policy.lookup_probe.idle = 10**6
+        policy.depth(1)
+        assert policy.probe_model and policy.probe_lookup
     return policy
 
 
-def auto_iteration_deviation(enumerator, model: bool, lookup: bool, depth: int = 3) -> float:
+def auto_iteration_deviation(enumerator, model: bool, lookup: bool, depth: int = 3, probing: bool = False) -> float:
     """Largest deviation of one AutoDrafter + verify_tree iteration's joint from the target's,
     every draw of the drafter and of the verifier enumerated, the policy deciding in the loop."""
     draft = draft_table()
@@ -50,17 +54,18 @@ def auto_iteration_deviation(enumerator, model: bool, lookup: bool, depth: int =
     def propose():
         drafter = AutoDrafter(ModelDrafter(TableLM(draft, DRAFTER_PROMPT)) if model else None, PromptLookupDrafter() if lookup else None)
         slot = drafter.open(DRAFTER_PROMPT)
-        request = DraftRequest(slot, list(DRAFTER_PROMPT), depth, SamplingParams(temperature=1.0), None, trained_policy(depth))
+        request = DraftRequest(slot, list(DRAFTER_PROMPT), depth, SamplingParams(temperature=1.0), None, trained_policy(depth, probing))
         return drafter.propose([request])[0]
 
     return proposal_deviation(enumerator, propose, Conditional(3, seed=41), depth)
 
 
+@pytest.mark.parametrize("probing", [False, True], ids=["estimates", "probes due"])
 @pytest.mark.parametrize("model,lookup", [(True, True), (True, False), (False, True)], ids=["model+lookup", "model", "lookup"])
-def test_auto_drafter_iteration_keeps_target_distribution(enumerator, model, lookup):
+def test_auto_drafter_iteration_keeps_target_distribution(enumerator, model, lookup, probing):
     """Depth, which source and whether a lookup token stands beside the model's all vary with what
-    was drawn; the output still has the target's joint distribution exactly."""
-    assert auto_iteration_deviation(enumerator, model, lookup) < 1e-9
+    was drawn, and with the probe schedule; the output still has the target's joint distribution exactly."""
+    assert auto_iteration_deviation(enumerator, model, lookup, probing=probing) < 1e-9
 
 
 @pytest.mark.parametrize("lookup", [False, True])
@@ -165,7 +170,8 @@ def test_confidence_bins_and_priors():
     assert [confidence_bin(p) for p in (0.0, 0.09, 0.5, 0.99, 1.0)] == [0, 0, 5, 9, 9]
     policy = CostAwarePolicy(STEEP)
     assert policy.accept_probability(("model", 9)) == pytest.approx(0.95)
-    assert policy.accept_probability(("lookup", 3)) == pytest.approx(0.5)
+    assert policy.accept_probability(("lookup", 0)) == pytest.approx(0.5)
+    assert policy.accept_probability(("lookup", 3)) == pytest.approx(0.8)  # a next token, given the one before was accepted
 
 
 def test_observing_counts_every_child_of_a_reached_node():
@@ -179,9 +185,9 @@ def test_observing_counts_every_child_of_a_reached_node():
     assert counts == {("lookup", 0): (1, 1), ("model", 9): (1, 0), ("lookup", 1): (1, 0)}
     assert policy.accept_probability(("lookup", 0)) == pytest.approx((1 + 0.5 * 2) / 3)
     assert policy.accept_probability(("model", 9)) == pytest.approx((0 + 0.95 * 4) / 5)
-    # position 1 shrinks toward position 0's current estimate; an untried position 2 is position 1's
-    assert policy.accept_probability(("lookup", 1)) == pytest.approx((0 + 2 / 3 * 2) / 3)
-    assert policy.accept_probability(("lookup", 2)) == pytest.approx(policy.accept_probability(("lookup", 1)))
+    # every position after the first shares one estimate: a next token given the one before was accepted
+    assert policy.accept_probability(("lookup", 1)) == pytest.approx((0 + 0.8 * 2) / 3)
+    assert policy.accept_probability(("lookup", 5)) == policy.accept_probability(("lookup", 1))
 
 
 def test_batch_depth_drops_drafting_when_verify_rows_are_not_free():
@@ -249,17 +255,50 @@ def test_probes_of_a_silent_draft_model_back_off():
     rejected = Draft(torch.tensor([3]), sources=[[("model", 5)]])
     waits = []
     for _ in range(3):
-        for _ in range(policy.probe_wait):
+        for _ in range(policy.model_probe.wait):
             policy.depth(1)
             assert not policy.probe_model
             policy.update(nothing, VerifyResult(0, [1]))
         policy.depth(1)
         assert policy.probe_model
         policy.update(rejected, VerifyResult(0, [4], path=[]))
-        waits.append(policy.probe_wait)
+        waits.append(policy.model_probe.wait)
     assert waits == [16, 32, 64]
     policy.depth(1), policy.update(rejected, VerifyResult(1, [3, 4], path=[0]))
-    assert policy.probe_wait == 64  # not a probe: the model drafted of its own accord
+    assert policy.model_probe.wait == 64  # not a probe: the model drafted of its own accord
+
+
+def test_lookup_is_probed_where_its_estimate_never_pays_and_then_drafted_long():
+    """On a machine where a verify of k tokens costs k forwards (no estimate can pay), nothing is
+    drafted but a probe of PROBE_LOOKUP_TOKENS lookup tokens every PROBE_LOOKUP_EVERY iterations
+    (backing off while rejected); where a long verify is cheap, one accepted probe makes the
+    looked-up chains run long at once. Without `explore`, no probe."""
+    from specdec.policy import PROBE_LOOKUP_EVERY, PROBE_LOOKUP_TOKENS
+    from specdec.types import Draft, VerifyResult
+
+    def iteration(policy, accept_all: bool) -> int:
+        policy.depth(1)
+        budget = policy.budget()
+        values, value = [], 1.0
+        for position in range(40):
+            value *= policy.accept_probability(("lookup", position))
+            values.append(value)
+        count = budget.take_chain(values, at_least=policy.probe_lookup)
+        draft = Draft(torch.arange(count), None, torch.arange(count) - 1, [[("lookup", i)] for i in range(count)])
+        accepted = count if accept_all else 0
+        policy.update(draft, VerifyResult(accepted, list(range(accepted + 1)), path=list(range(accepted))))
+        return count
+
+    linear = costs.Profile(target={1: 1.0, 128: 128.0})
+    policy = CostAwarePolicy(linear)
+    counts = [iteration(policy, accept_all=False) for _ in range(PROBE_LOOKUP_EVERY * 4)]
+    assert counts[PROBE_LOOKUP_EVERY] == PROBE_LOOKUP_TOKENS and sum(map(bool, counts)) == 2  # waits 8, then 16
+    assert all(iteration(CostAwarePolicy(linear, explore=False), accept_all=True) == 0 for _ in range(3 * PROBE_LOOKUP_EVERY))
+    cheap_long = costs.Profile(target={1: 1.0, 8: 1.4, 64: 3.0})
+    policy = CostAwarePolicy(cheap_long)
+    before = iteration(policy, accept_all=True)  # the priors' choice, accepted in full
+    after = iteration(policy, accept_all=True)
+    assert before >= 1 and after >= 2 * before
 
 
 def test_cli_profile_shows_the_curves(model_dirs, tmp_path, capsys):

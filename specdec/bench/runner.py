@@ -133,7 +133,8 @@ def build_strategies(config: BenchConfig):
     target, model_drafter = base.target, base.drafter
     new = config.max_new_tokens
     strategies = [specdec_strategy("plain", "plain", SpeculativeDecoder(target), new),
-                  specdec_strategy("default (auto)", "auto", SpeculativeDecoder(target, AutoDrafter(model_drafter, PromptLookupDrafter())), new)]
+                  specdec_strategy("default (auto)", "auto", SpeculativeDecoder(target, AutoDrafter(model_drafter, PromptLookupDrafter())), new),
+                  specdec_strategy("default, no exploring", "auto", SpeculativeDecoder(target, AutoDrafter(model_drafter, PromptLookupDrafter()), explore=False), new)]
     if model_drafter is not None:
         for gamma in config.gammas:
             strategies.append(specdec_strategy(f"chain γ={gamma}", "chain", SpeculativeDecoder(target, model_drafter, gamma), new))

@@ -26,7 +26,7 @@ import torch
 from specdec.drafters.base import DraftRequest, DraftSlot
 from specdec.drafters.model import ModelDrafter, pick_children
 from specdec.drafters.prompt_lookup import PromptLookupDrafter, lookup_continuation
-from specdec.policy import Budget, CostAwarePolicy, confidence_bin
+from specdec.policy import MAX_DEPTH, Budget, CostAwarePolicy, confidence_bin
 from specdec.runtime.base import forward_together
 from specdec.types import Draft
 
@@ -79,11 +79,12 @@ class _Tree:
 class AutoDrafter:
     """Prompt lookup and/or a draft model (a chain-mode `ModelDrafter`, whose slots it uses), shaped
     by the `CostAwarePolicy` each request carries. width: children per node and nodes per level of
-    greedy trees; max_lookup: the longest looked-up continuation considered; max_branches: nodes
-    beside an earlier sibling per tree (each costs a sequence id on llama.cpp, for both models)."""
+    greedy trees; max_lookup: the longest looked-up continuation considered (the policy's depth
+    bounds it too); max_branches: nodes beside an earlier sibling per tree (each costs a sequence
+    id on llama.cpp, for both models). The draft model drafts at most MAX_DEPTH levels."""
 
     def __init__(self, model: ModelDrafter | None, lookup: PromptLookupDrafter | None = None, width: int = 3,
-                 max_lookup: int = 10, max_branches: int = 3):
+                 max_lookup: int = 64, max_branches: int = 3):
         if model is None and lookup is None:
             raise ValueError("the auto drafter needs a draft model, prompt lookup or both")
         if model is not None and (model.tree is not None or model.inner is not None):
@@ -122,20 +123,21 @@ class AutoDrafter:
         return nodes.draft()
 
     def _add_lookup(self, nodes: _Tree, request: DraftRequest, policy: CostAwarePolicy, budget: Budget) -> None:
-        """The looked-up continuation's best prefix (all its values are known at once)."""
+        """The looked-up continuation's best prefix (all its values are known at once), or more
+        when the policy probes lookup."""
         values, value = [], 1.0
         continuation = lookup_continuation(request.context, min(request.max_tokens, self.max_lookup))
         for position in range(len(continuation)):
             value *= policy.accept_probability(("lookup", position))
             values.append(value)
         parent = -1
-        for position, token in enumerate(continuation[: budget.take_chain(values)]):
+        for position, token in enumerate(continuation[: budget.take_chain(values, at_least=policy.probe_lookup)]):
             parent = nodes.add(token, parent, None, values[position], ("lookup", position))
 
     def _grow_model(self, nodes: _Tree, request: DraftRequest, policy: CostAwarePolicy, budget: Budget):
         model, slot, sampling = self.model, request.slot, request.sampling
         context = request.context
-        depth = min(request.max_tokens, model.model.verify_room(len(context) - 1))
+        depth = min(request.max_tokens, MAX_DEPTH, model.model.verify_room(len(context) - 1))
         room = model.model.max_length - len(context)  # draft cache entries free once the context is in
         width = self.width if self.trees and sampling.greedy and (depth - 1) * self.width <= room else 1
         frontier, probe = [-1], policy.probe_model
