@@ -192,6 +192,8 @@ class Engine:
         stats.draft_forwards = state.draft_slot.forwards if state.draft_slot is not None else 0
         stats.record(draft.depth, result.accepted, gamma, nodes=len(draft),
                      drafter=None if self.drafter is None else draft.label or (self.drafter.name if len(draft) else "none"))
+        if draft.sources is not None and len(draft):
+            stats.record_trials(draft, result.path)
         state.gamma_policy.update(draft, result)
         # commit, cutting at a stop token or at the length limit
         step = _commit(result.tokens, state.room - state.generated, state.stop_tokens)

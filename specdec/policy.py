@@ -23,7 +23,7 @@ from itertools import accumulate
 
 from specdec.costs import Profile
 from specdec.errors import SpecDecError
-from specdec.tree import children
+from specdec.tree import trials
 from specdec.types import Draft, VerifyResult
 
 MAX_DEPTH = 12  # deepest draft the cost-aware depth policies consider, and the draft model's deepest level in the default
@@ -271,11 +271,9 @@ class CostAwarePolicy:
             probe.observe(bool(drafted), bool(drafted & set(result.path)))
         if not len(draft) or draft.sources is None:
             return
-        on_path = set(result.path)
-        for parent in [-1, *result.path]:
-            for node in children(draft.parents, parent):
-                for source in draft.sources[node]:
-                    self._acceptance(source).observe(1, node in on_path)
+        for node, accepted in trials(draft.parents, result.path):
+            for source in draft.sources[node]:
+                self._acceptance(source).observe(1, accepted)
 
     def _acceptance(self, source: tuple) -> Acceptance:
         """The counts behind a source's estimate: lookup's positions after the first share one."""

@@ -42,6 +42,13 @@ def children(parents: torch.Tensor, node: int) -> list[int]:
     return [i for i, parent in enumerate(parents.tolist()) if parent == node]
 
 
+def trials(parents: torch.Tensor, path: list[int]) -> list[tuple[int, bool]]:
+    """Every node that verification reached (a child of the root or of an accepted node), and
+    whether it was accepted (on the accepted `path`)."""
+    accepted = set(path)
+    return [(node, node in accepted) for parent in [-1, *path] for node in children(parents, parent)]
+
+
 def path_to(parents: torch.Tensor, node: int) -> list[int]:
     """Nodes from the root's child down to `node` (empty for the root)."""
     parent_of, path = parents.tolist(), []

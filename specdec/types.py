@@ -109,6 +109,7 @@ class GenerationStats:
     gammas: list[int] = field(default_factory=list)  # draft length asked for per iteration
     drafters: list[str] = field(default_factory=list)  # per iteration: what proposed the draft ("lookup+model", "none" ...)
     depths: list[int] = field(default_factory=list)  # per iteration: the draft's depth (its deepest path)
+    source_trials: dict[str, list[int]] = field(default_factory=dict)  # per source ("model", "lookup"): [nodes verification reached, accepted]
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -133,6 +134,14 @@ class GenerationStats:
         for i in range(drafted):
             self.drafted_by_position[i] += 1
             self.accepted_by_position[i] += i < accepted
+
+    def record_trials(self, draft: Draft, path: list[int]) -> None:
+        """Count, per source, the nodes verification reached and those it accepted."""
+        for node, accepted in tree.trials(draft.parents, path):
+            for kind in {kind for kind, _ in draft.sources[node]}:
+                counts = self.source_trials.setdefault(kind, [0, 0])
+                counts[0] += 1
+                counts[1] += accepted
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -168,6 +177,7 @@ class GenerationStats:
             "gammas": self.gammas,
             "drafters": self.drafters,
             "depths": self.depths,
+            "source_trials": self.source_trials,
             "tokens_per_target_forward": self.tokens_per_target_forward,
             "tokens_per_second": self.tokens_per_second,
             "prefill_seconds": self.prefill_seconds,

@@ -18,6 +18,8 @@ import httpx
 import pytest
 import torch
 
+import specdec
+
 from specdec.server import create_app
 from specdec.server.http import HeaderDeadline
 from test_server import CHAT_TEMPLATE, MODEL, LiveServer, SlowDrafter, make_decoder, metric, sse_events, wait_until_up
@@ -568,3 +570,19 @@ def test_openapi_documents_streams_and_strict_types(server):
     malformed = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny",, }', headers={"content-type": "application/json"})
     error = malformed.json()["error"]
     assert malformed.status_code == 400 and error["param"] is None and "not valid JSON" in error["message"]
+
+
+def test_metrics_show_acceptance_per_source(model_dirs):
+    """The default drafter's tokens, by source: how many verification reached and how many it accepted."""
+    decoder = specdec.load(model_dirs["llama"], draft=model_dirs["llama-near"], device="cpu")  # the default: auto
+    live = LiveServer(create_app(decoder, MODEL))
+    try:
+        for prompt in ("ab ab ab ab ab", "hi ej hi ej"):
+            reply = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 30, "temperature": 0}, timeout=60)
+            assert reply.status_code == 200
+        tried = {source: metric(live, f'specdec_draft_tokens_total{{source="{source}"}}') for source in ("model", "lookup")}
+        accepted = {source: metric(live, f'specdec_accepted_draft_tokens_total{{source="{source}"}}') for source in ("model", "lookup")}
+    finally:
+        live.stop()
+    assert tried["model"] > 0 and all(0 <= accepted[s] <= tried[s] for s in tried)
+    assert sum(accepted.values()) > 0

@@ -232,6 +232,10 @@ class Metrics:
                                              buckets=self.LATENCY_BUCKETS, registry=registry)
         self.batch_rows = Histogram("specdec_batch_rows", "generations advanced per engine step",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
+        self.draft_tokens = Counter("specdec_draft_tokens", "draft tokens that verification reached, by source (the default drafter's)",
+                                    ["source"], registry=registry)
+        self.accepted_draft_tokens = Counter("specdec_accepted_draft_tokens", "draft tokens accepted, by source (the default drafter's); "
+                                             "with specdec_draft_tokens_total, each source's acceptance", ["source"], registry=registry)
         self.draft_depth = Gauge("specdec_draft_depth", "the batch-wide draft depth cap of the last step (-1: none; the configured gamma, or the auto policy per row)", registry=registry)
         self.request_duration = Histogram("specdec_request_duration_seconds", "arrival to the end of finished generations",
                                           buckets=self.LATENCY_BUCKETS, registry=registry)
@@ -261,6 +265,9 @@ class Metrics:
             t.target_forwards += stats.target_forwards
             t.total_seconds += stats.total_seconds
             self.generated.inc(stats.generated_tokens)
+            for source, (tried, accepted) in stats.source_trials.items():
+                self.draft_tokens.labels(source).inc(tried)
+                self.accepted_draft_tokens.labels(source).inc(accepted)
             self.acceptance.set(t.acceptance_rate or 0.0)
             self.tokens_per_second.set(t.tokens_per_second or 0.0)
             self.tokens_per_forward.set(t.tokens_per_target_forward or 0.0)
