@@ -13,7 +13,7 @@ from specdec.engine import DecodeState, Engine, StepResult, TokenLogprob
 from specdec.errors import SpecDecError
 from specdec.ngram import KatzTrigram
 from specdec.runtime import CausalLM, check_same_vocabulary, choose_backend, load_model, require_trees, tokenizer_fingerprint
-from specdec.policy import AUTO_MAX_DEPTH, MAX_DEPTH, BatchDepth, CostAwareDepth, CostAwarePolicy, FixedGamma
+from specdec.policy import AUTO_MAX_DEPTH, MAX_DEPTH, BatchDepth, CostAwareDepth, CostAwarePolicy, FixedGamma, SharedAcceptance
 from specdec.sampling import RandomStreams
 from specdec.stops import StopStrings
 from specdec.types import GenerationStats, SamplingParams
@@ -63,6 +63,7 @@ class SpeculativeDecoder:
         if isinstance(drafter, AutoDrafter) and drafter.model is not None:  # it drafts trees only where both models score them exactly
             drafter.trees = drafter.trees and target.tree_refusal() is None and drafter.model.model.tree_refusal() is None
         self.target, self.drafter, self.gamma, self.explore = target, drafter, gamma, explore
+        self.shared_acceptance: SharedAcceptance | None = None  # a server's: what earlier requests saw, for new ones
         self._busy = False  # one generation at a time: the caches belong to it
         self._profile: costs.Profile | None = None
 
@@ -87,7 +88,8 @@ class SpeculativeDecoder:
         if self.drafter is None:
             return FixedGamma(0)
         if isinstance(self.drafter, AutoDrafter):
-            return CostAwarePolicy(self.profile(), AUTO_MAX_DEPTH if self.gamma == "auto" else self.gamma, explore=self.explore)
+            return CostAwarePolicy(self.profile(), AUTO_MAX_DEPTH if self.gamma == "auto" else self.gamma, explore=self.explore,
+                                   shared=self.shared_acceptance)
         limit = MAX_DEPTH if self.gamma == "auto" else self.gamma
         if self.gamma == "auto":
             return self.depth_policy(CostAwareDepth, limit)

@@ -18,6 +18,7 @@ and the verifiers' guarantee holds for any tree the policy shapes.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -226,11 +227,13 @@ class CostAwarePolicy:
     found when the text starts copying, on machines where a long verify is dear and the priors
     alone would never draft."""
 
-    def __init__(self, profile: Profile, max_depth: int = AUTO_MAX_DEPTH, explore: bool = True):
+    def __init__(self, profile: Profile, max_depth: int = AUTO_MAX_DEPTH, explore: bool = True, shared: SharedAcceptance | None = None):
         self.profile, self.max_depth, self.explore = profile, max_depth, explore
         self.acceptance: dict[tuple, Acceptance] = {}
         self.batch = 1
         self.model_probe, self.lookup_probe = Probe(PROBE_MODEL_EVERY), Probe(PROBE_LOOKUP_EVERY)
+        if shared is not None:
+            shared.seed(self)
 
     @property
     def probe_model(self) -> bool:
@@ -285,6 +288,39 @@ class CostAwarePolicy:
 
     def __repr__(self) -> str:
         return "auto"
+
+
+class SharedAcceptance:
+    """Acceptance counts carried across the generations of one server: a new generation's policy
+    starts from them, worth at most `weight` outcomes per source (its own outcomes soon outweigh
+    them), and a finished one adds what it saw, older generations fading with `memory`. Earlier
+    requests' verified outcomes only: still lossless. Thread-safe: policies are made where
+    requests are checked (the event loop, its thread pool) and finished on the batch thread."""
+
+    def __init__(self, weight: float = 8, memory: float = 256):
+        self.weight, self.memory = weight, memory
+        self._counts: dict[tuple, tuple[float, float]] = {}  # source -> (offered, accepted)
+        self._lock = threading.Lock()
+
+    def seed(self, policy: CostAwarePolicy) -> None:
+        with self._lock:
+            counts = dict(self._counts)
+        for source, (offered, accepted) in counts.items():
+            scale = min(1.0, self.weight / offered) if offered else 0.0
+            acceptance = policy._acceptance(source)
+            acceptance.offered, acceptance.accepted = offered * scale, accepted * scale
+
+    def absorb(self, policy: CostAwarePolicy) -> None:
+        with self._lock:
+            for source, acceptance in policy.acceptance.items():
+                offered, accepted = self._counts.get(source, (0.0, 0.0))
+                fade = max(0.0, 1 - acceptance.offered / self.memory)
+                self._counts[source] = (offered * fade + acceptance.offered, accepted * fade + acceptance.accepted)
+
+    def rates(self) -> dict[tuple, float]:
+        """Each source's accepted share so far."""
+        with self._lock:
+            return {source: accepted / offered for source, (offered, accepted) in self._counts.items() if offered}
 
 
 def confidence_bin(probability: float) -> int:

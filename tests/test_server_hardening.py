@@ -586,3 +586,27 @@ def test_metrics_show_acceptance_per_source(model_dirs):
         live.stop()
     assert tried["model"] > 0 and all(0 <= accepted[s] <= tried[s] for s in tried)
     assert sum(accepted.values()) > 0
+
+
+def test_new_requests_start_from_what_earlier_ones_saw(model_dirs):
+    """The server's default policy carries acceptance across requests: after copy-heavy requests
+    whose looked-up tokens were accepted, a new request's lookup estimate starts above the prior."""
+    from specdec.policy import LOOKUP_PRIORS
+
+    decoder = specdec.load(model_dirs["llama"], device="cpu")  # the default: prompt lookup alone on this tiny model
+    live = LiveServer(create_app(decoder, MODEL))
+    try:
+        assert decoder.policy().accept_probability(("lookup", 1)) == pytest.approx(LOOKUP_PRIORS[1])
+        for _ in range(3):
+            reply = httpx.post(live.url + "/v1/completions", timeout=60,
+                               json={"model": MODEL, "prompt": "ab cd ef ab cd ef ab cd ef ab cd", "max_tokens": 30, "temperature": 0})
+            assert reply.status_code == 200
+        learnt = decoder.shared_acceptance.rates()
+    finally:
+        live.stop()
+    assert ("lookup", 0) in learnt
+    fresh = decoder.policy()
+    for source, rate in learnt.items():  # seeded toward what was seen, from the prior
+        prior = LOOKUP_PRIORS[source[1]] if source[0] == "lookup" else fresh.accept_probability(source)
+        assert min(rate, prior) - 1e-9 <= fresh.accept_probability(source) <= max(rate, prior) + 1e-9
+    assert any(abs(fresh.accept_probability(s) - LOOKUP_PRIORS[s[1]]) > 0.01 for s in learnt if s[0] == "lookup")

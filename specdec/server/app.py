@@ -18,7 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.api import Generation, SpeculativeDecoder
 from specdec.errors import SpecDecError
-from specdec.policy import BatchDepth
+from specdec.drafters import AutoDrafter
+from specdec.policy import BatchDepth, SharedAcceptance
 from specdec.server.batch import Batcher, Job, Metrics
 from specdec.server.openai import (ERROR_RESPONSES, BadRequest, ChatRequest, CompletionRequest, Reply, SamplingFields,
                                        chat_prompt, error_response)
@@ -51,6 +52,8 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
     metrics = Metrics()
     if decoder.uses_profile:
         decoder.profile()  # measured (or read from the cache) before the first request waits for it
+    if isinstance(decoder.drafter, AutoDrafter):  # new requests start from what earlier ones saw
+        decoder.shared_acceptance = SharedAcceptance()
     batcher = Batcher(decoder, max_batch, max_queue, metrics, batch_depth(decoder) if depth == "measure" else depth)
     app.state.batcher = batcher
     created = int(time.time())

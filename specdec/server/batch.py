@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from specdec.api import Generation, SpeculativeDecoder
-from specdec.policy import BatchDepth
+from specdec.policy import BatchDepth, CostAwarePolicy
 from specdec.server.openai import BadRequest
 from specdec.types import GenerationStats
 
@@ -47,6 +47,7 @@ class Batcher:
     def __init__(self, decoder: SpeculativeDecoder, max_batch: int, max_queue: int, metrics: "Metrics", depth: BatchDepth | None):
         self.metrics, self.max_batch, self.max_queue, self.depth = metrics, max_batch, max_queue, depth
         self.engine = decoder.engine()
+        self.shared = decoder.shared_acceptance
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
         self.prefilling: deque[Job] = deque()  # running jobs whose prompt is not all in, in turn
@@ -195,8 +196,11 @@ class Batcher:
         return new
 
     def _retire(self, job: Job, kind: str | None, message: str | None) -> None:
-        """The job leaves the batch; its slots go back. kind: what the client is told (None: it left)."""
+        """The job leaves the batch; its slots go back, and what its policy learnt goes to the
+        next requests. kind: what the client is told (None: it left)."""
         self.engine.close(job.generation.state)
+        if self.shared is not None and isinstance(job.generation.state.gamma_policy, CostAwarePolicy):
+            self.shared.absorb(job.generation.state.gamma_policy)
         self.running.remove(job)
         if job in self.prefilling:
             self.prefilling.remove(job)
