@@ -9,6 +9,7 @@ from typing import Iterator, Sequence
 
 from specdec import costs
 from specdec.drafters import AutoDrafter, Drafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
+from specdec.drafters.prediction import Prediction
 from specdec.engine import DecodeState, Engine, StepResult, TokenLogprob
 from specdec.errors import SpecDecError
 from specdec.ngram import KatzTrigram
@@ -16,6 +17,7 @@ from specdec.runtime import CausalLM, check_same_vocabulary, choose_backend, loa
 from specdec.policy import AUTO_MAX_DEPTH, MAX_DEPTH, BatchDepth, CostAwareDepth, CostAwarePolicy, FixedGamma, SharedAcceptance
 from specdec.sampling import RandomStreams
 from specdec.stops import StopStrings
+from specdec.text import continuation_decoder
 from specdec.types import GenerationStats, SamplingParams
 
 
@@ -28,11 +30,19 @@ class GenerationResult:
     finish_reason: str  # "length", "stop" (EOS or a stop string)
     stats: GenerationStats = field(default_factory=GenerationStats)
     logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
+    prediction: Prediction | None = field(default=None, repr=False)  # the prediction it was drafted from, if any
+
+    def prediction_usage(self) -> tuple[int, int] | None:
+        """(accepted, rejected) prediction tokens, OpenAI's meaning (see `Prediction.usage`); None without one.
+        Costs an alignment of the prediction's tokens with the output's: computed when asked."""
+        return self.prediction.usage(self.tokens) if self.prediction is not None else None
 
     def to_dict(self) -> dict:
         out = {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
         if self.logprobs is not None:
             out["logprobs"] = [{"token": lp.token, "logprob": lp.logprob, "top": lp.top} for lp in self.logprobs]
+        if self.prediction is not None:
+            out["prediction_tokens"] = dict(zip(("accepted", "rejected"), self.prediction_usage()))
         return out
 
 
@@ -125,11 +135,13 @@ class SpeculativeDecoder:
         seed: int | None = None,
         stop: Sequence[str] = (),
         logprobs: int | None = None,
+        prediction: str | None = None,
     ) -> Generation:
         """A checked generation, not started: run it with `stream`, or in a batch with an `Engine`.
         Temperature 0 is greedy; a seed makes sampling repeatable. logprobs: the result also holds
         each token's log-probability under the target (its raw distribution) and this many most
-        likely alternatives."""
+        likely alternatives. prediction: the text the output is expected to be (OpenAI's Predicted
+        Outputs), drafted from by the default drafter; it changes the speed, never the output."""
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         prompt_ids = self.prompt_ids(prompt)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -141,8 +153,15 @@ class SpeculativeDecoder:
             raise SpecDecError("stop strings must be non-empty strings")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20):
             raise SpecDecError(f"logprobs must be an integer from 0 to 20, got {logprobs!r}")
+        if prediction is not None:
+            if not isinstance(prediction, str):
+                raise SpecDecError(f"a prediction must be text, got {type(prediction).__name__}")
+            if not isinstance(self.drafter, AutoDrafter):
+                raise SpecDecError("a prediction is drafted by the default (auto) drafter; this decoder has " +
+                                   (self.drafter.name if self.drafter is not None else "no drafter"))
         state = DecodeState(prompt_ids, sampling, max_new_tokens, self.policy(), RandomStreams(seed),
-                            GenerationStats(prompt_tokens=len(prompt_ids)), self.stop_token_ids, logprobs=logprobs)
+                            GenerationStats(prompt_tokens=len(prompt_ids)), self.stop_token_ids, logprobs=logprobs,
+                            prediction=Prediction(prediction, self.tokenizer, prompt_ids) if prediction else None)
         return Generation(state, TextAssembler(self.tokenizer, prompt_ids, stop))
 
     def engine(self) -> Engine:
@@ -218,7 +237,8 @@ class Generation:
         stats.generated_tokens = len(self.text.tokens)
         stats.total_seconds = time.perf_counter() - self.started
         return GenerationResult(text=self.text.text, tokens=self.text.tokens, finish_reason=self.text.finish_reason or self.state.finish_reason or "length",
-                                stats=stats, logprobs=self.text.logprobs if self.state.logprobs is not None else None)
+                                stats=stats, logprobs=self.text.logprobs if self.state.logprobs is not None else None,
+                                prediction=self.state.prediction)
 
 
 class TextAssembler:
@@ -226,7 +246,7 @@ class TextAssembler:
     begins; a half-decoded character or a possible start of a stop string is held back."""
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
-        self.decode_text = _continuation_decoder(tokenizer, prompt_ids)
+        self.decode_text = continuation_decoder(tokenizer, prompt_ids)
         self.stops = StopStrings(stop)
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprob] = []  # one per token, when the generation records them
@@ -261,24 +281,6 @@ class TextAssembler:
         delta = text[self.emitted:safe] if safe > self.emitted else ""
         self.emitted = max(self.emitted, safe)
         return delta
-
-
-def _continuation_decoder(tokenizer, prompt_ids: list[int]):
-    """Text of generated ids as it reads after the prompt.
-
-    Decoding the new ids alone loses a leading space with SentencePiece-style tokenizers, so the
-    prompt's last few ids are decoded with them and their own text is cut off again.
-    """
-    anchor = prompt_ids[-4:]
-    anchor_text = tokenizer.decode(anchor, skip_special_tokens=True)
-
-    def decode_text(tokens: list[int]) -> str:
-        text = tokenizer.decode(anchor + tokens, skip_special_tokens=True)
-        if text.startswith(anchor_text) and not anchor_text.endswith("\ufffd"):
-            return text[len(anchor_text):]
-        return tokenizer.decode(tokens, skip_special_tokens=True)
-
-    return decode_text
 
 
 def _tokens_within(decode_text, tokens: list[int], text: str) -> list[int]:

@@ -7,6 +7,7 @@ import collections
 import json
 import os
 import sys
+from pathlib import Path
 
 from specdec import costs, losslessness
 from specdec.errors import SpecDecError
@@ -124,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--prediction", metavar="FILE",
+                     help="a file holding the text the output is expected to be (e.g. the edited file): the default drafter proposes it")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     gen.set_defaults(run=run_generate)
 
@@ -223,10 +226,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_generate(args) -> None:
+    prediction = None
+    if args.prediction is not None:
+        try:
+            prediction = Path(args.prediction).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise SpecDecError(f"cannot read the prediction file {args.prediction}: {error}") from None
     decoder = load_decoder(args)
     stream = decoder.stream(
         args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop, prediction=prediction or None,
     )
     if args.json:
         for _ in stream:
@@ -304,6 +313,8 @@ def format_stats(stats, decoder) -> str:
     if stats.drafters and decoder.gamma == "auto":
         counts = collections.Counter(stats.drafters)
         parts.append("drafted by " + ", ".join(f"{name} {count / len(stats.drafters):.0%}" for name, count in counts.most_common()))
+    if stats.source_trials:
+        parts.append("accepted by source " + ", ".join(f"{source} {accepted}/{tried}" for source, (tried, accepted) in sorted(stats.source_trials.items())))
     parts.append(f"{stats.tokens_per_target_forward or 0:.2f} tokens/target forward")
     return "[specdec] " + " · ".join(parts)
 

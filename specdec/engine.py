@@ -10,6 +10,7 @@ import torch
 
 from specdec import tree
 from specdec.drafters.base import Drafter, DraftRequest, DraftSlot, empty_draft
+from specdec.drafters.prediction import Prediction
 from specdec.policy import CostAwareDepth, CostAwarePolicy, FixedGamma
 from specdec.runtime import CausalLM, Sequence
 from specdec.runtime.base import Feed
@@ -70,6 +71,7 @@ class DecodeState:
     sequence: Sequence | None = None  # the target's slot
     draft_slot: DraftSlot | None = None
     logprobs: int | None = None  # report each token's log-probability and this many alternatives (None: no)
+    prediction: Prediction | None = None  # the text the client expects, for the default drafter
 
 
 class Engine:
@@ -172,8 +174,8 @@ class Engine:
         drafts = [empty_draft() for _ in states]
         asked = [i for i, gamma in enumerate(gammas) if gamma > 0]
         if asked:
-            requests = [DraftRequest(states[i].draft_slot, states[i].context, gammas[i], states[i].sampling, states[i].streams.draft, states[i].gamma_policy)
-                        for i in asked]
+            requests = [DraftRequest(states[i].draft_slot, states[i].context, gammas[i], states[i].sampling, states[i].streams.draft,
+                                     states[i].gamma_policy, states[i].prediction) for i in asked]
             for i, draft in zip(asked, self.drafter.propose(requests)):
                 state = states[i]
                 draft = draft.first(self.target.max_length - len(state.context))  # a tree's nodes take cache slots too

@@ -31,11 +31,13 @@ MAX_DEPTH = 12  # deepest draft the cost-aware depth policies consider, and the 
 AUTO_MAX_DEPTH = 64  # deepest draft of the default: looked-up chains run as long as the match and the costs allow
 PROBE_EVERY = 64  # steps without drafting before one drafts a token, to keep the acceptance estimate current
 PROBE_MODEL_EVERY = 8  # iterations without a draft-model node before the auto drafter tries one anyway
-PROBE_LOOKUP_EVERY = 8  # iterations without a looked-up node before the auto drafter tries lookup anyway ...
-PROBE_LOOKUP_TOKENS = 8  # ... with this many tokens of the continuation (fewer if it is shorter)
+PROBE_CHAIN_EVERY = 8  # iterations without a node of a chain source (lookup, prediction) before the auto drafter tries it anyway ...
+PROBE_CHAIN_TOKENS = 8  # ... with this many tokens of its chain (fewer if it is shorter)
 PROBE_MAX = 256  # the wait between probes doubles after each probe that is rejected, up to this
-LOOKUP_PRIORS = (0.5, 0.8)  # lookup: its first token's acceptance, and each next one's given the one before was accepted
-LOOKUP_MEMORY = 16  # lookup's estimates follow recent outcomes closely: text starts and stops copying
+# chain sources (free to draft, point masses): their first token's acceptance, and each next one's
+# given the one before was accepted; a client's prediction is likelier right than a looked-up match
+CHAIN_PRIORS = {"lookup": (0.5, 0.8), "prediction": (0.7, 0.9)}
+CHAIN_MEMORY = 16  # chain sources' estimates follow recent outcomes closely: text starts and stops copying
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -222,7 +224,7 @@ class CostAwarePolicy:
     its most likely token when sampling, known before the draw); for prompt lookup, one for the
     first looked-up token and one for each next token given the one before was accepted (in copied
     text they run long; when copying stops the first one drops within a few iterations). Priors: a
-    calibrated draft model; LOOKUP_PRIORS for lookup. A source whose estimate does not pay is
+    calibrated draft model; CHAIN_PRIORS for lookup and a prediction. A source whose estimate does not pay is
     tried anyway on a `Probe` schedule (`explore`; the draft model is always probed), so that it is
     found when the text starts copying, on machines where a long verify is dear and the priors
     alone would never draft."""
@@ -231,25 +233,24 @@ class CostAwarePolicy:
         self.profile, self.max_depth, self.explore = profile, max_depth, explore
         self.acceptance: dict[tuple, Acceptance] = {}
         self.batch = 1
-        self.model_probe, self.lookup_probe = Probe(PROBE_MODEL_EVERY), Probe(PROBE_LOOKUP_EVERY)
+        self.probes = {"model": Probe(PROBE_MODEL_EVERY), **{kind: Probe(PROBE_CHAIN_EVERY) for kind in CHAIN_PRIORS}}
         if shared is not None:
             shared.seed(self)
 
     @property
     def probe_model(self) -> bool:
         """This iteration drafts at least one model token, whatever the estimates say."""
-        return self.model_probe.due
+        return self.probes["model"].due
 
-    @property
-    def probe_lookup(self) -> int:
-        """Looked-up tokens this iteration drafts at least (when there is a continuation)."""
-        return PROBE_LOOKUP_TOKENS if self.lookup_probe.due else 0
+    def probe_tokens(self, kind: str) -> int:
+        """Tokens of a chain source's chain this iteration drafts at least (when it has one)."""
+        return PROBE_CHAIN_TOKENS if self.probes[kind].due else 0
 
     def depth(self, batch: int) -> int:
         """Called once per iteration, before drafting."""
         self.batch = batch
-        self.model_probe.start()
-        self.lookup_probe.start(self.explore)
+        for kind, probe in self.probes.items():
+            probe.start(kind == "model" or self.explore)
         return self.max_depth
 
     def budget(self) -> Budget:
@@ -260,7 +261,7 @@ class CostAwarePolicy:
         observed = self._acceptance(source)
         if kind == "model":
             return observed.rate((index + 0.5) / BINS, weight=4)
-        return observed.rate(LOOKUP_PRIORS[min(index, 1)], weight=2)
+        return observed.rate(CHAIN_PRIORS[kind][min(index, 1)], weight=2)
 
     def model_rate(self) -> float:
         """Acceptance of the draft model's nodes over all confidences: the guess for a level not drafted yet."""
@@ -269,7 +270,7 @@ class CostAwarePolicy:
 
     def update(self, draft: Draft, result: VerifyResult) -> None:
         """Every node whose parent was reached was a trial of its sources: accepted iff on the path."""
-        for kind, probe in (("model", self.model_probe), ("lookup", self.lookup_probe)):
+        for kind, probe in self.probes.items():
             drafted = {i for i, node in enumerate(draft.sources or ()) if any(k == kind for k, _ in node)}
             probe.observe(bool(drafted), bool(drafted & set(result.path)))
         if not len(draft) or draft.sources is None:
@@ -279,11 +280,11 @@ class CostAwarePolicy:
                 self._acceptance(source).observe(1, accepted)
 
     def _acceptance(self, source: tuple) -> Acceptance:
-        """The counts behind a source's estimate: lookup's positions after the first share one."""
+        """The counts behind a source's estimate: a chain source's positions after the first share one."""
         kind, index = source
-        key = (kind, min(index, 1)) if kind == "lookup" else source
+        key = (kind, min(index, 1)) if kind in CHAIN_PRIORS else source
         if key not in self.acceptance:
-            self.acceptance[key] = Acceptance(memory=LOOKUP_MEMORY if kind == "lookup" else 64)
+            self.acceptance[key] = Acceptance(memory=CHAIN_MEMORY if kind in CHAIN_PRIORS else 64)
         return self.acceptance[key]
 
     def __repr__(self) -> str:

@@ -97,6 +97,12 @@ def test_plain_and_every_drafter_match_hugging_face_greedy(arch, arch_dirs):
         result = specdec.SpeculativeDecoder(target, drafter, gamma=3).generate(PROMPT, max_new_tokens=NEW, temperature=0)
         assert result.tokens == plain.tokens, f"{name} differs from plain greedy"
         assert result.stats.accepted > 0, f"{name} never had a draft token accepted: the test would prove little"
+    # the default with a prediction: the plain output's text with its middle third cut out
+    text = target.tokenizer.decode(plain.tokens)
+    predicted = specdec.SpeculativeDecoder(target, drafters(arch_dirs[f"{arch}-near"], plain.tokens)["auto"]).generate(
+        PROMPT, max_new_tokens=NEW, temperature=0, prediction=text[: len(text) // 3] + text[2 * len(text) // 3 :])
+    assert predicted.tokens == plain.tokens, "the default with a prediction differs from plain greedy"
+    assert predicted.stats.source_trials["prediction"][1] > 0, "no predicted token was accepted: the test would prove little"
 
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])

@@ -40,9 +40,10 @@ def trained_policy(depth: int, probing: bool = False) -> CostAwarePolicy:
     policy._acceptance(("lookup", 0)).observe(10, 5)
     policy._acceptance(("lookup", 1)).observe(10, 2)
     if probing:
-        policy.model_probe.idle = policy.lookup_probe.idle = 10**6
+        for probe in policy.probes.values():
+            probe.idle = 10**6
         policy.depth(1)
-        assert policy.probe_model and policy.probe_lookup
+        assert policy.probe_model and policy.probe_tokens("lookup")
     return policy
 
 
@@ -255,25 +256,25 @@ def test_probes_of_a_silent_draft_model_back_off():
     rejected = Draft(torch.tensor([3]), sources=[[("model", 5)]])
     waits = []
     for _ in range(3):
-        for _ in range(policy.model_probe.wait):
+        for _ in range(policy.probes["model"].wait):
             policy.depth(1)
             assert not policy.probe_model
             policy.update(nothing, VerifyResult(0, [1]))
         policy.depth(1)
         assert policy.probe_model
         policy.update(rejected, VerifyResult(0, [4], path=[]))
-        waits.append(policy.model_probe.wait)
+        waits.append(policy.probes["model"].wait)
     assert waits == [16, 32, 64]
     policy.depth(1), policy.update(rejected, VerifyResult(1, [3, 4], path=[0]))
-    assert policy.model_probe.wait == 64  # not a probe: the model drafted of its own accord
+    assert policy.probes["model"].wait == 64  # not a probe: the model drafted of its own accord
 
 
 def test_lookup_is_probed_where_its_estimate_never_pays_and_then_drafted_long():
     """On a machine where a verify of k tokens costs k forwards (no estimate can pay), nothing is
-    drafted but a probe of PROBE_LOOKUP_TOKENS lookup tokens every PROBE_LOOKUP_EVERY iterations
+    drafted but a probe of PROBE_CHAIN_TOKENS lookup tokens every PROBE_CHAIN_EVERY iterations
     (backing off while rejected); where a long verify is cheap, one accepted probe makes the
     looked-up chains run long at once. Without `explore`, no probe."""
-    from specdec.policy import PROBE_LOOKUP_EVERY, PROBE_LOOKUP_TOKENS
+    from specdec.policy import PROBE_CHAIN_EVERY, PROBE_CHAIN_TOKENS
     from specdec.types import Draft, VerifyResult
 
     def iteration(policy, accept_all: bool) -> int:
@@ -283,7 +284,7 @@ def test_lookup_is_probed_where_its_estimate_never_pays_and_then_drafted_long():
         for position in range(40):
             value *= policy.accept_probability(("lookup", position))
             values.append(value)
-        count = budget.take_chain(values, at_least=policy.probe_lookup)
+        count = budget.take_chain(values, at_least=policy.probe_tokens("lookup"))
         draft = Draft(torch.arange(count), None, torch.arange(count) - 1, [[("lookup", i)] for i in range(count)])
         accepted = count if accept_all else 0
         policy.update(draft, VerifyResult(accepted, list(range(accepted + 1)), path=list(range(accepted))))
@@ -291,9 +292,9 @@ def test_lookup_is_probed_where_its_estimate_never_pays_and_then_drafted_long():
 
     linear = costs.Profile(target={1: 1.0, 128: 128.0})
     policy = CostAwarePolicy(linear)
-    counts = [iteration(policy, accept_all=False) for _ in range(PROBE_LOOKUP_EVERY * 4)]
-    assert counts[PROBE_LOOKUP_EVERY] == PROBE_LOOKUP_TOKENS and sum(map(bool, counts)) == 2  # waits 8, then 16
-    assert all(iteration(CostAwarePolicy(linear, explore=False), accept_all=True) == 0 for _ in range(3 * PROBE_LOOKUP_EVERY))
+    counts = [iteration(policy, accept_all=False) for _ in range(PROBE_CHAIN_EVERY * 4)]
+    assert counts[PROBE_CHAIN_EVERY] == PROBE_CHAIN_TOKENS and sum(map(bool, counts)) == 2  # waits 8, then 16
+    assert all(iteration(CostAwarePolicy(linear, explore=False), accept_all=True) == 0 for _ in range(3 * PROBE_CHAIN_EVERY))
     cheap_long = costs.Profile(target={1: 1.0, 8: 1.4, 64: 3.0})
     policy = CostAwarePolicy(cheap_long)
     before = iteration(policy, accept_all=True)  # the priors' choice, accepted in full

@@ -591,7 +591,9 @@ def test_metrics_show_acceptance_per_source(model_dirs):
 def test_new_requests_start_from_what_earlier_ones_saw(model_dirs):
     """The server's default policy carries acceptance across requests: after copy-heavy requests
     whose looked-up tokens were accepted, a new request's lookup estimate starts above the prior."""
-    from specdec.policy import LOOKUP_PRIORS
+    from specdec.policy import CHAIN_PRIORS
+
+    LOOKUP_PRIORS = CHAIN_PRIORS["lookup"]
 
     decoder = specdec.load(model_dirs["llama"], device="cpu")  # the default: prompt lookup alone on this tiny model
     live = LiveServer(create_app(decoder, MODEL))

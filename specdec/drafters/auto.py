@@ -116,23 +116,33 @@ class AutoDrafter:
         if not isinstance(policy, CostAwarePolicy):
             raise ValueError("the auto drafter is shaped by the cost-aware policy (gamma 'auto')")
         budget, nodes = policy.budget(), _Tree()
+        if request.prediction is not None:
+            self._add_chain(nodes, "prediction", request.prediction.proposal(request.context, request.max_tokens), policy, budget)
         if self.lookup is not None:
-            self._add_lookup(nodes, request, policy, budget)
+            continuation = lookup_continuation(request.context, min(request.max_tokens, self.max_lookup))
+            self._add_chain(nodes, "lookup", continuation, policy, budget)
         if self.model is not None and (self.trees or not nodes.tokens):
             yield from self._grow_model(nodes, request, policy, budget)
         return nodes.draft()
 
-    def _add_lookup(self, nodes: _Tree, request: DraftRequest, policy: CostAwarePolicy, budget: Budget) -> None:
-        """The looked-up continuation's best prefix (all its values are known at once), or more
-        when the policy probes lookup."""
+    def _add_chain(self, nodes: _Tree, kind: str, chain: list[int], policy: CostAwarePolicy, budget: Budget) -> None:
+        """A chain source's best prefix (all its values are known at once), or more when the policy
+        probes the source. Where a chain spells what is in the tree already it shares its nodes;
+        where it leaves them it branches (if a branch is left)."""
         values, value = [], 1.0
-        continuation = lookup_continuation(request.context, min(request.max_tokens, self.max_lookup))
-        for position in range(len(continuation)):
-            value *= policy.accept_probability(("lookup", position))
+        for position in range(len(chain)):
+            value *= policy.accept_probability((kind, position))
             values.append(value)
         parent = -1
-        for position, token in enumerate(continuation[: budget.take_chain(values, at_least=policy.probe_lookup)]):
-            parent = nodes.add(token, parent, None, values[position], ("lookup", position))
+        for position, token in enumerate(chain[: budget.take_chain(values, at_least=policy.probe_tokens(kind))]):
+            existing = nodes.child(parent, token)
+            if existing is not None:
+                nodes.sources[existing].append((kind, position))
+                parent = existing
+                continue
+            if parent in nodes.parents and (not self.trees or nodes.branches >= self.max_branches):
+                return  # a branch: none left, or the models cannot score trees
+            parent = nodes.add(token, parent, None, values[position], (kind, position))
 
     def _grow_model(self, nodes: _Tree, request: DraftRequest, policy: CostAwarePolicy, budget: Budget):
         model, slot, sampling = self.model, request.slot, request.sampling

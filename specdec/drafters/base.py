@@ -20,7 +20,8 @@ class DraftSlot:
 @dataclass
 class DraftRequest:
     """One row of a batched proposal: up to `max_tokens` deep after `context` (the whole committed text).
-    policy: the row's draft policy, for drafters it shapes (`AutoDrafter`)."""
+    policy: the row's draft policy, for drafters it shapes (`AutoDrafter`); prediction: the text the
+    client expects (a `Prediction`), for drafters that use one."""
 
     slot: DraftSlot
     context: Sequence[int]
@@ -28,6 +29,7 @@ class DraftRequest:
     sampling: SamplingParams
     rng: torch.Generator
     policy: object = None
+    prediction: object = None
 
 
 class Drafter(Protocol):

@@ -151,9 +151,11 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
         if body.max_tokens > room:
             raise BadRequest(f"max_tokens {body.max_tokens} plus the prompt's {len(ids)} tokens exceed the context of {decoder.target.max_length}",
                              param="max_tokens")
+        if body.prediction is not None and not isinstance(decoder.drafter, AutoDrafter):
+            raise BadRequest("prediction is drafted by the default drafter; this server runs a fixed strategy", param="prediction")
         try:
-            return decoder.request(ids, max_new_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k,
-                                   top_p=body.top_p, seed=body.seed, stop=body.stops(), logprobs=body.top_logprobs_wanted())
+            return decoder.request(ids, max_new_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                                   seed=body.seed, stop=body.stops(), logprobs=body.top_logprobs_wanted(), prediction=body.predicted_text())
         except SpecDecError as error:
             raise BadRequest(str(error)) from None
 
@@ -172,7 +174,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
         if isinstance(result, tuple):
             kind, message = result
             return error_response(message, 503) if kind == "unavailable" else error_response(f"generation failed: {message}", 500)
-        if result.logprobs:  # one tokenizer decode per token and alternative: not on the event loop
+        if result.logprobs or result.prediction:  # a decode per token and alternative, an alignment: not on the event loop
             return await run_in_threadpool(reply.whole, result)
         return reply.whole(result)
 
@@ -213,7 +215,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
                     rest = value.logprobs[job.logprobs_sent:] if value.logprobs is not None else None
                     yield _event(reply.chunk("", value.finish_reason, rest))
                     if include_usage:
-                        yield _event(reply.usage_chunk(value))
+                        yield _event(await run_in_threadpool(reply.usage_chunk, value))
                     break
             yield "data: [DONE]\n\n"
         finally:  # a client that left (the response is cancelled) stops its generation

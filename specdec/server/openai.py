@@ -70,6 +70,26 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class TextPart(BaseModel):
+    model_config = STRICT
+
+    type: Literal["text"]
+    text: str
+
+
+def text_of(content: str | list[TextPart]) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
+class PredictionContent(BaseModel):
+    """OpenAI's Predicted Outputs: text the reply is expected to be, e.g. a file after an edit."""
+
+    model_config = STRICT
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
 class SamplingFields(BaseModel):
     """What both endpoints accept; top_k is an extension (above the vocabulary's size it limits
     nothing). Other unknown fields are ignored (e.g. user). Types are strict, as in OpenAI's schema:
@@ -90,6 +110,10 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    prediction: PredictionContent | None = None
+
+    def predicted_text(self) -> str | None:
+        return text_of(self.prediction.content) or None if self.prediction is not None else None
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -145,13 +169,6 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
 
-class TextPart(BaseModel):
-    model_config = STRICT
-
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(BaseModel):
     model_config = STRICT
 
@@ -160,8 +177,7 @@ class ChatMessage(BaseModel):
 
     def for_template(self) -> dict:
         """The message as chat templates know it: text content; `developer` is the system role."""
-        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        return {"role": "system" if self.role == "developer" else self.role, "content": text_of(self.content)}
 
 
 class ChatRequest(SamplingFields):
@@ -247,8 +263,13 @@ class Reply:
         return {**self._head(kind), "choices": [], "usage": self._usage(result), "speculative": _speculative(result.stats)}
 
     def _usage(self, result: GenerationResult) -> dict:
+        """Token counts; with a prediction, its tokens that appeared in the completion and those that did not."""
         completion = len(result.tokens)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion, "total_tokens": self.prompt_tokens + completion}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion, "total_tokens": self.prompt_tokens + completion}
+        predicted = result.prediction_usage()
+        if predicted is not None:
+            usage["completion_tokens_details"] = {"accepted_prediction_tokens": predicted[0], "rejected_prediction_tokens": predicted[1]}
+        return usage
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict:
         """The chat shape (content: one entry per token) or the legacy completions shape."""

@@ -1,0 +1,73 @@
+"""Predicted outputs (OpenAI's `prediction`): the client sends the text it expects the reply to be
+(the file after an edit, a document to quote), and the default drafter proposes it from where the
+output has reached in it.
+
+Alignment is on text, not tokens: the prediction tokenized alone splits differently from the
+output. A cursor follows the output through the predicted text; where the output leaves it (an
+insertion or a deletion), the cursor is re-anchored on the output's last characters, searching
+forward from where it was, so a repeated line does not send it back to an earlier copy. The
+proposal is the predicted text after the cursor, tokenized as a continuation of the output.
+Proposals are point masses, verified like prompt lookup's: exactly lossless whatever they are.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+
+from specdec.text import continuation_decoder, continuation_ids
+
+ANCHORS = (32, 16, 8)  # characters of the output's end tried, longest first, to find it again in the prediction
+CHARS_PER_TOKEN = 8  # predicted characters encoded per proposed token asked for (a generous bound)
+
+
+def realign(predicted: str, cursor: int, output: str, before: int) -> int | None:
+    """Where the output stands in `predicted` now: `cursor` was its place after the output's first
+    `before` characters. The new characters follow the prediction from there, or the output's end
+    is found again past where it was (forward: a repeated line is the next copy, never an earlier
+    one); None when it is not found."""
+    new = output[before:]
+    if predicted.startswith(new, cursor):
+        return cursor + len(new)
+    for size in ANCHORS:
+        if len(output) >= size:
+            found = predicted.find(output[-size:], max(0, cursor - size + 1))
+            if found >= 0:
+                return found + size
+    return None
+
+
+@dataclass
+class Prediction:
+    """One request's predicted text and the output's place in it (see the module docstring)."""
+
+    text: str
+    tokenizer: object
+    prompt: list[int]
+    cursor: int | None = 0  # characters of `text` the output has reached (None: lost until the output is found in it again)
+    _last: int = 0  # the cursor's last known place, where a search starts from when it is lost
+    _seen: int = 0  # characters of the output the cursor has followed
+    _decode: object = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self._decode = continuation_decoder(self.tokenizer, self.prompt)
+
+    def proposal(self, context: list[int], max_tokens: int) -> list[int]:
+        """Up to `max_tokens` token ids of the predicted text after the output so far (context: the
+        prompt and the generated ids)."""
+        output = self._decode(list(context[len(self.prompt):])).rstrip("\ufffd")
+        self.cursor = realign(self.text, self.cursor if self.cursor is not None else self._last, output, self._seen)
+        self._seen = len(output)
+        if self.cursor is None or self.cursor >= len(self.text) or max_tokens <= 0:
+            return []
+        self._last = self.cursor
+        rest = self.text[self.cursor : self.cursor + max_tokens * CHARS_PER_TOKEN]
+        return continuation_ids(self.tokenizer, list(context[-4:]), rest)[:max_tokens]
+
+    def usage(self, completion: list[int]) -> tuple[int, int]:
+        """(accepted, rejected) prediction tokens as OpenAI counts them: the prediction's tokens that
+        appear in the completion (in order, by the longest matching blocks), and the rest."""
+        predicted = self.tokenizer.encode(self.text, add_special_tokens=False)
+        blocks = difflib.SequenceMatcher(None, predicted, completion, autojunk=False).get_matching_blocks()
+        accepted = sum(block.size for block in blocks)
+        return accepted, len(predicted) - accepted

@@ -1,0 +1,38 @@
+"""Generated text as it reads after its prompt, and text to continue a prompt with, as token ids.
+
+Tokenizers do not split a continuation as they split the same text alone (SentencePiece-style ones
+add or drop a leading space; a word may merge with the text before it), so both directions anchor
+on the prompt's last tokens.
+"""
+
+from __future__ import annotations
+
+
+def continuation_decoder(tokenizer, prompt_ids: list[int]):
+    """Text of generated ids as it reads after the prompt.
+
+    Decoding the new ids alone loses a leading space with SentencePiece-style tokenizers, so the
+    prompt's last few ids are decoded with them and their own text is cut off again.
+    """
+    anchor = prompt_ids[-4:]
+    anchor_text = tokenizer.decode(anchor, skip_special_tokens=True)
+
+    def decode_text(tokens: list[int]) -> str:
+        text = tokenizer.decode(anchor + tokens, skip_special_tokens=True)
+        if text.startswith(anchor_text) and not anchor_text.endswith("\ufffd"):
+            return text[len(anchor_text):]
+        return tokenizer.decode(tokens, skip_special_tokens=True)
+
+    return decode_text
+
+
+def continuation_ids(tokenizer, anchor: list[int], text: str) -> list[int]:
+    """Token ids that spell `text` after the ids `anchor` (the last few committed tokens): `text`
+    encoded behind the anchor's own text, the anchor's ids cut off again; when the two do not split
+    at the same place, `text` encoded alone."""
+    anchor_text = tokenizer.decode(anchor, skip_special_tokens=True)
+    ids = tokenizer.encode(anchor_text + text, add_special_tokens=False)
+    for start in range(min(len(ids), len(anchor) + 2), -1, -1):  # the anchor may encode to a token more or fewer
+        if tokenizer.decode(ids[:start], skip_special_tokens=True) == anchor_text:
+            return ids[start:]
+    return tokenizer.encode(text, add_special_tokens=False)
