@@ -69,6 +69,7 @@ def test_a_bench_over_several_suites_reports_each(tmp_path):
                          gammas=(2,), trees=(), staged=False, peers=False, progress=False)
     data = run_bench(config)
     assert list(data["suites"]) == ["edit", "prose"]
+    assert "default + prediction" in [s["name"] for s in data["strategies"]]  # edit tasks know their answer
     for part in data["suites"].values():
         assert part["prompts"] == 2 and part["rounds"] == 2
         rows = part["summary"]["greedy"]

@@ -21,7 +21,7 @@ from specdec import costs
 from specdec.analysis import expected_tokens, weight_bytes_per_token
 from specdec.api import SpeculativeDecoder, load
 from specdec.bench.prompts import file_prompts
-from specdec.bench.suites import suite_tasks
+from specdec.bench.suites import WITH_REFERENCES, suite_tasks
 from specdec.drafters import AutoDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
 from specdec.errors import SpecDecError
 from specdec.runtime import CausalLM, choose_backend
@@ -37,6 +37,7 @@ class BenchConfig:
     suites: tuple[str, ...] = ("complete",)  # specdec.bench.suites; "complete" is HumanEval
     limit: int | None = None  # prompts per suite (None: every task of the suite)
     rounds: int = 1  # every prompt runs this many times, in rounds over all suites
+    predictions: bool = True  # a strategy that sends the tasks' reference answers as predictions (where the suite has them)
     max_new_tokens: int = 128
     modes: tuple[str, ...] = ("greedy", "sampled")
     temperature: float = 0.8  # sampled mode
@@ -94,10 +95,12 @@ def sampling_for(mode: str, config: BenchConfig) -> SamplingParams:
 # ------------------------------------------------------------------------------------ strategies
 
 
-def specdec_strategy(name, family, decoder: SpeculativeDecoder, max_new_tokens: int) -> Strategy:
-    def run(prompt_ids, sampling, seed) -> Run:
+def specdec_strategy(name, family, decoder: SpeculativeDecoder, max_new_tokens: int, predicts: bool = False) -> Strategy:
+    """predicts: the task's reference answer, where it has one, goes in as the prediction."""
+
+    def run(prompt_ids, sampling, seed, reference: str = "") -> Run:
         result = decoder.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=sampling.temperature,
-                                  top_k=sampling.top_k, top_p=sampling.top_p, seed=seed)
+                                  top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, prediction=(reference or None) if predicts else None)
         return Run(result.tokens, result.stats.total_seconds, result.stats)
 
     uses_draft = isinstance(decoder.drafter, ModelDrafter)
@@ -107,7 +110,7 @@ def specdec_strategy(name, family, decoder: SpeculativeDecoder, max_new_tokens: 
 def peer_strategy(peer) -> Strategy:
     """Another implementation's loop (see `CausalLM.peers`), measured like ours."""
 
-    def run(prompt_ids, sampling, seed) -> Run:
+    def run(prompt_ids, sampling, seed, reference: str = "") -> Run:
         out = peer.run(prompt_ids, sampling, seed)
         return Run(out.tokens, out.seconds, GenerationStats(target_forwards=out.target_forwards, draft_forwards=out.draft_forwards))
 
@@ -135,6 +138,9 @@ def build_strategies(config: BenchConfig):
     strategies = [specdec_strategy("plain", "plain", SpeculativeDecoder(target), new),
                   specdec_strategy("default (auto)", "auto", SpeculativeDecoder(target, AutoDrafter(model_drafter, PromptLookupDrafter())), new),
                   specdec_strategy("default, no exploring", "auto", SpeculativeDecoder(target, AutoDrafter(model_drafter, PromptLookupDrafter()), explore=False), new)]
+    if config.predictions and not config.prompts and set(config.suites) & set(WITH_REFERENCES):
+        strategies.append(specdec_strategy("default + prediction", "auto", SpeculativeDecoder(target, AutoDrafter(model_drafter, PromptLookupDrafter())),
+                                           new, predicts=True))
     if model_drafter is not None:
         for gamma in config.gammas:
             strategies.append(specdec_strategy(f"chain γ={gamma}", "chain", SpeculativeDecoder(target, model_drafter, gamma), new))
@@ -218,9 +224,10 @@ def own_threads(target: CausalLM) -> int:
 # ------------------------------------------------------------------------------------ the run
 
 
-def suite_prompts(config: BenchConfig, target: CausalLM) -> dict[str, list[list[int]]]:
-    """Prompt token ids per suite: the first `limit` tasks of each that leave room for the new
-    tokens (chat models get their chat template), or a file's prompts as the suite "prompts"."""
+def suite_prompts(config: BenchConfig, target: CausalLM) -> dict[str, list[tuple[list[int], str]]]:
+    """(prompt token ids, reference answer or "") per suite: the first `limit` tasks of each that
+    leave room for the new tokens (chat models get their chat template), or a file's prompts as the
+    suite "prompts"."""
     if config.limit is not None and config.limit < 1:
         raise SpecDecError("--limit must be >= 1")
     if config.rounds < 1:
@@ -232,11 +239,11 @@ def suite_prompts(config: BenchConfig, target: CausalLM) -> dict[str, list[list[
         too_long = [i for i, prompt in enumerate(ids) if len(prompt) > room]
         if too_long:
             raise SpecDecError(f"{len(too_long)} prompts (first #{too_long[0]}) plus {config.max_new_tokens} new tokens exceed the context of {target.max_length}")
-        return {"prompts": ids}
-    chosen: dict[str, list[list[int]]] = {}
+        return {"prompts": [(prompt, "") for prompt in ids]}
+    chosen: dict[str, list[tuple[list[int], str]]] = {}
     for name in config.suites:
-        fitting = (ids for ids in (encode(task.prompt_for(tokenizer)) for task in suite_tasks(name)) if len(ids) <= room)
-        chosen[name] = [ids for _, ids in zip(range(config.limit or 10**9), fitting)]
+        fitting = ((ids, task.reference) for ids, task in ((encode(task.prompt_for(tokenizer)), task) for task in suite_tasks(name)) if len(ids) <= room)
+        chosen[name] = [prompt for _, prompt in zip(range(config.limit or 10**9), fitting)]
         if not chosen[name]:
             raise SpecDecError(f"no task of the {name} suite leaves room for {config.max_new_tokens} new tokens in the context of {target.max_length}")
     return chosen
@@ -261,13 +268,13 @@ def run_bench(config: BenchConfig) -> dict:
     for mode in config.modes:
         sampling = sampling_for(mode, config)
         for strategy in strategies:  # warm-up: every code path once, not recorded
-            strategy.run(next(iter(suites.values()))[0][-16:], sampling, config.seed)
+            strategy.run(next(iter(suites.values()))[0][0][-16:], sampling, config.seed)
         for round_ in range(config.rounds):
             for suite, prompts in suites.items():
-                for i, ids in enumerate(prompts):
+                for i, (ids, reference) in enumerate(prompts):
                     for strategy in strategies:
                         bar.set_postfix_str(f"{mode} · {suite} · {strategy.name}", refresh=False)
-                        runs[suite][mode][strategy.name].append(strategy.run(ids, sampling, config.seed + i + round_ * len(prompts)))
+                        runs[suite][mode][strategy.name].append(strategy.run(ids, sampling, config.seed + i + round_ * len(prompts), reference))
                         bar.update(1)
                     monitor.sample()
     bar.close()

@@ -179,6 +179,7 @@ def prose() -> Iterator[Task]:
         yield Task("prose", opening + " ", [{"role": "user", "content": f"Continue this text:\n\n{opening}"}])
 
 
+WITH_REFERENCES = ("edit", "extract", "chat", "agent")  # suites whose tasks know their answer (a bench sends it as a prediction)
 SUITES: dict[str, Callable[[], Iterator[Task]]] = {"complete": complete, "edit": edit, "extract": extract, "chat": chat,
                                                    "agent": agent, "prose": prose}
 
