@@ -56,3 +56,20 @@ def test_the_default_demo_runs_on_llama_cpp_and_agrees_with_transformers(demo):
         ours = gguf.generate(prompt, max_new_tokens=48, temperature=0)
         assert ours.tokens == demo.generate(prompt, max_new_tokens=48, temperature=0).tokens
         assert ours.stats.acceptance_rate > 0.2
+
+
+def test_a_gguf_file_runs_on_transformers_too(gguf_models, capsys):
+    """`--backend transformers` with a .gguf file: transformers dequantizes it (here the demo draft in
+    float32, so exactly its checkpoint's weights): the same tokens as the checkpoint, from the API and the CLI."""
+    from specdec.cli import main
+
+    from_gguf = specdec.load(gguf_models["gguf-f32"], backend="transformers", device="cpu", plain=True)
+    checkpoint = specdec.load(gguf_models["hf-draft"], device="cpu", plain=True)
+    assert from_gguf.target.backend == "transformers" and from_gguf.target.vocab_size == checkpoint.target.vocab_size
+    want = checkpoint.generate("def fibonacci(n):", max_new_tokens=24, temperature=0)
+    assert from_gguf.generate("def fibonacci(n):", max_new_tokens=24, temperature=0).tokens == want.tokens
+    assert main(["generate", "def fibonacci(n):", "--target", gguf_models["gguf-f32"], "--backend", "transformers", "--device", "cpu",
+                 "--plain", "--max-new-tokens", "24", "--temperature", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == want.tokens
+    assert main(["generate", "x", "--target", "missing.gguf", "--backend", "transformers"]) == 1
+    assert "GGUF file not found" in capsys.readouterr().err

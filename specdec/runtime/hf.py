@@ -487,23 +487,30 @@ def load_model(
     path: str | os.PathLike, device: str | None = None, dtype: str | torch.dtype | None = None,
     attn_implementation: str | None = None,
 ) -> HFModel:
-    """Load a local checkpoint directory: config.json, *.safetensors, tokenizer files.
+    """Load a local checkpoint directory (config.json, *.safetensors, tokenizer files) or a GGUF
+    file, whose weights transformers dequantizes (it needs the `gguf` package).
 
     Never downloads, never runs remote code, never unpickles: `.bin` weights are refused.
     attn_implementation: "eager", "sdpa", "flex_attention" ... (default: what transformers picks).
     """
     path = Path(path).expanduser()
     device = check_device(device or default_device())
-    _check_checkpoint_dir(path)
+    gguf = path.suffix.lower() == ".gguf"
+    source = dict(gguf_file=path.name) if gguf else dict(use_safetensors=True)
+    if gguf:
+        _check_gguf_file(path)
+    else:
+        _check_checkpoint_dir(path)
+    directory = path.parent if gguf else path
     torch_dtype = resolve_dtype(dtype, device)
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False, **source)
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False, **({"gguf_file": path.name} if gguf else {}))
         model, info = AutoModelForCausalLM.from_pretrained(
-            path,
+            directory,
             config=config,
             dtype=torch_dtype,
-            use_safetensors=True,
+            **source,
             local_files_only=True,
             trust_remote_code=False,
             output_loading_info=True,
@@ -521,6 +528,16 @@ def load_model(
     if torch.device(device).type == "cpu":
         use_small_batch_matmul(model)
     return HFModel(model.to(device), tokenizer, str(path))
+
+
+def _check_gguf_file(path: Path) -> None:
+    if not path.is_file():
+        raise SpecDecError(f"GGUF file not found: {path}")
+    try:
+        import gguf  # noqa: F401 (transformers reads GGUF files with it)
+    except ImportError:
+        raise SpecDecError("transformers reads a GGUF file with the `gguf` package: pip install gguf "
+                           "(or run the file on llama.cpp, the default backend for .gguf)") from None
 
 
 def _check_checkpoint_dir(path: Path) -> None:
