@@ -70,8 +70,8 @@ class SpeculativeDecoder:
     def __init__(self, target: CausalLM, drafter: Drafter | None = None, gamma: int | str = "auto", explore: bool = True):
         check_gamma(gamma)
         _check_drafter(drafter, target)
-        if isinstance(drafter, AutoDrafter) and drafter.model is not None:  # it drafts trees only where both models score them exactly
-            drafter.trees = drafter.trees and target.tree_refusal() is None and drafter.model.model.tree_refusal() is None
+        if isinstance(drafter, AutoDrafter):  # it drafts trees (a prediction and lookup branching too) only where every model scores them exactly
+            drafter.trees = drafter.trees and target.tree_refusal() is None and (drafter.model is None or drafter.model.model.tree_refusal() is None)
         self.target, self.drafter, self.gamma, self.explore = target, drafter, gamma, explore
         self.shared_acceptance: SharedAcceptance | None = None  # a server's: what earlier requests saw, for new ones
         self._busy = False  # one generation at a time: the caches belong to it
