@@ -120,3 +120,28 @@ def test_vanishing_temperature_and_top_p_decode_like_greedy():
     for params in (SamplingParams(temperature=1e-300), SamplingParams(temperature=1e-45), SamplingParams(top_p=5e-324)):
         probs = probs_from_logits(logits, params)
         assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]], params
+
+
+def slow_lookup(context, max_tokens, max_ngram=3, min_ngram=1):
+    """The reference: every earlier position compared in Python, latest first."""
+    length = len(context)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix, best = list(context[length - n :]), []
+        for start in range(length - n - 1, -1, -1):
+            if list(context[start : start + n]) == suffix:
+                follow = list(context[start + n : start + n + max_tokens])
+                best = follow if len(follow) > len(best) else best
+                if len(best) >= max_tokens:
+                    break
+        if best:
+            return best
+    return []
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.integers(0, 5), max_size=40) | st.lists(st.integers(0, 2**24), max_size=40), st.integers(1, 12))
+def test_lookup_searches_in_c_as_the_slow_reference_does(context, max_tokens):
+    """Ids packed 4 bytes each: a match of bytes that straddles two ids is skipped, never proposed."""
+    assert lookup_continuation(context, max_tokens) == slow_lookup(context, max_tokens)
+    straddling = [256, 0, 5, 1]  # packed: 00 01 00 00 | 00 00 00 00 | ...: the bytes of id 1 (01 00 00 00) at offset 1
+    assert lookup_continuation(straddling, 2) == [] == slow_lookup(straddling, 2)

@@ -143,8 +143,9 @@ def suites_plot(plt, save, data: dict) -> None:
     fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
     for ax, mode in zip(axes[0], modes):
         names = list(data["suites"])
-        for offset, (label, kinds) in enumerate((("default", ("auto",)), ("best fixed", FIXED), ("best peer", ("peer",)))):
-            values = [max((r["speedup"] or 0 for s, r in data["suites"][n]["summary"][mode].items() if family[s] in kinds), default=0) for n in names]
+        for offset, (label, chosen) in enumerate((("default", lambda s: s == DEFAULT), ("best fixed", lambda s: family[s] in FIXED),
+                                                  ("best peer", lambda s: family[s] == "peer"))):
+            values = [max((r["speedup"] or 0 for s, r in data["suites"][n]["summary"][mode].items() if chosen(s)), default=0) for n in names]
             ax.bar([i + (offset - 1) * 0.27 for i in range(len(names))], values, width=0.27, label=label)
         ax.axhline(1, color="black", lw=0.8)
         ax.set_xticks(range(len(names)), names)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from typing import Sequence
 
 import torch
@@ -16,19 +17,25 @@ def lookup_continuation(context: Sequence[int], max_tokens: int, max_ngram: int 
     followed its latest occurrence that is followed by max_tokens tokens, else by the most.
 
     Returns up to max_tokens tokens; [] when nothing matches. (The latest occurrence alone would
-    cut a repeating pattern short: in "a b a b a b" it is followed by one token only.)
+    cut a repeating pattern short: in "a b a b a b" it is followed by one token only.) The search
+    runs in C over the ids packed 4 bytes each, so a long context costs microseconds, not a Python
+    loop over every position.
     """
     length = len(context)
+    packed = array("I", context).tobytes()
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        suffix = list(context[length - n :])
+        suffix = packed[4 * (length - n) :]
         best: list[int] = []
-        for start in range(length - n - 1, -1, -1):  # latest match first; never the suffix itself
-            if list(context[start : start + n]) == suffix:
-                follow = context[start + n : start + n + max_tokens]
-                if len(follow) > len(best):
-                    best = list(follow)
-                if len(best) >= max_tokens:
-                    break
+        end = 4 * (length - 1)  # a match ends by the last token: never the suffix itself
+        while (at := packed.rfind(suffix, 0, end)) >= 0:  # latest match first
+            end = at + len(suffix) - 1  # the next search: matches starting further left
+            if at % 4:
+                continue  # bytes of two neighbouring ids, not ids
+            follow = context[at // 4 + n : at // 4 + n + max_tokens]
+            if len(follow) > len(best):
+                best = list(follow)
+            if len(best) >= max_tokens:
+                break
         if best:
             return best
     return []
