@@ -242,8 +242,13 @@ def suite_prompts(config: BenchConfig, target: CausalLM) -> dict[str, list[tuple
         return {"prompts": [(prompt, "") for prompt in ids]}
     chosen: dict[str, list[tuple[list[int], str]]] = {}
     for name in config.suites:
-        fitting = ((ids, task.reference) for ids, task in ((encode(task.prompt_for(tokenizer)), task) for task in suite_tasks(name)) if len(ids) <= room)
-        chosen[name] = [prompt for _, prompt in zip(range(config.limit or 10**9), fitting)]
+        chosen[name] = []
+        for task in suite_tasks(name):
+            ids = encode(task.prompt_for(tokenizer))
+            if len(ids) <= room:
+                chosen[name].append((ids, task.reference))
+            if len(chosen[name]) == config.limit:
+                break
         if not chosen[name]:
             raise SpecDecError(f"no task of the {name} suite leaves room for {config.max_new_tokens} new tokens in the context of {target.max_length}")
     return chosen
