@@ -224,14 +224,20 @@ def own_threads(target: CausalLM) -> int:
 # ------------------------------------------------------------------------------------ the run
 
 
-def suite_prompts(config: BenchConfig, target: CausalLM) -> dict[str, list[tuple[list[int], str]]]:
-    """(prompt token ids, reference answer or "") per suite: the first `limit` tasks of each that
-    leave room for the new tokens (chat models get their chat template), or a file's prompts as the
-    suite "prompts"."""
+def check_config(config: BenchConfig) -> None:
+    """What can be refused before any model loads."""
     if config.limit is not None and config.limit < 1:
         raise SpecDecError("--limit must be >= 1")
     if config.rounds < 1:
         raise SpecDecError("--rounds must be >= 1")
+    for name in config.suites if not config.prompts else ():
+        suite_tasks(name)  # an unknown name is refused
+
+
+def suite_prompts(config: BenchConfig, target: CausalLM) -> dict[str, list[tuple[list[int], str]]]:
+    """(prompt token ids, reference answer or "") per suite: the first `limit` tasks of each that
+    leave room for the new tokens (chat models get their chat template), or a file's prompts as the
+    suite "prompts"."""
     tokenizer, room = target.tokenizer, target.max_length - config.max_new_tokens
     encode = lambda prompt: tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
     if config.prompts:
@@ -258,8 +264,7 @@ def run_bench(config: BenchConfig) -> dict:
     """Everything `specdec bench` reports, as plain data (see report.py for the tables and plots).
     Strategies take turns prompt by prompt; with several rounds, every suite's prompts run once
     per round, round after round."""
-    for name in config.suites if not config.prompts else ():
-        suite_tasks(name)  # an unknown name is refused before any model loads
+    check_config(config)
     target, draft, strategies = build_strategies(config)
     suites = suite_prompts(config, target)
     monitor = LoadMonitor(own_threads(target))

@@ -91,6 +91,14 @@ def _renamed(node: ast.FunctionDef) -> tuple[str, str] | None:
     return (candidates[0], f"{candidates[0]}_value") if candidates else None
 
 
+def _renames() -> Iterator[tuple[str, ast.FunctionDef, str, str]]:
+    """(source, node, old name, new name) for the functions that have a name worth renaming."""
+    for code, node in _functions():
+        names = _renamed(node)
+        if names is not None:
+            yield code, node, *names
+
+
 def _rename(code: str, old: str, new: str) -> str:
     return re.sub(rf"\b{re.escape(old)}\b", new, code)
 
@@ -127,11 +135,7 @@ def complete() -> Iterator[Task]:
 
 
 def edit() -> Iterator[Task]:
-    for code, node in _functions():
-        names = _renamed(node)
-        if names is None:
-            continue
-        old, new = names
+    for code, _, old, new in _renames():
         text = f"# Original version:\n{code}\n\n# The same code, with `{old}` renamed to `{new}`:\n"
         ask = (f"Here is a Python function:\n\n```python\n{code}\n```\n\n"
                f"Write it again, exactly the same but with `{old}` renamed to `{new}`. Reply with the code only.")
@@ -160,11 +164,7 @@ def chat() -> Iterator[Task]:
 
 
 def agent() -> Iterator[Task]:
-    for code, node in _functions():
-        names = _renamed(node)
-        if names is None:
-            continue
-        old, new = names
+    for code, node, old, new in _renames():
         text = (f"Task: rename `{old}` to `{new}` in `{node.name}` and show the result.\n\n"
                 f"Action: read_function({node.name!r})\nObservation:\n{code}\n\n"
                 f"Action: replace_name({old!r}, {new!r})\nObservation: done.\n\n"
