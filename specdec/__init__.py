@@ -9,7 +9,7 @@
 """
 
 from specdec.api import GenerationResult, SpeculativeDecoder, Stream, load
-from specdec.drafters import AutoDrafter, Drafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
+from specdec.drafters import AutoDrafter, Drafter, History, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
 from specdec.errors import SpecDecError
 from specdec.runtime import CausalLM, load_model
 from specdec.types import GenerationStats, SamplingParams
@@ -19,5 +19,5 @@ __version__ = "0.1.0"
 __all__ = [
     "load", "load_model", "SpeculativeDecoder", "GenerationResult", "GenerationStats", "Stream",
     "SamplingParams", "SpecDecError", "CausalLM",
-    "AutoDrafter", "Drafter", "ModelDrafter", "NgramDrafter", "PromptLookupDrafter", "TreeShape",
+    "AutoDrafter", "Drafter", "History", "ModelDrafter", "NgramDrafter", "PromptLookupDrafter", "TreeShape",
 ]

@@ -9,6 +9,7 @@ from typing import Iterator, Sequence
 
 from specdec import costs
 from specdec.drafters import AutoDrafter, Drafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
+from specdec.drafters.history import History
 from specdec.drafters.prediction import Prediction
 from specdec.engine import DecodeState, Engine, StepResult, TokenLogprob
 from specdec.errors import SpecDecError
@@ -65,14 +66,23 @@ class SpeculativeDecoder:
     always shaped by the cost-aware policy, at most `gamma` deep when that is a number.
     explore: the auto drafter's policy tries prompt lookup on a probe schedule when its estimate
     does not pay (False: lookup only when it pays by the estimate).
+    history: earlier generations' prompts and outputs, drafted from by the auto drafter (suffix
+    decoding; a `History`, or True for one with the default budget, or None); per tenant, as
+    each request says (`request(tenant=...)`).
     """
 
-    def __init__(self, target: CausalLM, drafter: Drafter | None = None, gamma: int | str = "auto", explore: bool = True):
+    def __init__(self, target: CausalLM, drafter: Drafter | None = None, gamma: int | str = "auto", explore: bool = True,
+                 history: History | bool | None = True):
         check_gamma(gamma)
         _check_drafter(drafter, target)
         if isinstance(drafter, AutoDrafter):  # it drafts trees (a prediction and lookup branching too) only where every model scores them exactly
             drafter.trees = drafter.trees and target.tree_refusal() is None and (drafter.model is None or drafter.model.model.tree_refusal() is None)
         self.target, self.drafter, self.gamma, self.explore = target, drafter, gamma, explore
+        if history is True:
+            history = History() if isinstance(drafter, AutoDrafter) else None
+        if history is not None and not isinstance(drafter, AutoDrafter):
+            raise SpecDecError("a history is drafted from by the default (auto) drafter; this decoder has " + _drafter_name(drafter))
+        self.history: History | None = history or None
         self.shared_acceptance: SharedAcceptance | None = None  # a server's: what earlier requests saw, for new ones
         self._busy = False  # one generation at a time: the caches belong to it
         self._profile: costs.Profile | None = None
@@ -136,12 +146,14 @@ class SpeculativeDecoder:
         stop: Sequence[str] = (),
         logprobs: int | None = None,
         prediction: str | None = None,
+        tenant: object = None,
     ) -> Generation:
         """A checked generation, not started: run it with `stream`, or in a batch with an `Engine`.
         Temperature 0 is greedy; a seed makes sampling repeatable. logprobs: the result also holds
         each token's log-probability under the target (its raw distribution) and this many most
         likely alternatives. prediction: the text the output is expected to be (OpenAI's Predicted
-        Outputs), drafted from by the default drafter; it changes the speed, never the output."""
+        Outputs), drafted from by the default drafter; it changes the speed, never the output.
+        tenant: whose history the generation drafts from and joins (any hashable; see `History`)."""
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         prompt_ids = self.prompt_ids(prompt)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -157,11 +169,12 @@ class SpeculativeDecoder:
             if not isinstance(prediction, str):
                 raise SpecDecError(f"a prediction must be text, got {type(prediction).__name__}")
             if not isinstance(self.drafter, AutoDrafter):
-                raise SpecDecError("a prediction is drafted by the default (auto) drafter; this decoder has " +
-                                   (self.drafter.name if self.drafter is not None else "no drafter"))
+                raise SpecDecError("a prediction is drafted by the default (auto) drafter; this decoder has " + _drafter_name(self.drafter))
+        chains = (Prediction(prediction, self.tokenizer, prompt_ids),) if prediction else ()
+        if self.history is not None:
+            chains += (self.history.view(tenant),)
         state = DecodeState(prompt_ids, sampling, max_new_tokens, self.policy(), RandomStreams(seed),
-                            GenerationStats(prompt_tokens=len(prompt_ids)), self.stop_token_ids, logprobs=logprobs,
-                            prediction=Prediction(prediction, self.tokenizer, prompt_ids) if prediction else None)
+                            GenerationStats(prompt_tokens=len(prompt_ids)), self.stop_token_ids, logprobs=logprobs, chains=chains)
         return Generation(state, TextAssembler(self.tokenizer, prompt_ids, stop))
 
     def engine(self) -> Engine:
@@ -238,7 +251,7 @@ class Generation:
         stats.total_seconds = time.perf_counter() - self.started
         return GenerationResult(text=self.text.text, tokens=self.text.tokens, finish_reason=self.text.finish_reason or self.state.finish_reason or "length",
                                 stats=stats, logprobs=self.text.logprobs if self.state.logprobs is not None else None,
-                                prediction=self.state.prediction)
+                                prediction=next((c for c in self.state.chains if isinstance(c, Prediction)), None))
 
 
 class TextAssembler:
@@ -416,6 +429,10 @@ def _check_drafter(drafter: Drafter | None, target: CausalLM) -> None:
         _check_drafter(drafter.inner, target)
     if isinstance(drafter, NgramDrafter):
         check_ngram(drafter.model, target)
+
+
+def _drafter_name(drafter: Drafter | None) -> str:
+    return drafter.name if drafter is not None else "no drafter"
 
 
 def check_gamma(gamma) -> None:

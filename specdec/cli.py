@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from specdec import costs, losslessness
+from specdec.drafters.history import DEFAULT_TOKENS
 from specdec.errors import SpecDecError
 from specdec.runtime import BACKENDS
 
@@ -221,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="browser origins allowed by CORS, e.g. http://localhost:3000 (default: none)")
     serve.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for models without one (or to replace theirs)")
     serve.add_argument("--max-connections", type=_positive, default=256, help="open connections at most; more get 503 (default 256)")
+    serve.add_argument("--history-tokens", type=int, default=None, metavar="N",
+                       help="the default drafter also drafts from earlier requests' prompts and outputs, N tokens kept per tenant "
+                            f"(a request's `user`; default {DEFAULT_TOKENS:,}; 0 = off)")
+    serve.add_argument("--share-history", action="store_true",
+                       help="every request drafts from every tenant's history (faster where tenants repeat each other, but a "
+                            "request's speed then tells something of other tenants' requests)")
     serve.set_defaults(run=run_serve)
     return parser
 
@@ -403,6 +410,7 @@ def run_serve(args) -> None:
     _check_sequence_ids(decoder, max_batch)
     if template is not None:
         decoder.tokenizer.chat_template = template
+    decoder.history = _server_history(decoder, args.history_tokens, args.share_history)
     name = args.model_name or os.path.basename(os.path.normpath(decoder.target.path))
     loopback = args.host in ("127.0.0.1", "localhost", "::1")  # then only loopback Host headers: no DNS rebinding
     app = create_app(decoder, name, max_queue=args.max_queue, max_batch=max_batch, api_key=args.api_key,
@@ -415,6 +423,19 @@ def run_serve(args) -> None:
     except SystemExit as error:  # uvicorn logs why it could not start (a port in use, say), then exits
         if error.code:
             raise SpecDecError(f"the server could not start on {args.host}:{args.port} (see the message above)") from None
+
+
+def _server_history(decoder, tokens: int | None, shared: bool):
+    """The server's history of earlier requests, or None (off, or a fixed strategy, which does not draft from one)."""
+    from specdec.drafters import AutoDrafter, History
+
+    if tokens is not None and tokens < 0:
+        raise SpecDecError("--history-tokens must be >= 0")
+    if not isinstance(decoder.drafter, AutoDrafter):
+        if tokens or shared:
+            raise SpecDecError("--history-tokens and --share-history are for the default drafter; this server runs a fixed strategy")
+        return None
+    return History(tokens if tokens is not None else DEFAULT_TOKENS, shared=shared) if tokens != 0 else None
 
 
 def _check_sequence_ids(decoder, max_batch: int) -> None:

@@ -9,8 +9,7 @@ from typing import Iterator, Sequence as Seq
 import torch
 
 from specdec import tree
-from specdec.drafters.base import Drafter, DraftRequest, DraftSlot, empty_draft
-from specdec.drafters.prediction import Prediction
+from specdec.drafters.base import ChainSource, Drafter, DraftRequest, DraftSlot, empty_draft
 from specdec.policy import CostAwareDepth, CostAwarePolicy, FixedGamma
 from specdec.runtime import CausalLM, Sequence
 from specdec.runtime.base import Feed
@@ -71,7 +70,7 @@ class DecodeState:
     sequence: Sequence | None = None  # the target's slot
     draft_slot: DraftSlot | None = None
     logprobs: int | None = None  # report each token's log-probability and this many alternatives (None: no)
-    prediction: Prediction | None = None  # the text the client expects, for the default drafter
+    chains: tuple[ChainSource, ...] = ()  # the request's own chain sources (a prediction, its history), for the default drafter
 
 
 class Engine:
@@ -136,12 +135,15 @@ class Engine:
             self.close(state)
 
     def close(self, state: DecodeState) -> None:
-        """Give the slots back (llama.cpp's cells are shared by all sequences); safe to repeat."""
+        """Give the slots back (llama.cpp's cells are shared by all sequences) and tell the chain
+        sources what the generation committed; safe to repeat."""
         sequence, slot = state.sequence, state.draft_slot
         state.sequence = state.draft_slot = None
         try:
             if sequence is not None:
                 sequence.release()
+                for chain in state.chains:
+                    chain.end(state.context)
         finally:
             if slot is not None:
                 self.drafter.close(slot)
@@ -175,7 +177,7 @@ class Engine:
         asked = [i for i, gamma in enumerate(gammas) if gamma > 0]
         if asked:
             requests = [DraftRequest(states[i].draft_slot, states[i].context, gammas[i], states[i].sampling, states[i].streams.draft,
-                                     states[i].gamma_policy, states[i].prediction) for i in asked]
+                                     states[i].gamma_policy, states[i].chains) for i in asked]
             for i, draft in zip(asked, self.drafter.propose(requests)):
                 state = states[i]
                 draft = draft.first(self.target.max_length - len(state.context))  # a tree's nodes take cache slots too

@@ -31,12 +31,13 @@ MAX_DEPTH = 12  # deepest draft the cost-aware depth policies consider, and the 
 AUTO_MAX_DEPTH = 64  # deepest draft of the default: looked-up chains run as long as the match and the costs allow
 PROBE_EVERY = 64  # steps without drafting before one drafts a token, to keep the acceptance estimate current
 PROBE_MODEL_EVERY = 8  # iterations without a draft-model node before the auto drafter tries one anyway
-PROBE_CHAIN_EVERY = 8  # iterations without a node of a chain source (lookup, prediction) before the auto drafter tries it anyway ...
+PROBE_CHAIN_EVERY = 8  # iterations without a node of a chain source (lookup, prediction, history) before the auto drafter tries it anyway ...
 PROBE_CHAIN_TOKENS = 8  # ... with this many tokens of its chain (fewer if it is shorter)
-PROBE_MAX = 256  # the wait between probes doubles after each probe that is rejected, up to this
-# chain sources (free to draft, point masses): their first token's acceptance, and each next one's
-# given the one before was accepted; a client's prediction is likelier right than a looked-up match
-CHAIN_PRIORS = {"lookup": (0.5, 0.8), "prediction": (0.7, 0.9)}
+PROBE_MAX = 256  # the wait between probes doubles after each probe, up to this (see `Probe`)
+# chain sources (free to draft, point masses; `drafters.base.ChainSource`): their first token's
+# acceptance, and each next one's given the one before was accepted; a client's prediction is likelier
+# right than a looked-up match, a match in this text likelier than one in earlier requests' history
+CHAIN_PRIORS = {"lookup": (0.5, 0.8), "prediction": (0.7, 0.9), "history": (0.4, 0.8)}
 CHAIN_MEMORY = 16  # chain sources' estimates follow recent outcomes closely: text starts and stops copying
 
 
@@ -193,9 +194,12 @@ class Budget:
 @dataclass
 class Probe:
     """When to try a source that the estimates say does not pay: after `wait` iterations without
-    it, one iteration drafts it anyway (`due`); the wait doubles after a probe that is rejected, up
-    to PROBE_MAX, and starts over after one that is accepted. A schedule fixed by past iterations'
-    verified outcomes: still lossless."""
+    it, one iteration drafts it anyway (`due`). A probe is worth its cost only if it changes what
+    the estimates choose: the wait doubles after every probe, up to PROBE_MAX, and starts over
+    once the source is drafted of its own accord (its estimate pays again). So a source that is
+    accepted but still does not pay for itself (a draft model right 60% of the time where a verify
+    is dear) is probed ever more rarely, not every `every` iterations for ever. A schedule fixed
+    by past iterations' verified outcomes and the policy's own choices: still lossless."""
 
     every: int
     wait: int = 0
@@ -209,9 +213,9 @@ class Probe:
         """A new iteration begins."""
         self.due = enabled and self.idle >= self.wait
 
-    def observe(self, tried: bool, accepted: bool) -> None:
-        if self.due and tried:
-            self.wait = self.every if accepted else min(PROBE_MAX, 2 * self.wait)
+    def observe(self, tried: bool) -> None:
+        if tried:
+            self.wait = min(PROBE_MAX, 2 * self.wait) if self.due else self.every
         self.idle = 0 if tried else self.idle + 1
 
 
@@ -221,10 +225,10 @@ class CostAwarePolicy:
 
     It keeps, for one generation, the probability that a node is accepted given its parent was:
     for the draft model by confidence bin (its probability of the node's token in greedy mode or of
-    its most likely token when sampling, known before the draw); for prompt lookup, one for the
-    first looked-up token and one for each next token given the one before was accepted (in copied
-    text they run long; when copying stops the first one drops within a few iterations). Priors: a
-    calibrated draft model; CHAIN_PRIORS for lookup and a prediction. A source whose estimate does not pay is
+    its most likely token when sampling, known before the draw); for each chain source (prompt
+    lookup, a prediction, the history), one for its first token and one for each next token given
+    the one before was accepted (in copied text they run long; when copying stops the first one
+    drops within a few iterations). Priors: a calibrated draft model; CHAIN_PRIORS for chains. A source whose estimate does not pay is
     tried anyway on a `Probe` schedule (`explore`; the draft model is always probed), so that it is
     found when the text starts copying, on machines where a long verify is dear and the priors
     alone would never draft."""
@@ -271,8 +275,7 @@ class CostAwarePolicy:
     def update(self, draft: Draft, result: VerifyResult) -> None:
         """Every node whose parent was reached was a trial of its sources: accepted iff on the path."""
         for kind, probe in self.probes.items():
-            drafted = {i for i, node in enumerate(draft.sources or ()) if any(k == kind for k, _ in node)}
-            probe.observe(bool(drafted), bool(drafted & set(result.path)))
+            probe.observe(any(k == kind for node in draft.sources or () for k, _ in node))
         if not len(draft) or draft.sources is None:
             return
         for node, accepted in trials(draft.parents, result.path):

@@ -103,6 +103,14 @@ def test_plain_and_every_drafter_match_hugging_face_greedy(arch, arch_dirs):
         PROMPT, max_new_tokens=NEW, temperature=0, prediction=text[: len(text) // 3] + text[2 * len(text) // 3 :])
     assert predicted.tokens == plain.tokens, "the default with a prediction differs from plain greedy"
     assert predicted.stats.source_trials["prediction"][1] > 0, "no predicted token was accepted: the test would prove little"
+    # the default with a history of an earlier request: the same prompt, its output with one token changed
+    history = specdec.History()
+    half = len(plain.tokens) // 2
+    history.record(None, PROMPT + plain.tokens[:half] + [(plain.tokens[half] + 1) % 16] + plain.tokens[half + 1 :])
+    recalled = specdec.SpeculativeDecoder(target, drafters(arch_dirs[f"{arch}-near"], plain.tokens)["auto"], history=history).generate(
+        PROMPT, max_new_tokens=NEW, temperature=0)
+    assert recalled.tokens == plain.tokens, "the default with a history differs from plain greedy"
+    assert recalled.stats.source_trials["history"][1] > 0, "no token from the history was accepted: the test would prove little"
 
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])

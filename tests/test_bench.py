@@ -29,7 +29,7 @@ def bench_data(model_dirs, tmp_path_factory):
 def test_every_strategy_and_peer_is_measured(bench_data):
     data, _ = bench_data
     names = [s["name"] for s in data["strategies"]]
-    assert names == ["plain", "default (auto)", "default, no exploring", "chain γ=1", "chain γ=3", "chain γ=auto", "tree 4 γ=2",
+    assert names == ["plain", "default (auto)", "default, no exploring", "default + history", "chain γ=1", "chain γ=3", "chain γ=auto", "tree 4 γ=2",
                      "staged γ=3 (n-gram)", "staged tree 3 γ=3 (n-gram)", "staged γ=3 (lookup)", "staged tree 3 γ=3 (lookup)",
                      "prompt lookup γ=8", "n-gram γ=4", "HF generate", "HF assisted", "HF prompt lookup"]
     assert list(data["suites"]) == ["prompts"]

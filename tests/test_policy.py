@@ -248,25 +248,27 @@ def test_branches_stay_within_the_sequence_id_budget():
     assert counts[0] == 0 and counts[1] == 1 and counts[2] >= 2, counts
 
 
-def test_probes_of_a_silent_draft_model_back_off():
+def test_probes_back_off_until_the_source_pays_of_its_own_accord():
+    """A probe, accepted or not, that leaves the source unchosen doubles the wait; a draft of the
+    source that the estimates chose starts the schedule over."""
     from specdec.types import Draft, VerifyResult
 
     policy = CostAwarePolicy(STEEP)
     nothing = Draft(torch.zeros(0, dtype=torch.long), sources=[])
-    rejected = Draft(torch.tensor([3]), sources=[[("model", 5)]])
+    probed = Draft(torch.tensor([3]), sources=[[("model", 5)]])
     waits = []
-    for _ in range(3):
+    for accepted in (False, True, False):
         for _ in range(policy.probes["model"].wait):
             policy.depth(1)
             assert not policy.probe_model
             policy.update(nothing, VerifyResult(0, [1]))
         policy.depth(1)
         assert policy.probe_model
-        policy.update(rejected, VerifyResult(0, [4], path=[]))
+        policy.update(probed, VerifyResult(1, [3, 4], path=[0]) if accepted else VerifyResult(0, [4], path=[]))
         waits.append(policy.probes["model"].wait)
     assert waits == [16, 32, 64]
-    policy.depth(1), policy.update(rejected, VerifyResult(1, [3, 4], path=[0]))
-    assert policy.probes["model"].wait == 64  # not a probe: the model drafted of its own accord
+    policy.depth(1), policy.update(probed, VerifyResult(1, [3, 4], path=[0]))
+    assert policy.probes["model"].wait == 8  # not a probe: the model drafted of its own accord
 
 
 def test_lookup_is_probed_where_its_estimate_never_pays_and_then_drafted_long():

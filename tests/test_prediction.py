@@ -38,11 +38,16 @@ def test_the_cursor_follows_the_output_and_is_found_again_forward():
 class TablePrediction:
     """A prediction whose proposal is fixed: what the drafter would get from a `Prediction`."""
 
+    kind = "prediction"
+
     def __init__(self, tokens: list[int]):
         self.tokens = tokens
 
     def proposal(self, context, max_tokens: int) -> list[int]:
         return self.tokens[:max_tokens]
+
+    def end(self, context) -> None:
+        pass
 
 
 @pytest.mark.parametrize("predicted", [[0, 1, 2], [2, 2, 2], [1]], ids=["likely", "unlikely", "short"])
@@ -59,7 +64,7 @@ def test_an_iteration_with_a_prediction_keeps_the_target_distribution(enumerator
         drafter = AutoDrafter(ModelDrafter(TableLM(draft, DRAFTER_PROMPT)), PromptLookupDrafter())
         slot = drafter.open(DRAFTER_PROMPT)
         request = DraftRequest(slot, list(DRAFTER_PROMPT), 3, SamplingParams(temperature=1.0), None, trained_policy(3, probing=True),
-                               TablePrediction(predicted))
+                               (TablePrediction(predicted),))
         return drafter.propose([request])[0]
 
     assert proposal_deviation(enumerator, propose, Conditional(3, seed=41), 3) < 1e-9

@@ -22,7 +22,7 @@ from specdec.analysis import expected_tokens, weight_bytes_per_token
 from specdec.api import SpeculativeDecoder, load
 from specdec.bench.prompts import file_prompts
 from specdec.bench.suites import WITH_REFERENCES, suite_tasks
-from specdec.drafters import AutoDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
+from specdec.drafters import AutoDrafter, History, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
 from specdec.errors import SpecDecError
 from specdec.runtime import CausalLM, choose_backend
 from specdec.types import GenerationStats, SamplingParams
@@ -38,6 +38,7 @@ class BenchConfig:
     limit: int | None = None  # prompts per suite (None: every task of the suite)
     rounds: int = 1  # every prompt runs this many times, in rounds over all suites
     predictions: bool = True  # a strategy that sends the tasks' reference answers as predictions (where the suite has them)
+    history: bool = True  # a strategy that drafts from the history of the round's earlier prompts and outputs too
     max_new_tokens: int = 128
     modes: tuple[str, ...] = ("greedy", "sampled")
     temperature: float = 0.8  # sampled mode
@@ -86,6 +87,7 @@ class Strategy:
     gamma: int | str | None
     uses_draft_model: bool
     run: Callable[[list[int], SamplingParams, int], Run]
+    history: History | None = None  # emptied as each round starts: a round drafts from its own earlier prompts only
 
 
 def sampling_for(mode: str, config: BenchConfig) -> SamplingParams:
@@ -104,7 +106,7 @@ def specdec_strategy(name, family, decoder: SpeculativeDecoder, max_new_tokens: 
         return Run(result.tokens, result.stats.total_seconds, result.stats)
 
     uses_draft = isinstance(decoder.drafter, ModelDrafter)
-    return Strategy(name, family, decoder.gamma if decoder.drafter else None, uses_draft, run)
+    return Strategy(name, family, decoder.gamma if decoder.drafter else None, uses_draft, run, decoder.history)
 
 
 def peer_strategy(peer) -> Strategy:
@@ -135,12 +137,14 @@ def build_strategies(config: BenchConfig):
                 threads=config.threads, gpu_layers=config.gpu_layers, context=config.context, tokenizer=config.tokenizer)
     target, model_drafter = base.target, base.drafter
     new = config.max_new_tokens
+    default = lambda **options: SpeculativeDecoder(target, AutoDrafter(model_drafter, PromptLookupDrafter()), **{"history": None, **options})
     strategies = [specdec_strategy("plain", "plain", SpeculativeDecoder(target), new),
-                  specdec_strategy("default (auto)", "auto", SpeculativeDecoder(target, AutoDrafter(model_drafter, PromptLookupDrafter())), new),
-                  specdec_strategy("default, no exploring", "auto", SpeculativeDecoder(target, AutoDrafter(model_drafter, PromptLookupDrafter()), explore=False), new)]
+                  specdec_strategy("default (auto)", "auto", default(), new),
+                  specdec_strategy("default, no exploring", "auto", default(explore=False), new)]
+    if config.history:
+        strategies.append(specdec_strategy("default + history", "auto", default(history=History()), new))
     if config.predictions and not config.prompts and set(config.suites) & set(WITH_REFERENCES):
-        strategies.append(specdec_strategy("default + prediction", "auto", SpeculativeDecoder(target, AutoDrafter(model_drafter, PromptLookupDrafter())),
-                                           new, predicts=True))
+        strategies.append(specdec_strategy("default + prediction", "auto", default(), new, predicts=True))
     if model_drafter is not None:
         for gamma in config.gammas:
             strategies.append(specdec_strategy(f"chain γ={gamma}", "chain", SpeculativeDecoder(target, model_drafter, gamma), new))
@@ -280,6 +284,9 @@ def run_bench(config: BenchConfig) -> dict:
         for strategy in strategies:  # warm-up: every code path once, not recorded
             strategy.run(next(iter(suites.values()))[0][0][-16:], sampling, config.seed)
         for round_ in range(config.rounds):
+            for strategy in strategies:
+                if strategy.history is not None:
+                    strategy.history.clear()
             for suite, prompts in suites.items():
                 for i, (ids, reference) in enumerate(prompts):
                     for strategy in strategies:

@@ -1,9 +1,11 @@
-"""The default drafter: prompt lookup and the draft model side by side in one token tree, shaped
+"""The default drafter: chain sources and the draft model side by side in one token tree, shaped
 node by node by the cost-aware policy (`specdec.policy.CostAwarePolicy`).
 
-Each iteration, per row:
-1. prompt lookup's continuation (free to draft) enters as a chain while each next token's chance of
-   being accepted pays for the verify cost it adds (the policy's `Budget`);
+Chain sources are free to draft: prompt lookup, and a request's own (`DraftRequest.chains`: a
+client's prediction, earlier requests' history). Each iteration, per row:
+1. each chain source's continuation enters as a chain while each next token's chance of being
+   accepted pays for the verify cost it adds (the policy's `Budget`), the source the policy
+   trusts most first;
 2. the draft model then grows level by level, each level one forward shared by the batch's rows,
    while the value a level is expected to add pays for its forward: in greedy mode the most likely
    children of the best nodes (a dynamic tree, as in EAGLE-2), when sampling a chain drawn from q.
@@ -116,11 +118,13 @@ class AutoDrafter:
         if not isinstance(policy, CostAwarePolicy):
             raise ValueError("the auto drafter is shaped by the cost-aware policy (gamma 'auto')")
         budget, nodes = policy.budget(), _Tree()
-        if request.prediction is not None:
-            self._add_chain(nodes, "prediction", request.prediction.proposal(request.context, request.max_tokens), policy, budget)
+        depth = min(request.max_tokens, self.max_lookup)
+        chains = [(source.kind, source.proposal(request.context, depth)) for source in request.chains]
         if self.lookup is not None:
-            continuation = lookup_continuation(request.context, min(request.max_tokens, self.max_lookup))
-            self._add_chain(nodes, "lookup", continuation, policy, budget)
+            chains.append(("lookup", lookup_continuation(request.context, depth)))
+        # the likeliest source first: where chains differ, the later ones branch (while branches are left)
+        for kind, chain in sorted(chains, key=lambda c: -policy.accept_probability((c[0], 0))):
+            self._add_chain(nodes, kind, chain, policy, budget)
         if self.model is not None and (self.trees or not nodes.tokens):
             yield from self._grow_model(nodes, request, policy, budget)
         return nodes.draft()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import torch
@@ -20,8 +20,8 @@ class DraftSlot:
 @dataclass
 class DraftRequest:
     """One row of a batched proposal: up to `max_tokens` deep after `context` (the whole committed text).
-    policy: the row's draft policy, for drafters it shapes (`AutoDrafter`); prediction: the text the
-    client expects (a `Prediction`), for drafters that use one."""
+    policy: the row's draft policy, for drafters it shapes (`AutoDrafter`); chains: the request's own
+    chain sources (a `Prediction`, a `HistoryView`: see `ChainSource`), for drafters that use them."""
 
     slot: DraftSlot
     context: Sequence[int]
@@ -29,7 +29,23 @@ class DraftRequest:
     sampling: SamplingParams
     rng: torch.Generator
     policy: object = None
-    prediction: object = None
+    chains: tuple[ChainSource, ...] = ()
+
+
+class ChainSource(Protocol):
+    """A request's own source of point-mass chains (the text a client predicts, earlier requests'
+    history), drafted by the default drafter beside prompt lookup. `kind` names it to the policy
+    (`specdec.policy.CHAIN_PRIORS`) and in stats."""
+
+    kind: str
+
+    def proposal(self, context: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to max_tokens ids to follow the context (prompt and output so far); [] for none."""
+        ...
+
+    def end(self, context: Sequence[int]) -> None:
+        """The generation has finished with this context."""
+        ...
 
 
 class Drafter(Protocol):
@@ -87,6 +103,65 @@ class ContextDrafter:
 
     def close(self, slot: DraftSlot) -> None:
         pass
+
+
+@dataclass
+class DraftTree:
+    """A draft being grown, by any drafter that grows trees (the draft model's, the default's).
+    Node i has a token, a parent (-1: the root, the last committed token), the distribution it
+    was drawn from (None: a point mass), its value, and the sources that proposed it. A value is
+    a probability of the node's whole path (the draft model's, or the policy's estimate that it is
+    accepted): a child's never exceeds its parent's, and the root's is 1."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    drawn_from: list[torch.Tensor | None] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    sources: list[list[tuple[str, int]]] = field(default_factory=list)
+    branches: int = 0  # nodes that are not their parent's first child: each needs a branch (a llama.cpp sequence id)
+
+    def add(self, token: int, parent: int, drawn_from: torch.Tensor | None, value: float, source: tuple[str, int] | None = None) -> int:
+        self.branches += parent in self.parents
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.drawn_from.append(drawn_from)
+        self.values.append(value)
+        self.sources.append([source] if source is not None else [])
+        return len(self.tokens) - 1
+
+    def value(self, node: int) -> float:
+        return 1.0 if node < 0 else self.values[node]
+
+    def child(self, parent: int, token: int) -> int | None:
+        return next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents)) if p == parent and t == token), None)
+
+    def child_tokens(self, parent: int) -> list[int]:
+        return [t for t, p in zip(self.tokens, self.parents) if p == parent]
+
+    def best(self, candidates: list[int], count: int) -> list[int]:
+        """The `count` most valuable candidates; ties go to the lower index, so a parent (worth at
+        least as much as its children) always comes before them: the best k of a tree are
+        ancestor-closed."""
+        return sorted(candidates, key=lambda i: (-self.values[i], i))[:count]
+
+    def draft(self, keep: list[int] | None = None) -> Draft:
+        """The tree as a Draft, restricted to `keep` (an ancestor-closed set) if given. Point-mass
+        nodes beside drawn ones get one-hot rows: a point mass is a distribution too."""
+        keep = sorted(range(len(self.tokens)) if keep is None else keep)
+        renumber = {old: new for new, old in enumerate(keep)}
+        tokens = torch.tensor([self.tokens[i] for i in keep], dtype=torch.long)
+        parents = torch.tensor([renumber[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep], dtype=torch.long)
+        drawn = [self.drawn_from[i] for i in keep if self.drawn_from[i] is not None]
+        probs = None
+        if drawn:
+            probs = torch.zeros(len(keep), drawn[0].numel(), dtype=drawn[0].dtype)
+            for row, i in enumerate(keep):
+                if self.drawn_from[i] is None:
+                    probs[row, self.tokens[i]] = 1.0
+                else:
+                    probs[row] = self.drawn_from[i]
+        sources = [self.sources[i] for i in keep] if any(self.sources) else None
+        return Draft(tokens, probs, parents, sources)
 
 
 def empty_draft() -> Draft:

@@ -39,8 +39,10 @@ def realign(predicted: str, cursor: int, output: str, before: int) -> int | None
 
 @dataclass
 class Prediction:
-    """One request's predicted text and the output's place in it (see the module docstring)."""
+    """One request's predicted text and the output's place in it (see the module docstring): a
+    chain source (`drafters.base.ChainSource`)."""
 
+    kind = "prediction"
     text: str
     tokenizer: object
     prompt: list[int]
@@ -63,6 +65,9 @@ class Prediction:
         self._last = self.cursor
         rest = self.text[self.cursor : self.cursor + max_tokens * CHARS_PER_TOKEN]
         return continuation_ids(self.tokenizer, list(context[-4:]), rest)[:max_tokens]
+
+    def end(self, context: list[int]) -> None:
+        pass
 
     def usage(self, completion: list[int]) -> tuple[int, int]:
         """(accepted, rejected) prediction tokens as OpenAI counts them: the prediction's tokens that

@@ -155,7 +155,8 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
             raise BadRequest("prediction is drafted by the default drafter; this server runs a fixed strategy", param="prediction")
         try:
             return decoder.request(ids, max_new_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                                   seed=body.seed, stop=body.stops(), logprobs=body.top_logprobs_wanted(), prediction=body.predicted_text())
+                                   seed=body.seed, stop=body.stops(), logprobs=body.top_logprobs_wanted(), prediction=body.predicted_text(),
+                                   tenant=body.user)
         except SpecDecError as error:
             raise BadRequest(str(error)) from None
 

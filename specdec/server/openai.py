@@ -92,7 +92,8 @@ class PredictionContent(BaseModel):
 
 class SamplingFields(BaseModel):
     """What both endpoints accept; top_k is an extension (above the vocabulary's size it limits
-    nothing). Other unknown fields are ignored (e.g. user). Types are strict, as in OpenAI's schema:
+    nothing). `user` names the tenant whose history of earlier requests drafts for this one (a
+    `History`). Other unknown fields are ignored. Types are strict, as in OpenAI's schema:
     an integer is a valid float, nothing else is coerced."""
 
     model_config = STRICT
@@ -111,6 +112,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     prediction: PredictionContent | None = None
+    user: str | None = Field(None, max_length=256)
 
     def predicted_text(self) -> str | None:
         return text_of(self.prediction.content) or None if self.prediction is not None else None

@@ -1,0 +1,135 @@
+"""History across requests (suffix decoding): earlier requests' prompts and outputs, drafted from
+like prompt lookup.
+
+A `History` keeps, per tenant, the token ids of recent generations (prompt and output, one
+document each) packed 4 bytes an id and separated by a SEPARATOR, bounded by a token budget:
+the oldest documents go first. A generation drafts from a `HistoryView`: the longest suffix of
+its context (HISTORY_NGRAMS tokens, longest first) found in its tenant's documents, and what
+followed there, never across a document's end. Where the output goes on copying what it
+followed, the view follows the same place (no search: a long copied passage costs nothing per
+iteration); elsewhere it searches again, in C.
+
+Proposals are point masses, verified like prompt lookup's: whatever the history holds, the output
+is the target's. What it holds changes only the speed, and speed is a timing side channel, so
+tenants (an API key, a `user`) draft only from their own requests unless sharing is asked for.
+The store is thread-safe: a view reads the immutable bytes it was given when its request was made
+(a server makes requests on the event loop, drafts and records on the batch thread).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from typing import Hashable, Sequence
+
+from specdec.drafters.prompt_lookup import SEPARATOR, continuation_in, packed
+
+HISTORY_NGRAMS = (8, 5, 3)  # suffix lengths looked up in the history, longest first: short matches in a big corpus are noise
+DEFAULT_TOKENS = 200_000  # tokens kept per tenant by default: ~0.8 MB, a search of a few hundred microseconds at worst
+DEFAULT_TENANTS = 64  # tenants kept; the one unused longest goes first
+
+
+class _Documents:
+    """One tenant's documents, oldest first, each ending with a SEPARATOR."""
+
+    def __init__(self):
+        self.corpus = b""
+        self.sizes: deque[int] = deque()  # bytes per document, separator included
+
+    def add(self, ids: Sequence[int], budget: int) -> None:
+        ids = list(ids[-budget:])  # a document longer than the budget keeps its end
+        corpus = self.corpus + packed(ids + [SEPARATOR])
+        self.sizes.append(4 * (len(ids) + 1))
+        drop = 0
+        while len(corpus) - drop > 4 * (budget + len(self.sizes)):  # the budget counts tokens, not separators
+            drop += self.sizes.popleft()
+        self.corpus = corpus[drop:]
+
+
+class History:
+    """Earlier generations' prompts and outputs, per tenant (see the module docstring). tokens:
+    ids kept per tenant; tenants: tenants kept; shared: every request drafts from every request
+    (one tenant for all)."""
+
+    def __init__(self, tokens: int = DEFAULT_TOKENS, tenants: int = DEFAULT_TENANTS, shared: bool = False):
+        if tokens < 1 or tenants < 1:
+            raise ValueError("a history keeps at least one token of one tenant")
+        self.tokens, self.tenants, self.shared = tokens, tenants, shared
+        self._documents: OrderedDict[Hashable, _Documents] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _key(self, tenant: Hashable) -> Hashable:
+        return None if self.shared else tenant
+
+    def view(self, tenant: Hashable = None) -> HistoryView:
+        """A generation's source of drafts: its tenant's history as it is now."""
+        key = self._key(tenant)
+        with self._lock:
+            documents = self._documents.get(key)
+            if documents is not None:
+                self._documents.move_to_end(key)
+            return HistoryView(self, key, documents.corpus if documents else b"")
+
+    def record(self, tenant: Hashable, ids: Sequence[int]) -> None:
+        """A finished generation's context (prompt and output) joins its tenant's history."""
+        if not ids:
+            return
+        key = self._key(tenant)
+        with self._lock:
+            documents = self._documents.setdefault(key, _Documents())
+            self._documents.move_to_end(key)
+            documents.add(ids, self.tokens)
+            while len(self._documents) > self.tenants:
+                self._documents.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._documents.clear()
+
+    def size(self, tenant: Hashable = None) -> int:
+        """Tokens held for a tenant."""
+        with self._lock:
+            documents = self._documents.get(self._key(tenant))
+            return 0 if documents is None else len(documents.corpus) // 4 - len(documents.sizes)
+
+
+class HistoryView:
+    """One generation's drafts from its tenant's history (a chain source of the default drafter).
+    `end` records the generation once it has finished."""
+
+    kind = "history"
+
+    def __init__(self, history: History, tenant: Hashable, corpus: bytes):
+        self.history, self.tenant, self.corpus = history, tenant, corpus
+        self._ids = memoryview(corpus).cast("I")
+        self._follow: int | None = None  # where in the corpus the context's next token was proposed from
+        self._followed = 0  # the context's length when it was
+
+    def proposal(self, context: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to max_tokens ids that followed the context's end in the history ([] when none did)."""
+        if not self.corpus or max_tokens <= 0:
+            return []
+        follow = self._followed_place(context)
+        if follow is not None:
+            chain = self._ids[follow : follow + max_tokens].tolist()
+            chain = chain[: chain.index(SEPARATOR)] if SEPARATOR in chain else chain
+            if chain:
+                self._follow, self._followed = follow, len(context)
+                return chain
+        place, chain = continuation_in(self.corpus, context, max_tokens, HISTORY_NGRAMS)
+        self._follow, self._followed = (place, len(context)) if chain else (None, 0)  # where the next iteration looks first
+        return chain
+
+    def _followed_place(self, context: Sequence[int]) -> int | None:
+        """The corpus place after the context's new tokens, if they copy what was followed."""
+        if self._follow is None:
+            return None
+        new = list(context[self._followed :])
+        start = self._follow
+        if self._ids[start : start + len(new)].tolist() != new:
+            return None
+        return start + len(new)
+
+    def end(self, context: Sequence[int]) -> None:
+        """The generation has finished with this context: it joins the history."""
+        self.history.record(self.tenant, context)
