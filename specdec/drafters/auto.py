@@ -20,62 +20,16 @@ decided on its distribution before the draw, never on the token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from specdec.drafters.base import DraftRequest, DraftSlot
+from specdec.drafters.base import DraftRequest, DraftSlot, DraftTree
 from specdec.drafters.model import ModelDrafter, pick_children
 from specdec.drafters.prompt_lookup import PromptLookupDrafter, lookup_continuation
 from specdec.policy import MAX_DEPTH, Budget, CostAwarePolicy, confidence_bin
 from specdec.runtime.base import forward_together
 from specdec.types import Draft
-
-
-@dataclass
-class _Tree:
-    """A tree being grown: per node its token, parent, the distribution it was drawn from (None: a
-    point mass), its value (probability of acceptance, ancestors included) and its sources."""
-
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-    drawn_from: list[torch.Tensor | None] = field(default_factory=list)
-    values: list[float] = field(default_factory=list)
-    sources: list[list[tuple[str, int]]] = field(default_factory=list)
-    branches: int = 0  # nodes that are not their parent's first child: each needs a branch (a llama.cpp sequence id)
-
-    def add(self, token: int, parent: int, drawn_from, value: float, source: tuple[str, int]) -> int:
-        self.branches += parent in self.parents
-        self.tokens.append(token)
-        self.parents.append(parent)
-        self.drawn_from.append(drawn_from)
-        self.values.append(value)
-        self.sources.append([source])
-        return len(self.tokens) - 1
-
-    def value(self, node: int) -> float:
-        return 1.0 if node < 0 else self.values[node]
-
-    def child(self, parent: int, token: int) -> int | None:
-        return next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents)) if p == parent and t == token), None)
-
-    def child_tokens(self, parent: int) -> list[int]:
-        return [t for t, p in zip(self.tokens, self.parents) if p == parent]
-
-    def draft(self) -> Draft:
-        """Point-mass nodes beside sampled ones get one-hot rows: a point mass is a distribution too."""
-        tokens = torch.tensor(self.tokens, dtype=torch.long)
-        sampled = [row for row in self.drawn_from if row is not None]
-        probs = None
-        if sampled:
-            probs = torch.zeros(len(self.tokens), sampled[0].numel(), dtype=sampled[0].dtype)
-            for i, (row, token) in enumerate(zip(self.drawn_from, self.tokens)):
-                if row is None:
-                    probs[i, token] = 1.0
-                else:
-                    probs[i] = row
-        return Draft(tokens, probs, torch.tensor(self.parents, dtype=torch.long), self.sources)
 
 
 class AutoDrafter:
@@ -117,7 +71,7 @@ class AutoDrafter:
         policy = request.policy
         if not isinstance(policy, CostAwarePolicy):
             raise ValueError("the auto drafter is shaped by the cost-aware policy (gamma 'auto')")
-        budget, nodes = policy.budget(), _Tree()
+        budget, nodes = policy.budget(), DraftTree()
         depth = min(request.max_tokens, self.max_lookup)
         chains = [(source.kind, source.proposal(request.context, depth)) for source in request.chains]
         if self.lookup is not None:
@@ -129,7 +83,7 @@ class AutoDrafter:
             yield from self._grow_model(nodes, request, policy, budget)
         return nodes.draft()
 
-    def _add_chain(self, nodes: _Tree, kind: str, chain: list[int], policy: CostAwarePolicy, budget: Budget) -> None:
+    def _add_chain(self, nodes: DraftTree, kind: str, chain: list[int], policy: CostAwarePolicy, budget: Budget) -> None:
         """A chain source's best prefix (all its values are known at once), or more when the policy
         probes the source. Where a chain spells what is in the tree already it shares its nodes;
         where it leaves them it branches (if a branch is left)."""
@@ -148,7 +102,7 @@ class AutoDrafter:
                 return  # a branch: none left, or the models cannot score trees
             parent = nodes.add(token, parent, None, values[position], (kind, position))
 
-    def _grow_model(self, nodes: _Tree, request: DraftRequest, policy: CostAwarePolicy, budget: Budget):
+    def _grow_model(self, nodes: DraftTree, request: DraftRequest, policy: CostAwarePolicy, budget: Budget):
         model, slot, sampling = self.model, request.slot, request.sampling
         context = request.context
         depth = min(request.max_tokens, MAX_DEPTH, model.model.verify_room(len(context) - 1))
@@ -168,7 +122,7 @@ class AutoDrafter:
             logits = yield from model.feed_frontier(slot, frontier, nodes.tokens, nodes.parents)
             rows = model.distributions(logits, sampling)
 
-    def _add_level(self, nodes: _Tree, frontier: list[int], rows: torch.Tensor, width: int, request: DraftRequest,
+    def _add_level(self, nodes: DraftTree, frontier: list[int], rows: torch.Tensor, width: int, request: DraftRequest,
                    policy: CostAwarePolicy, budget: Budget, force: bool = False) -> list[int]:
         """The model's children of the frontier that pay, best first (with `force`, the best one
         whether it pays or not); returns the level's nodes (lookup nodes the model also proposes

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from specdec import tree
-from specdec.drafters.base import ContextDrafter, DraftRequest, DraftSlot, empty_draft
+from specdec.drafters.base import ContextDrafter, DraftRequest, DraftSlot, DraftTree, empty_draft
 from specdec.errors import SpecDecError
 from specdec.runtime import CausalLM
 from specdec.runtime import base as runtime
@@ -56,47 +56,6 @@ class TreeShape:
                 raise SpecDecError(f"tree {name} must be a positive integer, got {value!r}")
 
 
-@dataclass
-class _Nodes:
-    """A tree being grown: node i has a token, a parent, the distribution it was drawn from
-    (None: a point mass) and its log cumulative draft probability (its best-first score)."""
-
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-    drawn_from: list[torch.Tensor | None] = field(default_factory=list)
-    scores: list[float] = field(default_factory=list)
-
-    def add(self, token: int, parent: int, drawn_from: torch.Tensor | None, score: float) -> int:
-        self.tokens.append(token)
-        self.parents.append(parent)
-        self.drawn_from.append(drawn_from)
-        self.scores.append(score)
-        return len(self.tokens) - 1
-
-    def score(self, node: int) -> float:
-        return 0.0 if node < 0 else self.scores[node]
-
-    def best(self, candidates: list[int], count: int) -> list[int]:
-        """The `count` highest-scoring candidates; ties go to the lower index, so a parent (which
-        scores at least as high as its children) always comes before them: the best k of a tree
-        are ancestor-closed."""
-        return sorted(candidates, key=lambda i: (-self.scores[i], i))[:count]
-
-    def add_children(self, parent: int, q: torch.Tensor, count: int, sampled: bool, rng, exclude: Sequence[int] = ()) -> list[int]:
-        """Children of `parent`, whose draft distribution is q, from `pick_children`; returns their indices."""
-        return [self.add(token, parent, drawn_from, self.score(parent) + math.log(q[token]))
-                for token, drawn_from in pick_children(q, count, sampled, rng, exclude)]
-
-    def draft(self, keep: list[int] | None = None) -> Draft:
-        """The tree as a Draft, restricted to `keep` (an ancestor-closed set) if given."""
-        keep = sorted(range(len(self.tokens)) if keep is None else keep)
-        renumber = {old: new for new, old in enumerate(keep)}
-        parents = [renumber[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep]
-        rows = [self.drawn_from[i] for i in keep]
-        probs = torch.stack(rows) if rows and rows[0] is not None else None
-        return Draft(torch.tensor([self.tokens[i] for i in keep], dtype=torch.long), probs, torch.tensor(parents, dtype=torch.long))
-
-
 def pick_children(q: torch.Tensor, count: int, sampled: bool, rng: torch.Generator, exclude: Sequence[int] = ()):
     """Up to `count` children for a node whose draft distribution is q, never a token in `exclude`
     (those are earlier siblings). Yields (token, the distribution it was drawn from or None).
@@ -122,14 +81,21 @@ def pick_children(q: torch.Tensor, count: int, sampled: bool, rng: torch.Generat
         exclude = [*exclude, token]
 
 
-def _settled(nodes: _Nodes, frontier: list[int], budget: int) -> bool:
-    """No deeper node can enter the best `budget` of a deterministic tree: children score no
-    higher than their parents, so once the budget-th best score reaches the frontier's best,
+def _add_children(nodes: DraftTree, parent: int, q: torch.Tensor, count: int, sampled: bool, rng, exclude: Sequence[int] = ()) -> list[int]:
+    """Children of `parent`, whose draft distribution is q, from `pick_children`, each worth its
+    path's draft probability; returns their indices."""
+    return [nodes.add(token, parent, drawn_from, nodes.value(parent) * float(q[token]))
+            for token, drawn_from in pick_children(q, count, sampled, rng, exclude)]
+
+
+def _settled(nodes: DraftTree, frontier: list[int], budget: int) -> bool:
+    """No deeper node can enter the best `budget` of a deterministic tree: children are worth no
+    more than their parents, so once the budget-th best value reaches the frontier's best,
     feeding the frontier would be wasted."""
     if len(nodes.tokens) < budget:
         return False
     kept = nodes.best(list(range(len(nodes.tokens))), budget)
-    return nodes.scores[kept[-1]] >= max(nodes.scores[i] for i in frontier)
+    return nodes.values[kept[-1]] >= max(nodes.values[i] for i in frontier)
 
 
 @dataclass
@@ -206,7 +172,7 @@ class ModelDrafter:
             shape = TreeShape(nodes=depth, width=1, sampled=shape.sampled)
         sampled = shape.sampled and not sampling.greedy
         depth = min(depth, shape.nodes)
-        nodes = _Nodes()
+        nodes = DraftTree()
         if self.inner is None:
             yield from self._grow_levels(slot, nodes, depth, shape, sampled, sampling, rng)
         else:  # the spine takes depth slots, each draft² guess one more while it is checked
@@ -215,7 +181,7 @@ class ModelDrafter:
             return nodes.draft()
         return nodes.draft(keep=nodes.best(list(range(len(nodes.tokens))), shape.nodes))  # best-first cut
 
-    def _grow_levels(self, slot: _Slot, nodes: _Nodes, depth: int, shape: TreeShape, sampled: bool, sampling, rng):
+    def _grow_levels(self, slot: _Slot, nodes: DraftTree, depth: int, shape: TreeShape, sampled: bool, sampling, rng):
         """Level by level: the frontier's children join the tree; the best `width` of them are fed
         to the draft model in one forward, which gives their own distributions for the next level.
         Sampled trees keep every child drawn, so their budget is spent while growing: a level gets
@@ -226,7 +192,7 @@ class ModelDrafter:
             allowed = shape.nodes - len(nodes.tokens) - (depth - level) if sampled else math.inf
             new = []
             for node, q in zip(frontier, rows):
-                new += nodes.add_children(node, q, int(min(shape.width, allowed - len(new))), sampled, rng)
+                new += _add_children(nodes, node, q, int(min(shape.width, allowed - len(new))), sampled, rng)
             if level == depth or not new:
                 return
             frontier = nodes.best(new, shape.width)
@@ -237,7 +203,7 @@ class ModelDrafter:
             logits = yield from self.feed_frontier(slot, frontier, nodes.tokens, nodes.parents)
             rows = self.distributions(logits, sampling)
 
-    def _grow_staged(self, slot: _Slot, nodes: _Nodes, context, depth: int, shape: TreeShape, sampled: bool, sampling, rng, inner_gamma: int):
+    def _grow_staged(self, slot: _Slot, nodes: DraftTree, context, depth: int, shape: TreeShape, sampled: bool, sampling, rng, inner_gamma: int):
         """The spine: the draft model's own continuation, decoded speculatively with the inner
         drafter (lossless for the draft model: each spine token is distributed as q given those
         before it). With a tree shape, siblings are added along the spine from the same rows."""
@@ -261,17 +227,17 @@ class ModelDrafter:
             spine += result.tokens
             rows += list(q[: result.accepted + 1])
         for i, (token, q) in enumerate(zip(spine, rows)):
-            nodes.add(token, i - 1, q if sampled else None, nodes.score(i - 1) + math.log(q[token]))
+            nodes.add(token, i - 1, q if sampled else None, nodes.value(i - 1) * float(q[token]))
         if self.tree is not None:
             self._add_siblings(nodes, rows, shape, sampled, rng)
 
-    def _add_siblings(self, nodes: _Nodes, rows, shape: TreeShape, sampled: bool, rng) -> None:
+    def _add_siblings(self, nodes: DraftTree, rows, shape: TreeShape, sampled: bool, rng) -> None:
         """Leaves beside the spine, root side first: each spine position may get up to width - 1 more
         children. Sampled siblings are drawn after the spine token, which was the first draw."""
         spine = list(nodes.tokens)
         for i, q in enumerate(rows):
             count = shape.width - 1 if not sampled else min(shape.width - 1, shape.nodes - len(nodes.tokens))
-            nodes.add_children(i - 1, q, count, sampled, rng, exclude=[spine[i]])
+            _add_children(nodes, i - 1, q, count, sampled, rng, exclude=[spine[i]])
 
     def distributions(self, logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
         """q after the sampling transform; in greedy mode the plain softmax, used only to rank nodes."""
