@@ -85,7 +85,7 @@ class SpeculativeDecoder:
         self.history: History | None = history or None
         self.shared_acceptance: SharedAcceptance | None = None  # a server's: what earlier requests saw, for new ones
         self._busy = False  # one generation at a time: the caches belong to it
-        self._profile: costs.Profile | None = None
+        self._profile: costs.LiveCosts | None = None
 
     @property
     def draft_model(self) -> CausalLM | None:
@@ -97,10 +97,11 @@ class SpeculativeDecoder:
         """Whether decoding needs measured forward costs (any cost-aware choice)."""
         return isinstance(self.drafter, AutoDrafter) or (self.drafter is not None and self.gamma == "auto")
 
-    def profile(self) -> costs.Profile:
-        """The models' forward costs on this machine: cached on disk, measured on first use."""
+    def profile(self) -> costs.LiveCosts:
+        """The models' forward costs on this machine: cached on disk, measured on first use, then
+        corrected by what this decoder's steps pay (`costs.LiveCosts`, shared by its generations)."""
         if self._profile is None:
-            self._profile = costs.profile(self.target, self.draft_model)
+            self._profile = costs.LiveCosts.of(costs.profile(self.target, self.draft_model))
         return self._profile
 
     def policy(self):

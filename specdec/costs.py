@@ -20,11 +20,13 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 from pathlib import Path
 
 import torch
@@ -67,6 +69,83 @@ class Profile:
         if data.get("draft"):
             data["draft"] = {int(k): v for k, v in data["draft"].items()}
         return cls(**data)
+
+
+@dataclass
+class LiveCosts(Profile):
+    """A profile whose verify costs follow what decoding pays.
+
+    The measured curve times each size alone, after a short context; decoding pays more for a
+    verify than that curve says (llama.cpp rebuilds its graph whenever the batch shape changes,
+    a long context makes attention dear, cache edits and verification add to the forward) and
+    often less for a plain step (its graph is reused), and the plain steps right after a drafting
+    one pay for it too (see `observe`). So each engine step's verify phase (tokens the target
+    scored, seconds) is compared with the curve, as a factor per size
+    class (k in [2^c, 2^(c+1))), each class following its last ~MEMORY steps. t(k) is the curve
+    scaled by the factor at k (interpolated between the classes seen, in log k; beyond them, the
+    nearest) over the factor at k = 1: the curve's scale stays, so draft levels and the step
+    overhead, measured on the same scale, stay comparable; its shape becomes decoding's. Decisions
+    that follow timings are still lossless (DESIGN pitfall 14 rules out only unverified target
+    probabilities); a seeded sampled reply under the default can differ from run to run."""
+
+    MEMORY: ClassVar[int] = 32
+    AFTERMATH: ClassVar[int] = 16
+    CLAMP: ClassVar[float] = 16.0  # one step's factor is taken within [1/CLAMP, CLAMP]: a stall does not swing the estimate
+    _classes: dict[int, list[float]] = field(default_factory=dict, repr=False)  # size class -> [steps seen, mean log factor, mean k]
+    _drafted: tuple[int, float, int] | None = field(default=None, repr=False)  # the last drafting step: tokens, seconds so far, plain steps after it
+    _curve: dict[int, float] | None = field(default=None, repr=False)  # t(k) as decoding pays it, at the measured sizes
+
+    @classmethod
+    def of(cls, profile: Profile) -> LiveCosts:
+        return cls(**{name: getattr(profile, name) for name in Profile.__dataclass_fields__})
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A step's verify phase scored `tokens` tokens in `seconds`. The plain steps after a
+        drafting one run slower than steady ones for a while (llama.cpp rebuilds its graph for the
+        shape it changed back to; the draft model's weights pushed the target's out of the CPU's
+        caches): their excess over a steady plain step, for up to AFTERMATH steps, is charged to
+        the drafting step that caused it, and only steady plain steps teach the plain cost."""
+        if tokens < 1 or seconds <= 0:
+            return
+        steady = Profile.verify(self, 1) * math.exp(self._classes[0][1]) if 0 in self._classes else None
+        drafted = self._drafted
+        if drafted is not None and tokens == 1 and steady is not None and drafted[2] < self.AFTERMATH and seconds > 1.05 * steady:
+            self._drafted = (drafted[0], drafted[1] + seconds - steady, drafted[2] + 1)
+            return
+        if drafted is not None:
+            self._record(drafted[0], drafted[1])
+            self._drafted = None
+        if tokens == 1:
+            self._record(1, seconds)
+        else:
+            self._drafted = (tokens, seconds, 0)  # recorded once the plain steps after it are steady again
+
+    def _record(self, tokens: int, seconds: float) -> None:
+        factor = min(max(seconds / Profile.verify(self, tokens), 1 / self.CLAMP), self.CLAMP)
+        entry = self._classes.setdefault(tokens.bit_length() - 1, [0, 0.0, 0.0])
+        entry[0] += 1
+        weight = 1 / min(entry[0], self.MEMORY)
+        entry[1] += weight * (math.log(factor) - entry[1])
+        entry[2] += weight * (tokens - entry[2])
+        self._curve = None
+
+    def factor(self, k: float) -> float:
+        """The observed factor at k (1 before any step was seen)."""
+        if not self._classes:
+            return 1.0
+        points = sorted((math.log(mean_k), log_factor) for _, log_factor, mean_k in self._classes.values())
+        xs, ys = [x for x, _ in points], [y for _, y in points]
+        x = min(max(math.log(max(k, 1)), xs[0]), xs[-1])  # beyond the classes seen: the nearest
+        i = bisect.bisect_left(xs, x)
+        if xs[i] == x:
+            return math.exp(ys[i])
+        return math.exp(ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1]))
+
+    def verify(self, k: float) -> float:
+        if self._curve is None:  # the measured sizes' times, reshaped: made again after each `observe`
+            at_one = self.factor(1)
+            self._curve = {size: seconds * self.factor(size) / at_one for size, seconds in self.target.items()}
+        return interpolate(self._curve, k)
 
 
 def interpolate(costs: dict[int, float], k: float) -> float:

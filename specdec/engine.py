@@ -9,6 +9,7 @@ from typing import Iterator, Sequence as Seq
 import torch
 
 from specdec import tree
+from specdec.costs import LiveCosts
 from specdec.drafters.base import ChainSource, Drafter, DraftRequest, DraftSlot, empty_draft
 from specdec.policy import CostAwareDepth, CostAwarePolicy, FixedGamma
 from specdec.runtime import CausalLM, Sequence
@@ -159,6 +160,9 @@ class Engine:
         rows = self.target.forward_batch([_feed(state.sequence, state.context[-1], draft) for state, draft in zip(states, drafts)])
         results = [self._advance(state, gamma, draft, logits) for state, gamma, draft, logits in zip(states, gammas, drafts, rows)]
         done = time.perf_counter()
+        fed = sum(len(draft) + 1 for draft in drafts)
+        for costs in {id(p): p for p in (state.gamma_policy.profile for state in states) if isinstance(p, LiveCosts)}.values():
+            costs.observe(fed, done - tock)  # what this verify paid, for the policies' next choices
         for state in states:  # every row waited for the whole batch
             state.stats.draft_seconds += tock - tick
             state.stats.verify_seconds += done - tock

@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from itertools import accumulate
 
-from specdec.costs import Profile
+from specdec.costs import Profile, interpolate
 from specdec.errors import SpecDecError
 from specdec.tree import trials
 from specdec.types import Draft, VerifyResult
@@ -34,6 +34,7 @@ PROBE_MODEL_EVERY = 8  # iterations without a draft-model node before the auto d
 PROBE_CHAIN_EVERY = 8  # iterations without a node of a chain source (lookup, prediction, history) before the auto drafter tries it anyway ...
 PROBE_CHAIN_TOKENS = 8  # ... with this many tokens of its chain (fewer if it is shorter)
 PROBE_MAX = 256  # the wait between probes doubles after each probe, up to this (see `Probe`)
+EXPLORE_SHARE = 0.05  # about the most of decoding's time that probes of the draft model may take
 # chain sources (free to draft, point masses; `drafters.base.ChainSource`): their first token's
 # acceptance, and each next one's given the one before was accepted; a client's prediction is likelier
 # right than a looked-up match, a match in this text likelier than one in earlier requests' history
@@ -48,6 +49,8 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 
 class FixedGamma:
     """Always draft `gamma` tokens."""
+
+    profile = None  # no costs to follow
 
     def __init__(self, gamma: int):
         if gamma < 0:
@@ -209,9 +212,9 @@ class Probe:
     def __post_init__(self):
         self.wait = self.every
 
-    def start(self, enabled: bool = True) -> None:
-        """A new iteration begins."""
-        self.due = enabled and self.idle >= self.wait
+    def start(self, enabled: bool = True, floor: float = 0.0) -> None:
+        """A new iteration begins; `floor`: iterations to wait at least, whatever the schedule says."""
+        self.due = enabled and self.idle >= max(self.wait, floor)
 
     def observe(self, tried: bool) -> None:
         if tried:
@@ -254,8 +257,20 @@ class CostAwarePolicy:
         """Called once per iteration, before drafting."""
         self.batch = batch
         for kind, probe in self.probes.items():
-            probe.start(kind == "model" or self.explore)
+            probe.start(kind == "model" or self.explore, self._model_probe_wait() if kind == "model" else 0.0)
         return self.max_depth
+
+    def _model_probe_wait(self) -> float:
+        """Iterations between probes of the draft model for them to take about EXPLORE_SHARE of the
+        time: a probe costs the draft model's catching up on the text it has not seen, a level, and
+        one more node in the batch's verify (with live costs, the slowdown after it too). Where a
+        verify is nearly free it costs little and is made often; on llama.cpp's CPU kernels, rarely."""
+        profile, batch = self.profile, self.batch
+        if not profile.draft:
+            return 0.0
+        catch_up = interpolate(profile.draft, self.probes["model"].idle + 1)
+        cost = catch_up + profile.draft_level(1) + profile.verify(batch + 1) - profile.verify(batch)
+        return cost / (EXPLORE_SHARE * (profile.verify(batch) + profile.step_overhead))
 
     def budget(self) -> Budget:
         return Budget(self.profile, self.batch, self.batch)

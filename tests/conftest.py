@@ -23,11 +23,16 @@ os.environ["SPECDEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdec-profiles-")
 CHEAP_VERIFY = costs.Profile(target={1: 1.0, 4: 1.05, 8: 1.15, 16: 1.5, 64: 4.0}, draft={1: 0.12, 4: 0.13, 16: 0.2, 64: 0.5},
                              step_overhead=0.05, level_overhead=0.01)
 measured_profile = costs.profile
+live_observe = costs.LiveCosts.observe  # the real one, for the tests of it (the fixture below makes it a no-op)
 
 
 @pytest.fixture(autouse=True)
 def cheap_verify_profile(monkeypatch):
+    """Every decoder decides with CHEAP_VERIFY, as given: what its steps take on the test machine
+    (a tiny model, a loaded CI runner) does not reshape it, so what the policy drafts does not
+    depend on timing. `test_policy` checks the live correction (`costs.LiveCosts`) itself."""
     monkeypatch.setattr(costs, "profile", lambda target, draft=None, refresh=False: CHEAP_VERIFY)
+    monkeypatch.setattr(costs.LiveCosts, "observe", lambda self, tokens, seconds: None)
 
 ARCHS = ["llama", "qwen2", "gpt2", "neox", "mistral"]
 # weight noise that makes "<arch>-near" agree with its target's argmax often, but not always

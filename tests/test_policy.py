@@ -10,7 +10,7 @@ import torch
 
 import specdec
 import specdec.drafters.auto as auto_module
-from conftest import CHEAP_VERIFY, measured_profile, reference_greedy
+from conftest import CHEAP_VERIFY, live_observe, measured_profile, reference_greedy
 from specdec import costs
 from specdec.drafters import AutoDrafter, ModelDrafter, PromptLookupDrafter
 from specdec.drafters.base import DraftRequest
@@ -234,6 +234,77 @@ def test_interpolation():
     assert CHEAP_VERIFY.draft_level(4) == pytest.approx(0.13 + 4 * 0.01)
 
 
+def live_costs() -> costs.LiveCosts:
+    """A profile that believes a verify of 8 costs 1.6 single ones, with the real `observe`
+    (the suite's fixture makes it a no-op elsewhere)."""
+    live = costs.LiveCosts.of(costs.Profile(target={1: 1.0, 8: 1.6, 64: 8.0}, draft={1: 0.1}, step_overhead=0.05))
+    live.observe = live_observe.__get__(live)
+    return live
+
+
+def test_live_costs_take_the_shape_decoding_pays():
+    """Steps seen at k = 1 and k = 8 reshape the curve: t(8) / t(1) becomes what the steps took,
+    on the profile's scale (t(1), draft levels and overhead unchanged); sizes between the seen
+    ones are interpolated, sizes beyond follow the curve from the nearest; a stall moves it little."""
+    live = live_costs()
+    assert live.verify(8) == pytest.approx(1.6)  # nothing seen yet: the curve as measured
+    for _ in range(40):
+        live.observe(1, 0.5)  # plain steps reuse their graph: cheaper than the curve's t(1)
+        live.observe(8, 2.0)  # a verify of 8 pays for a rebuilt graph: 4 plain steps, not 1.6
+    assert live.verify(1) == 1.0 and live.draft_level(1) == pytest.approx(0.1) and live.step_overhead == 0.05
+    assert live.verify(8) == pytest.approx(4.0)
+    assert 1.0 < live.verify(4) < live.verify(8) < live.verify(16) and live.verify(64) == pytest.approx(8.0 * 4.0 / 1.6)
+    live.observe(1, 100.0)  # a stall
+    assert live.verify(8) > 3.0
+    assert costs.LiveCosts.of(costs.Profile(target={1: 1.0})).verify(1) == 1.0
+
+
+def test_the_plain_steps_after_a_draft_charge_their_slowness_to_the_draft():
+    """llama.cpp rebuilds its graph when the batch shape changes, and a draft model's weights push
+    the target's out of the CPU's caches: the plain steps after a drafting one are slower than
+    steady ones, and the excess is the drafting step's cost, not a plain step's."""
+    live = live_costs()
+    for _ in range(40):
+        live.observe(1, 1.0)
+    for _ in range(40):
+        live.observe(8, 2.0)
+        live.observe(1, 2.5)  # 1.5 + 0.5 seconds more than a steady plain step, then steady again
+        live.observe(1, 1.5)
+        live.observe(1, 1.0)
+    assert live.verify(1) == 1.0 and live.factor(1) == pytest.approx(1.0)
+    assert live.verify(8) == pytest.approx(4.0)
+    live.observe(8, 2.0)
+    live.observe(8, 2.0)  # a drafting step after a drafting one: charged as it is
+    assert live.verify(8) < 4.0
+
+
+def test_dear_verifies_seen_while_decoding_stop_the_policy_drafting():
+    """The same policy drafts a long looked-up chain under the measured curve and none once the
+    steps have shown a long verify to cost as much as decoding its tokens one by one."""
+    live = live_costs()
+    policy = CostAwarePolicy(live)
+
+    def chain_length() -> int:
+        policy.depth(1)
+        return policy.budget().take_chain([0.9 ** (i + 1) for i in range(16)])
+
+    assert chain_length() >= 4
+    for k in (1, 2, 4, 8, 16):
+        for _ in range(8):
+            live.observe(k, 0.5 * k)
+    assert chain_length() == 0
+
+
+def test_the_engine_reports_each_step_to_the_live_costs(model_dirs):
+    decoder = specdec.load(model_dirs["llama"], device="cpu")
+    live = decoder.profile()
+    seen = []
+    live.observe = lambda tokens, seconds: seen.append((tokens, seconds))
+    result = decoder.generate("ab ab ab ab", max_new_tokens=12, temperature=0)
+    assert len(seen) == result.stats.target_forwards and all(seconds > 0 for _, seconds in seen)
+    assert [tokens - 1 for tokens, _ in seen] == result.stats.tree_nodes  # the root and the draft's nodes
+
+
 def test_branches_stay_within_the_sequence_id_budget():
     """Cheap verification would branch the greedy tree widely; each extra branch costs a llama.cpp
     sequence id, so the drafter stops at max_branches."""
@@ -269,6 +340,27 @@ def test_probes_back_off_until_the_source_pays_of_its_own_accord():
     assert waits == [16, 32, 64]
     policy.depth(1), policy.update(probed, VerifyResult(1, [3, 4], path=[0]))
     assert policy.probes["model"].wait == 8  # not a probe: the model drafted of its own accord
+
+
+def test_dear_probes_of_the_draft_model_are_made_rarely():
+    """Probes of the draft model take about EXPLORE_SHARE of the time: where one more verified
+    node costs as much as a step, the first probe waits ~26 iterations, not PROBE_MODEL_EVERY."""
+    from specdec.policy import EXPLORE_SHARE, PROBE_MODEL_EVERY
+    from specdec.types import Draft, VerifyResult
+
+    def first_probe(profile) -> int:
+        policy = CostAwarePolicy(profile)
+        for iteration in range(200):
+            policy.depth(1)
+            if policy.probe_model:
+                return iteration
+            policy.update(Draft(torch.zeros(0, dtype=torch.long), sources=[]), VerifyResult(0, [1]))
+        return 200
+
+    dear = costs.Profile(target={1: 1.0, 2: 2.0, 128: 128.0}, draft={1: 0.05, 64: 0.5})
+    assert first_probe(STEEP) == PROBE_MODEL_EVERY
+    # a level (0.05) and a node (1.0), plus catching up on ~26 tokens (0.24): 1.29 steps, 5% of 26
+    assert (1.0 + 0.05) / EXPLORE_SHARE < first_probe(dear) <= 27
 
 
 def test_lookup_is_probed_where_its_estimate_never_pays_and_then_drafted_long():

@@ -69,7 +69,9 @@ def test_a_bench_over_several_suites_reports_each(tmp_path):
                          gammas=(2,), trees=(), staged=False, peers=False, progress=False)
     data = run_bench(config)
     assert list(data["suites"]) == ["edit", "prose"]
-    assert "default + prediction" in [s["name"] for s in data["strategies"]]  # edit tasks know their answer
+    assert {"default + prediction", "default + history"} <= {s["name"] for s in data["strategies"]}  # edit tasks know their answer
+    history_runs = data["suites"]["edit"]["runs"]["greedy"]["default + history"]  # round 1's prompts, then round 2's
+    assert all("history" not in history_runs[i]["stats"]["source_trials"] for i in (0, 2)), "each round starts with no history"
     for part in data["suites"].values():
         assert part["prompts"] == 2 and part["rounds"] == 2
         rows = part["summary"]["greedy"]
