@@ -1,6 +1,7 @@
-"""What each decoding step costs, step by step, on one task: plain decoding, the default with the
-draft model never chosen (only its probes run) and with lookup alone. Shows the steps' warm-up
-after the prefill, what a probe of the draft model costs, and the slower plain steps after it.
+"""What each decoding step costs, step by step, on one task: plain decoding, and the default where
+nothing pays but probes: lookup alone (its probes), and the draft model probed on the schedule
+without EXPLORE_SHARE's floor (8, 16, 32, ... iterations). Shows the steps' warm-up after the
+prefill, what a probe costs, and the slower plain steps after it.
 
     python benchmarks/step_times.py                     # the demo pair (GGUF), the first extract task
     python benchmarks/step_times.py --target T.gguf --draft D.gguf --suite agent
@@ -17,6 +18,7 @@ from specdec import costs
 from specdec.bench.suites import suite_tasks
 from specdec.drafters import AutoDrafter, ModelDrafter, PromptLookupDrafter
 from specdec.engine import Engine
+from specdec.policy import CostAwarePolicy
 
 # a profile under which nothing but a probe ever pays: every step is plain but the probes'
 NEVER_PAYS = costs.Profile(target={1: 1.0, 2: 100.0, 128: 12800.0}, draft={1: 100.0})
@@ -57,10 +59,11 @@ def main() -> None:
     target = specdec.load_model(args.target, threads=1)
     draft = specdec.load_model(args.draft, threads=1)
     ids = target.tokenizer.encode(next(iter(suite_tasks(args.suite))).text)
+    CostAwarePolicy._model_probe_wait = lambda policy: 0.0  # the probes' own schedule: under NEVER_PAYS the floor would forbid them
     decoders = {
         "plain": specdec.SpeculativeDecoder(target),
         "default, lookup only, never pays": frozen(specdec.SpeculativeDecoder(target, AutoDrafter(None, PromptLookupDrafter()), history=None)),
-        "default, draft model probed only": frozen(specdec.SpeculativeDecoder(target, AutoDrafter(ModelDrafter(draft), PromptLookupDrafter()),
+        "default, draft model probed (8, 16, 32, ...)": frozen(specdec.SpeculativeDecoder(target, AutoDrafter(ModelDrafter(draft), PromptLookupDrafter()),
                                                                               history=None, explore=False)),
     }
     medians = {name: [] for name in decoders}
@@ -70,7 +73,7 @@ def main() -> None:
             medians[name].append(sum(t for _, t in steps) / len(steps))
     for name, values in medians.items():
         print(f"{name}: {1e3 * statistics.median(values):.2f} ms a step (median of {args.repeats} generations)")
-    steps = step_times(decoders["default, draft model probed only"], ids, args.new)
+    steps = step_times(decoders["default, draft model probed (8, 16, 32, ...)"], ids, args.new)
     print("steps of the last (ms, * = a probe):", " ".join(f"{1e3 * t:.1f}{'*' if label != 'none' else ''}" for label, t in steps))
 
 
