@@ -103,11 +103,11 @@ ACCEPT_RE = re.compile(r"\bn_accept\s+=\s+(\d+)")
 
 
 def _command(kind, prompt, n_predict, threads, target, draft, temperature, top_k, seed,
-             draft_n_max, ignore_eos):
+             draft_n_max, ignore_eos, context=CONTEXT):
     if kind not in PROGRAMS:
         raise ValueError(f"kind must be one of {sorted(PROGRAMS)}, not {kind!r}")
     cmd = [str(BIN / PROGRAMS[kind]), "-m", str(target), "-p", prompt, "-n", str(n_predict),
-           "-t", str(threads), "-tb", str(threads), "-c", str(CONTEXT), "--color", "off"]
+           "-t", str(threads), "-tb", str(threads), "-c", str(context), "--color", "off"]
     if temperature == 0:
         cmd += ["--temp", "0"]
     else:
@@ -166,15 +166,16 @@ def _generated_text(kind: str, prompt: str, stdout: str, eos_piece: str | None) 
 
 def run_tool(kind: str, prompt: str, n_predict: int, threads: int, target: str,
              draft: str | None = None, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
-             draft_n_max: int = 4, ignore_eos: bool = True) -> ToolRun:
+             draft_n_max: int = 4, ignore_eos: bool = True, context: int = CONTEXT) -> ToolRun:
     """Run one llama.cpp program (see the module docstring for kinds and flags) and parse it.
 
     ignore_eos (default True, passed to every kind) makes all runs generate about n_predict
     tokens, so their speeds cover the same length; set it False to stop at EOS like specdec
-    does when comparing texts that might contain EOS.
+    does when comparing texts that might contain EOS. context: KV cells (-c), prompt and new
+    tokens included.
     """
     cmd = _command(kind, prompt, n_predict, threads, target, draft, temperature, top_k, seed,
-                   draft_n_max, ignore_eos)
+                   draft_n_max, ignore_eos, context)
     try:
         proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                               errors="replace", timeout=TIMEOUT_S)
