@@ -15,6 +15,7 @@ from specdec.engine import DecodeState, Engine, StepResult, TokenLogprob
 from specdec.errors import SpecDecError
 from specdec.ngram import KatzTrigram
 from specdec.runtime import CausalLM, check_same_vocabulary, choose_backend, load_model, require_trees, tokenizer_fingerprint
+from specdec.runtime.prefix import DEFAULT_TOKENS as PREFIX_TOKENS, PrefixCache
 from specdec.policy import AUTO_MAX_DEPTH, MAX_DEPTH, BatchDepth, CostAwareDepth, CostAwarePolicy, FixedGamma, SharedAcceptance
 from specdec.sampling import RandomStreams
 from specdec.stops import StopStrings
@@ -69,10 +70,14 @@ class SpeculativeDecoder:
     history: earlier generations' prompts and outputs, drafted from by the auto drafter (suffix
     decoding; a `History`, or True for one with the default budget, or None); per tenant, as
     each request says (`request(tenant=...)`).
+    prefix_cache: finished generations' caches kept (a `PrefixCache`, or its budget in tokens; 0 or
+    None: none), so a request starts from the longest prefix it shares with them: a conversation's
+    next turn does not compute the earlier ones again. On llama.cpp it needs KV cells beyond the
+    slots' (`load_model(prefix_cells=...)`; `load` reserves them).
     """
 
     def __init__(self, target: CausalLM, drafter: Drafter | None = None, gamma: int | str = "auto", explore: bool = True,
-                 history: History | bool | None = True):
+                 history: History | bool | None = True, prefix_cache: PrefixCache | int | None = PREFIX_TOKENS):
         check_gamma(gamma)
         _check_drafter(drafter, target)
         if isinstance(drafter, AutoDrafter):  # it drafts trees (a prediction and lookup branching too) only where every model scores them exactly
@@ -83,6 +88,9 @@ class SpeculativeDecoder:
         if history is not None and not isinstance(drafter, AutoDrafter):
             raise SpecDecError("a history is drafted from by the default (auto) drafter; this decoder has " + _drafter_name(drafter))
         self.history: History | None = history or None
+        if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
+            prefix_cache = PrefixCache(target, prefix_cache)
+        self.prefixes = prefix_cache if prefix_cache is not None and prefix_cache.budget else None
         self.shared_acceptance: SharedAcceptance | None = None  # a server's: what earlier requests saw, for new ones
         self._busy = False  # one generation at a time: the caches belong to it
         self._profile: costs.LiveCosts | None = None
@@ -179,7 +187,7 @@ class SpeculativeDecoder:
         return Generation(state, TextAssembler(self.tokenizer, prompt_ids, stop))
 
     def engine(self) -> Engine:
-        return Engine(self.target, self.drafter)
+        return Engine(self.target, self.drafter, self.prefixes)
 
     def prompt_ids(self, prompt) -> list[int]:
         """Token ids of a prompt (text or ids), checked: not empty, in the vocabulary, shorter than the context."""
@@ -355,6 +363,7 @@ def load(
     slots: int = 1,
     plain: bool = False,
     explore: bool = True,
+    prefix_cache: int = PREFIX_TOKENS,
 ) -> SpeculativeDecoder:
     """Load a target checkpoint and a drafter.
 
@@ -369,32 +378,34 @@ def load(
     unless told otherwise. A .gguf path runs on llama.cpp, a checkpoint directory on transformers;
     `backend` overrides. The model options (see `specdec.runtime.load_model`; `slots`: generations
     that may run at once, for a server's batch) apply to both models;
-    trees are refused on a model that cannot score them exactly. `explore`: see SpeculativeDecoder.
+    trees are refused on a model that cannot score them exactly. `explore`, `prefix_cache` (tokens
+    kept between generations; on llama.cpp that many KV cells more): see SpeculativeDecoder.
     """
     check_gamma(gamma)
     if target is None:
         choose_backend("", backend)  # validates the name before the demo pair is looked for
     options = dict(backend=backend, device=device, dtype=dtype, attn_implementation=attn_implementation,
                    threads=threads, gpu_layers=gpu_layers, context=context, tokenizer=tokenizer, slots=slots)
+    target_options = dict(options, prefix_cells=prefix_cache if choose_backend(target or demo_models(backend)[0], backend) == "llamacpp" else 0)
     if plain:
-        return SpeculativeDecoder(load_model(target or demo_models(backend)[0], **options), None, gamma)
+        return SpeculativeDecoder(load_model(target or demo_models(backend)[0], **target_options), None, gamma, prefix_cache=prefix_cache)
     auto = gamma == "auto" and ngram is None and tree is None and not staged
     draft, ngram = _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged, backend, auto)
     if tree is not None and not isinstance(tree, TreeShape):
         tree = TreeShape(nodes=tree)  # validates the budget
-    target_model = load_model(target or demo_models(backend)[0], **options)
+    target_model = load_model(target or demo_models(backend)[0], **target_options)
     inner: Drafter | None = None
     if ngram is not None:
         inner = NgramDrafter(KatzTrigram.load(ngram), stochastic=ngram_stochastic)
     elif prompt_lookup:
         inner = PromptLookupDrafter()
     if draft is None:
-        return SpeculativeDecoder(target_model, AutoDrafter(None, PromptLookupDrafter()) if auto else inner, gamma, explore)
+        return SpeculativeDecoder(target_model, AutoDrafter(None, PromptLookupDrafter()) if auto else inner, gamma, explore, prefix_cache=prefix_cache)
     if device is None and target_model.backend == "transformers" and choose_backend(draft, backend) == "transformers":
         options["device"] = str(target_model.device)  # the draft runs beside the target
     draft_model = load_model(draft, **options)
     drafter = ModelDrafter(draft_model, tree=tree, inner=inner if staged else None, inner_gamma=inner_gamma)
-    return SpeculativeDecoder(target_model, AutoDrafter(drafter, PromptLookupDrafter()) if auto else drafter, gamma, explore)
+    return SpeculativeDecoder(target_model, AutoDrafter(drafter, PromptLookupDrafter()) if auto else drafter, gamma, explore, prefix_cache=prefix_cache)
 
 
 def _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged, backend="auto", auto=False):

@@ -37,9 +37,10 @@ def _positive(value: str) -> int:
     return number
 
 
-def load_decoder(args, slots: int = 1, measure: bool = True):
-    """The decoder the decoding arguments describe; `slots` generations may run at once. With
-    `measure`, forward costs the auto policy needs are timed now if they are not cached yet."""
+def load_decoder(args, slots: int = 1, measure: bool = True, prefix_cache: int = 0):
+    """The decoder the decoding arguments describe; `slots` generations may run at once, and
+    finished ones keep up to `prefix_cache` tokens for later ones to start from. With `measure`,
+    forward costs the auto policy needs are timed now if they are not cached yet."""
     import specdec
 
     if args.tree is None and (args.depth is not None or args.tree_width != 3 or args.tree_children != "sampled"):
@@ -55,7 +56,8 @@ def load_decoder(args, slots: int = 1, measure: bool = True):
         args.target, draft=args.draft, ngram=args.ngram, prompt_lookup=args.prompt_lookup,
         gamma=args.depth if args.depth is not None else args.gamma, device=args.device, dtype=args.dtype,
         ngram_stochastic=not args.ngram_top1, tree=tree, staged=args.staged, inner_gamma=args.inner_gamma,
-        attn_implementation=args.attn_implementation, slots=slots, plain=args.plain, explore=not args.no_explore, **runtime_options(args),
+        attn_implementation=args.attn_implementation, slots=slots, plain=args.plain, explore=not args.no_explore, prefix_cache=prefix_cache,
+        **runtime_options(args),
     )
     if measure and decoder.uses_profile and not costs.cache_path(decoder.target, decoder.draft_model).is_file():
         print("specdec: timing the models' forwards for the auto policy (once per model and machine; `specdec profile` shows them)",
@@ -228,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--share-history", action="store_true",
                        help="every request drafts from every tenant's history (faster where tenants repeat each other, but a "
                             "request's speed then tells something of other tenants' requests)")
+    serve.add_argument("--prefix-cache-tokens", type=int, default=SERVER_PREFIX_TOKENS, metavar="N",
+                       help="finished requests keep up to N tokens of their caches, and a new request starts from the longest "
+                            "prefix it shares with them: a conversation's next turn or a shared system prompt is not computed "
+                            f"again (default {SERVER_PREFIX_TOKENS:,}; on llama.cpp that many KV cells more; 0 = off)")
     serve.set_defaults(run=run_serve)
     return parser
 
@@ -394,6 +400,7 @@ def run_train(args) -> None:
 
 
 DEFAULT_BATCH = {"cpu": 16, "gpu": 64}
+SERVER_PREFIX_TOKENS = 16_384
 
 
 def run_serve(args) -> None:
@@ -404,7 +411,9 @@ def run_serve(args) -> None:
     template = _read_template(args.chat_template) if args.chat_template else None
     # llama.cpp sizes its KV cells by the batch at load; a transformers model is on a GPU once loaded
     max_batch = args.max_batch or DEFAULT_BATCH["gpu" if args.gpu_layers else "cpu"]
-    decoder = load_decoder(args, slots=max_batch)
+    if args.prefix_cache_tokens < 0:
+        raise SpecDecError("--prefix-cache-tokens must be >= 0")
+    decoder = load_decoder(args, slots=max_batch, prefix_cache=args.prefix_cache_tokens)
     if args.max_batch is None and decoder.target.backend == "transformers" and str(decoder.target.device).startswith("cuda"):
         max_batch = DEFAULT_BATCH["gpu"]
     _check_sequence_ids(decoder, max_batch)
@@ -442,15 +451,17 @@ def _check_sequence_ids(decoder, max_batch: int) -> None:
     """On llama.cpp every running generation takes a sequence id of each model, and every tree branch one more."""
     from specdec.drafters import AutoDrafter, ModelDrafter
     from specdec.runtime.llamacpp import MAX_SEQUENCE_IDS
+    from specdec.runtime.prefix import MAX_KEPT
 
     drafter = decoder.drafter
     tree = drafter.tree if isinstance(drafter, ModelDrafter) else None
     models = [decoder.target] + ([decoder.draft_model] if decoder.draft_model else [])
     per_generation = tree.nodes + 1 if tree is not None else drafter.max_branches + 1 if isinstance(drafter, AutoDrafter) else 1
-    if any(model.backend == "llamacpp" for model in models) and max_batch * per_generation > MAX_SEQUENCE_IDS:
+    kept = MAX_KEPT if decoder.prefixes is not None else 0  # the prefix cache's sequences, on the target
+    if any(model.backend == "llamacpp" for model in models) and max_batch * per_generation + kept > MAX_SEQUENCE_IDS:
         what = f"with {tree.nodes}-node trees " if tree is not None else ""
-        raise SpecDecError(f"{max_batch} generations {what}need up to {max_batch * per_generation} llama.cpp sequence ids; it has "
-                           f"{MAX_SEQUENCE_IDS}: use --max-batch {MAX_SEQUENCE_IDS // per_generation} or fewer"
+        raise SpecDecError(f"{max_batch} generations {what}need up to {max_batch * per_generation + kept} llama.cpp sequence ids; it has "
+                           f"{MAX_SEQUENCE_IDS}: use --max-batch {(MAX_SEQUENCE_IDS - kept) // per_generation} or fewer"
                            + (", or a smaller --tree" if tree is not None else ""))
 
 

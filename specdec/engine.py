@@ -14,6 +14,7 @@ from specdec.drafters.base import ChainSource, Drafter, DraftRequest, DraftSlot,
 from specdec.policy import CostAwareDepth, CostAwarePolicy, FixedGamma
 from specdec.runtime import CausalLM, Sequence
 from specdec.runtime.base import Feed
+from specdec.runtime.prefix import PrefixCache
 from specdec.sampling import RandomStreams, probs_from_logits
 from specdec.types import Draft, GenerationStats, SamplingParams
 from specdec.verify import verify_tree, verify_tree_greedy
@@ -83,8 +84,10 @@ class Engine:
     A tree's depth, not its size, is bounded by the gamma policy.
     """
 
-    def __init__(self, target: CausalLM, drafter: Drafter | None):
-        self.target, self.drafter = target, drafter
+    def __init__(self, target: CausalLM, drafter: Drafter | None, prefixes: PrefixCache | None = None):
+        """prefixes: finished generations' target sequences, kept; a new one starts from the
+        longest prefix it shares with them."""
+        self.target, self.drafter, self.prefixes = target, drafter, prefixes
 
     def open(self, state: DecodeState) -> None:
         """Start a generation with its prompt prefilled."""
@@ -96,7 +99,8 @@ class Engine:
         """Take the generation's slots; its prompt is not fed yet (`prefill`)."""
         state.context = list(state.prompt)
         state.room = min(state.max_new_tokens, self.target.max_length - len(state.context))
-        state.sequence = self.target.sequence()
+        state.sequence = self.prefixes.take(state.context) if self.prefixes is not None else self.target.sequence()
+        state.stats.cached_tokens = state.sequence.cache_len
         try:
             if self.drafter is not None:
                 state.draft_slot = self.drafter.open(state.context)
@@ -136,13 +140,19 @@ class Engine:
             self.close(state)
 
     def close(self, state: DecodeState) -> None:
-        """Give the slots back (llama.cpp's cells are shared by all sequences) and tell the chain
-        sources what the generation committed; safe to repeat."""
+        """Give the slots back (llama.cpp's cells are shared by all sequences; the target's
+        committed text is kept where there is a prefix cache) and tell the chain sources what the
+        generation committed; safe to repeat."""
         sequence, slot = state.sequence, state.draft_slot
         state.sequence = state.draft_slot = None
         try:
             if sequence is not None:
-                sequence.release()
+                if self.prefixes is not None:
+                    # the cache holds context[:-1] (a prompt being prefilled: its first cache_len
+                    # tokens), and nodes past a stop token that cut the last step's tokens
+                    self.prefixes.put(sequence, state.context[: min(sequence.cache_len, len(state.context) - 1)])
+                else:
+                    sequence.release()
                 for chain in state.chains:
                     chain.end(state.context)
         finally:

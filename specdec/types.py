@@ -110,6 +110,7 @@ class GenerationStats:
     drafters: list[str] = field(default_factory=list)  # per iteration: what proposed the draft ("lookup+model", "none" ...)
     depths: list[int] = field(default_factory=list)  # per iteration: the draft's depth (its deepest path)
     source_trials: dict[str, list[int]] = field(default_factory=dict)  # per source ("model", "lookup"): [nodes verification reached, accepted]
+    cached_tokens: int = 0  # prompt tokens whose cache entries an earlier generation had computed (prefix reuse)
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -180,6 +181,7 @@ class GenerationStats:
             "source_trials": self.source_trials,
             "tokens_per_target_forward": self.tokens_per_target_forward,
             "tokens_per_second": self.tokens_per_second,
+            "cached_tokens": self.cached_tokens,
             "prefill_seconds": self.prefill_seconds,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,

@@ -20,6 +20,7 @@ import torch
 import specdec
 import specdec.runtime
 from specdec.runtime.base import Feed
+from specdec.runtime.prefix import PrefixCache
 from specdec.runtime.hf import HFModel
 from architectures import ARCHITECTURES
 from specdec import tree
@@ -63,7 +64,8 @@ def load_or_skip(directory: str, arch: str, implementation: str) -> specdec.Caus
 
 def hf_greedy(model: specdec.CausalLM, prompt: list[int], new: int) -> list[int]:
     with torch.inference_mode():
-        out = model.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new,
+        ids = torch.tensor([prompt])  # the mask says every token counts: without it, generate masks tokens equal to pad_token_id
+        out = model.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
                                    eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
@@ -111,6 +113,14 @@ def test_plain_and_every_drafter_match_hugging_face_greedy(arch, arch_dirs):
         PROMPT, max_new_tokens=NEW, temperature=0)
     assert recalled.tokens == plain.tokens, "the default with a history differs from plain greedy"
     assert recalled.stats.source_trials["history"][1] > 0, "no token from the history was accepted: the test would prove little"
+    # a second turn that starts from the first turn's kept cache (prefix reuse)
+    reusing = specdec.SpeculativeDecoder(target, drafters(arch_dirs[f"{arch}-near"], plain.tokens)["auto"],
+                                         prefix_cache=PrefixCache(target, 4096, min_shared=4))
+    first = reusing.generate(PROMPT, max_new_tokens=20, temperature=0)
+    follow = PROMPT + first.tokens + [6, 7]
+    second = reusing.generate(follow, max_new_tokens=NEW, temperature=0)
+    assert second.stats.cached_tokens == len(PROMPT) + len(first.tokens) - 1, "the second turn did not start from the first's cache"
+    assert second.tokens == hf_greedy(target, follow, len(second.tokens)), "a turn from a kept prefix differs from HF greedy"
 
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])

@@ -95,7 +95,7 @@ def test_completion_matches_offline_generate(server, offline):
     assert reply["object"] == "text_completion" and reply["model"] == MODEL
     assert reply["choices"][0]["text"] == want.text and reply["choices"][0]["finish_reason"] == want.finish_reason
     assert reply["usage"] == {"prompt_tokens": len(offline.prompt_ids("hi ej")), "completion_tokens": len(want.tokens),
-                              "total_tokens": len(offline.prompt_ids("hi ej")) + len(want.tokens)}
+                              "total_tokens": len(offline.prompt_ids("hi ej")) + len(want.tokens), "prompt_tokens_details": {"cached_tokens": 0}}
     spec = reply["speculative"]
     assert 0 <= spec["acceptance_rate"] <= 1 and spec["tokens_per_target_forward"] >= 1
 

@@ -34,6 +34,7 @@ def load_model(
     context: int | None = None,
     tokenizer: str | os.PathLike | None = None,
     slots: int = 1,
+    prefix_cells: int = 0,
 ) -> CausalLM:
     """Load a model on the backend its path (or `backend`) selects.
 
@@ -43,7 +44,11 @@ def load_model(
     threads: CPU threads (torch's for transformers). tokenizer (llamacpp): a Hugging Face tokenizer
     directory to use instead of the one in the GGUF file. slots: how many sequences of the full
     context must fit at once (llama.cpp sizes its shared KV cache by it; transformers caches grow).
+    prefix_cells (llama.cpp): KV cells beyond the slots' for prefixes kept between generations
+    (`specdec.runtime.prefix.PrefixCache`).
     """
+    if isinstance(prefix_cells, bool) or not isinstance(prefix_cells, int) or prefix_cells < 0:
+        raise SpecDecError(f"prefix cells must be a number >= 0, got {prefix_cells!r}")
     if isinstance(threads, bool) or (threads is not None and (not isinstance(threads, int) or threads < 1)):
         raise SpecDecError(f"threads must be a positive integer, got {threads!r}")
     hf_tokenizer = _load_tokenizer(tokenizer) if tokenizer is not None else None
@@ -54,7 +59,8 @@ def load_model(
                                "(use gpu_layers to offload to a GPU)")
         from specdec.runtime.llamacpp import LlamaCppModel
 
-        return LlamaCppModel(path, threads=threads, gpu_layers=gpu_layers or 0, context=context, tokenizer=hf_tokenizer, slots=slots)
+        return LlamaCppModel(path, threads=threads, gpu_layers=gpu_layers or 0, context=context, tokenizer=hf_tokenizer, slots=slots,
+                             prefix_cells=prefix_cells)
     if gpu_layers is not None or context is not None or tokenizer is not None:
         raise SpecDecError("gpu_layers, context and tokenizer apply to GGUF files on llama.cpp; "
                            "a checkpoint directory has its own tokenizer (use device to choose a GPU)")

@@ -65,6 +65,12 @@ class Sequence(Protocol):
         """Free the slot; the sequence must not be used afterwards."""
         ...
 
+    def fork(self, length: int) -> Sequence | None:
+        """A new sequence holding this one's first `length` entries, which must be committed text
+        (a chain from position 0); the two go on independently. None when the entries cannot be
+        shared exactly (a fresh sequence would compute them differently)."""
+        ...
+
 
 class CausalLM(Protocol):
     """A loaded model: facts about it, and sequences to decode in."""
@@ -79,6 +85,7 @@ class CausalLM(Protocol):
     dtype: str  # "float32", "float16", "q4_k" ...
     stop_token_ids: frozenset[int]  # end-of-generation tokens (EOS, EOT ...)
     tree_tolerance: float  # how far a tree node's logits may be from its path's alone, relative to their scale
+    spare_cells: int | None  # cache entries that finished sequences may keep (`PrefixCache`); None: no fixed limit
 
     def sequence(self) -> Sequence:
         """A new empty sequence slot."""

@@ -40,6 +40,7 @@ class HFModel:
     vocabulary (padding rows dropped)."""
 
     backend = "transformers"
+    spare_cells = None  # caches grow as they are filled
 
     def __init__(self, model, tokenizer, path: str = ""):
         self.model = model.eval()
@@ -250,6 +251,22 @@ class HFSequence:
         if self.crosses_rope_switch(positions):
             return self._forward_recomputing_cache(tokens, positions, all_parents, last)
         return self._forward(tokens, positions, all_parents, last)
+
+    @torch.inference_mode()
+    def fork(self, length: int) -> HFSequence | None:
+        """The first `length` entries' keys and values copied into a new sequence; None after
+        longrope's switch (those keys carry the long factors, a fresh shorter text's would not)."""
+        if not 0 <= length <= self._trunk:
+            raise ValueError(f"cannot fork the first {length} of {self.cache_len} entries: they must be committed text")
+        if self._long_rope:
+            return None
+        other = HFSequence(self.owner)
+        for index, layer in enumerate(self._cache.layers):
+            if length and getattr(layer, "keys", None) is not None and layer.keys.numel():
+                other._cache.update(layer.keys[..., :length, :].clone(), layer.values[..., :length, :].clone(), index)
+        other._positions, other._tokens = self._positions[:length], self._tokens[:length]
+        other._parents, other._trunk = base.chain_parents(0, length), length
+        return other
 
     def place(self, tokens, parents) -> tuple[list[int], list[int], list[int]]:
         """New entries, checked: their tokens, positions, and the parents of every entry after them."""

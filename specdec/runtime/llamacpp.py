@@ -75,7 +75,7 @@ class LlamaCppModel:
     backend = "llamacpp"
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, gpu_layers: int = 0,
-                 context: int | None = None, tokenizer=None, slots: int = 1):
+                 context: int | None = None, tokenizer=None, slots: int = 1, prefix_cells: int = 0):
         self.llama_cpp = lib = _bindings()
         self.path = str(path)
         _check_gguf_file(Path(path))
@@ -90,7 +90,8 @@ class LlamaCppModel:
             raise SpecDecError(f"{path}: the model has {self.vocab_size} tokens but the tokenizer has {len(self.tokenizer)}")
         trained = lib.llama_model_n_ctx_train(self._model)
         self.max_length = min(context or DEFAULT_CONTEXT, trained) if trained > 0 else (context or DEFAULT_CONTEXT)
-        self.cells = self.max_length * slots  # KV cells: `slots` sequences of max_length entries fit at once
+        self.spare_cells = prefix_cells  # for kept prefixes (PrefixCache), beyond the slots'
+        self.cells = self.max_length * slots + prefix_cells  # KV cells: `slots` sequences of max_length entries fit at once
         self.weight_bytes = lib.llama_model_size(self._model)
         self.parameters = lib.llama_model_n_params(self._model)
         description = _text(lambda buf, size: lib.llama_model_desc(self._model, buf, size))
@@ -259,6 +260,17 @@ class LlamaCppSequence:
 
     def forward(self, tokens, parents=None, last: int | None = None) -> torch.Tensor:
         return self.owner.forward_batch([base.Feed(self, tokens, parents, last)])[0]
+
+    def fork(self, length: int) -> LlamaCppSequence:
+        """The first `length` entries' cells are shared with the new sequence (seq_cp), not copied."""
+        if not 0 <= length <= self.cache_len or any(home != self.base for home in self._home[:length]):
+            raise ValueError(f"cannot fork the first {length} of {self.cache_len} entries: they must be committed text")
+        other = LlamaCppSequence(self.owner)
+        if length:
+            self.owner.copy_id(self.base, other.base, -1, self._positions[length - 1] + 1)
+        other._positions, other._parents = self._positions[:length], base.chain_parents(0, length)
+        other._home, other._tips = [other.base] * length, {other.base: length - 1}
+        return other
 
     def place(self, tokens, parents) -> tuple[list[int], list[int], list[list[int]]]:
         """Record new entries (checked) and give their tokens, positions and sequence ids for a decode."""

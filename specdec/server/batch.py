@@ -199,6 +199,8 @@ class Batcher:
         """The job leaves the batch; its slots go back, and what its policy learnt goes to the
         next requests. kind: what the client is told (None: it left)."""
         self.engine.close(job.generation.state)
+        if self.engine.prefixes is not None:
+            self.metrics.kept.set(self.engine.prefixes.tokens)
         if self.shared is not None and isinstance(job.generation.state.gamma_policy, CostAwarePolicy):
             self.shared.absorb(job.generation.state.gamma_policy)
         self.running.remove(job)
@@ -223,6 +225,8 @@ class Metrics:
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("specdec_requests", "HTTP requests to the generation endpoints, by status", ["endpoint", "status"], registry=registry)
         self.generated = Counter("specdec_generated_tokens", "tokens generated", registry=registry)
+        self.cached = Counter("specdec_cached_prompt_tokens", "prompt tokens whose cache an earlier request had computed (prefix reuse)", registry=registry)
+        self.kept = Gauge("specdec_prefix_cache_tokens", "tokens of finished requests kept for prefix reuse", registry=registry)
         self.cancelled = Counter("specdec_cancelled", "generations cancelled because the client left", registry=registry)
         self.queue_depth = Gauge("specdec_queue_depth", "requests waiting for the model", registry=registry)
         self.batch_size = Gauge("specdec_batch_size", "generations running in the batch", registry=registry)
@@ -269,6 +273,7 @@ class Metrics:
             t.target_forwards += stats.target_forwards
             t.total_seconds += stats.total_seconds
             self.generated.inc(stats.generated_tokens)
+            self.cached.inc(stats.cached_tokens)
             for source, (tried, accepted) in stats.source_trials.items():
                 self.draft_tokens.labels(source).inc(tried)
                 self.accepted_draft_tokens.labels(source).inc(accepted)

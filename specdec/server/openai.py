@@ -267,7 +267,8 @@ class Reply:
     def _usage(self, result: GenerationResult) -> dict:
         """Token counts; with a prediction, its tokens that appeared in the completion and those that did not."""
         completion = len(result.tokens)
-        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion, "total_tokens": self.prompt_tokens + completion}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion, "total_tokens": self.prompt_tokens + completion,
+                 "prompt_tokens_details": {"cached_tokens": result.stats.cached_tokens}}
         predicted = result.prediction_usage()
         if predicted is not None:
             usage["completion_tokens_details"] = {"accepted_prediction_tokens": predicted[0], "rejected_prediction_tokens": predicted[1]}

@@ -1,0 +1,109 @@
+"""Prefix reuse: finished sequences are kept, and a new one starts from the longest prefix it
+shares with one of them (a conversation's earlier turn, a shared system prompt), so its prompt's
+cached part is not computed again.
+
+Exact: a reused entry is the one this model computed for the same token at the same position
+after the same tokens. Where a runtime's numerics move with the batch shape (llama.cpp), it may
+differ in the last bits from what a fresh prefill would compute, as a verify's entries already do.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+from specdec.errors import SpecDecError
+from specdec.runtime.base import CausalLM, Sequence
+
+DEFAULT_TOKENS = 4096  # kept tokens by default: a long conversation, or a few shorter ones
+MIN_SHARED = 16  # a shorter shared prefix costs about as much to copy as to compute
+MAX_KEPT = 16  # sequences kept at most (on llama.cpp each holds a sequence id, which tree branches need too)
+
+
+def shared_prefix(a: Seq[int], b: Seq[int]) -> int:
+    """The length of the longest common prefix of two token lists (slices compared in C)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+@dataclass
+class _Kept:
+    sequence: Sequence
+    tokens: list[int]  # what its cache holds, entry by entry
+
+
+class PrefixCache:
+    """Finished sequences of one model, kept with the tokens their caches hold, up to `budget`
+    entries in all; the least recently used go first. Thread-safe.
+
+    Invariant: every kept sequence's cache holds exactly its `tokens`, as a chain (committed text),
+    and the kept tokens add up to at most `budget`. On llama.cpp the budget is also capped by the
+    KV cells the model spares beyond its slots (`spare_cells`), so kept prefixes never crowd out
+    a running generation."""
+
+    def __init__(self, model: CausalLM, budget: int, min_shared: int = MIN_SHARED):
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise SpecDecError(f"a prefix cache's budget must be a number of tokens >= 0, got {budget!r}")
+        spare = getattr(model, "spare_cells", None)
+        self.model, self.budget, self.min_shared = model, budget if spare is None else min(budget, spare), max(1, min_shared)
+        self._kept: list[_Kept] = []  # least recently used first
+        self._lock = threading.Lock()
+        self.reused_tokens = 0  # prompt tokens served from kept sequences, since the start
+
+    @property
+    def tokens(self) -> int:
+        """Tokens kept now."""
+        return sum(len(kept.tokens) for kept in self._kept)
+
+    def take(self, prompt: Seq[int]) -> Sequence:
+        """A new sequence of the model holding the longest prefix of prompt[:-1] a kept sequence
+        shares (the last prompt token is always left to feed), or an empty one."""
+        head = list(prompt[:-1])
+        with self._lock:
+            best, length = None, 0
+            for kept in self._kept:
+                shared = shared_prefix(kept.tokens, head)
+                if shared > length:
+                    best, length = kept, shared
+            if best is not None and length >= self.min_shared:
+                sequence = best.sequence.fork(length)
+                if sequence is not None:
+                    self._kept.remove(best)
+                    self._kept.append(best)
+                    self.reused_tokens += length
+                    return sequence
+        return self.model.sequence()
+
+    def put(self, sequence: Sequence, tokens: Seq[int]) -> None:
+        """Keep a finished sequence whose cache holds at least `tokens` as its first entries (the
+        rest is cut), or release it. It replaces kept sequences that hold a prefix of it."""
+        tokens = list(tokens)
+        if len(tokens) < self.min_shared or len(tokens) > self.budget or len(tokens) > sequence.cache_len:
+            sequence.release()
+            return
+        sequence.truncate(len(tokens))
+        with self._lock:
+            if any(shared_prefix(kept.tokens, tokens) == len(tokens) for kept in self._kept):
+                sequence.release()  # a kept sequence holds all of it already
+                return
+            for kept in [k for k in self._kept if shared_prefix(k.tokens, tokens) == len(k.tokens)]:
+                self._drop(kept)
+            self._kept.append(_Kept(sequence, tokens))
+            while self.tokens > self.budget or len(self._kept) > MAX_KEPT:
+                self._drop(self._kept[0])
+
+    def clear(self) -> None:
+        with self._lock:
+            while self._kept:
+                self._drop(self._kept[0])
+
+    def _drop(self, kept: _Kept) -> None:
+        self._kept.remove(kept)
+        kept.sequence.release()
