@@ -16,7 +16,7 @@ import time
 
 import specdec
 from specdec.bench.prompts import humaneval_prompts
-from specdec.server.app import batch_depth
+from specdec.server.service import batch_depth
 
 
 def decode_rate(decoder, depth, rows: int, tokens: int) -> tuple[float, float]:

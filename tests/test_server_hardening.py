@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -596,3 +597,28 @@ def test_new_requests_start_from_what_earlier_ones_saw(model_dirs):
         prior = LOOKUP_PRIORS[source[1]] if source[0] == "lookup" else fresh.accept_probability(source)
         assert min(rate, prior) - 1e-9 <= fresh.accept_probability(source) <= max(rate, prior) + 1e-9
     assert any(abs(fresh.accept_probability(s) - LOOKUP_PRIORS[s[1]]) > 0.01 for s in learnt if s[0] == "lookup")
+
+
+def test_health_says_unhealthy_while_the_batch_is_wedged_and_ok_once_it_moves(model_dirs, monkeypatch):
+    """/health is the engine's liveness, not a constant: a batch with work that has not begun a
+    round for `stall_seconds` answers 503 (a load balancer or Ray takes the replica out), and 200
+    again once it moves."""
+    from specdec.server import Service, routes
+    service = Service(make_decoder(model_dirs), MODEL, depth=None, stall_seconds=0.3)
+    release = threading.Event()
+    step = service.batcher.engine.step
+    monkeypatch.setattr(service.batcher.engine, "step", lambda states, cap=None: release.wait(20) and step(states, cap))
+    live = LiveServer(routes(service))
+    try:
+        assert httpx.get(live.url + "/health").json()["status"] == "ok"
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(httpx.post, live.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4}, timeout=30)
+            time.sleep(1.0)
+            wedged = httpx.get(live.url + "/health")
+            release.set()
+            assert reply.result().status_code == 200
+        assert wedged.status_code == 503 and wedged.json()["status"].startswith("unhealthy") and wedged.json()["stalled_seconds"] >= 0.3
+        assert httpx.get(live.url + "/health").status_code == 200
+    finally:
+        release.set()
+        live.stop()

@@ -1,11 +1,10 @@
-"""The FastAPI app: routes, checks before a request may wait, and streaming."""
+"""The FastAPI app over a Service: routes, checks before a request may wait, and streaming."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 import json
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,12 +16,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.api import Generation, SpeculativeDecoder
-from specdec.errors import SpecDecError
-from specdec.drafters import AutoDrafter
-from specdec.policy import BatchDepth, SharedAcceptance
-from specdec.server.batch import Batcher, Job, Metrics
+from specdec.policy import BatchDepth
+from specdec.server.batch import Job
 from specdec.server.openai import (ERROR_RESPONSES, BadRequest, ChatRequest, CompletionRequest, Reply, SamplingFields,
-                                       chat_prompt, error_response)
+                                   chat_prompt, error_response)
+from specdec.server.service import Service
 
 MAX_BODY_BYTES = 1 << 20
 LONG_PROMPT_CHARS = 20_000  # tokenized in a thread pool, not on the event loop
@@ -32,31 +30,20 @@ STREAM_OR_JSON = {200: {"description": "The whole reply as JSON, or with `stream
                         "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
-def batch_depth(decoder: SpeculativeDecoder) -> BatchDepth | None:
-    """A batch-wide depth cap for a decoder with a fixed gamma (None when it does not draft, or
-    when its own cost-aware policy adapts each row to the batch)."""
-    if decoder.drafter is None or decoder.uses_profile:
-        return None
-    return decoder.depth_policy(BatchDepth, decoder.gamma)
-
-
 def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16, max_batch: int = 16,
-               max_body_bytes: int = MAX_BODY_BYTES, depth: BatchDepth | None | str = "measure", api_key: str | None = None,
-               allowed_origins: list[str] = (), allowed_hosts: list[str] | None = None, body_timeout: float = 30.0) -> FastAPI:
-    """depth, for a decoder with a fixed gamma: "measure" caps each step's draft depth by the batch
-    size from measured forward costs (`batch_depth`), None: always the decoder's gamma. (The
-    default, cost-aware policy sizes each row's draft for the batch itself.) api_key: /v1 routes need `Authorization: Bearer <key>`.
-    allowed_origins: browser origins allowed by CORS. allowed_hosts: accepted Host header names
-    (None: any). body_timeout: seconds a request body may take to arrive."""
+               depth: BatchDepth | None | str = "measure", **http) -> FastAPI:
+    """The routes over a new Service (see it for the arguments); `http`: see `routes`."""
+    return routes(Service(decoder, model_name, max_queue, max_batch, depth), **http)
+
+
+def routes(service: Service, max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None, allowed_origins: list[str] = (),
+           allowed_hosts: list[str] | None = None, body_timeout: float = 30.0) -> FastAPI:
+    """The OpenAI routes, /health and /metrics over a service. api_key: /v1 routes need
+    `Authorization: Bearer <key>`. allowed_origins: browser origins allowed by CORS. allowed_hosts:
+    accepted Host header names (None: any). body_timeout: seconds a request body may take to arrive."""
     app = FastAPI(title="specdec", description="OpenAI-compatible lossless speculative decoding", version="1")
-    metrics = Metrics()
-    if decoder.uses_profile:
-        decoder.profile()  # measured (or read from the cache) before the first request waits for it
-    if isinstance(decoder.drafter, AutoDrafter):  # new requests start from what earlier ones saw
-        decoder.shared_acceptance = SharedAcceptance()
-    batcher = Batcher(decoder, max_batch, max_queue, metrics, batch_depth(decoder) if depth == "measure" else depth)
-    app.state.batcher = batcher
-    created = int(time.time())
+    decoder, model_name, metrics, batcher = service.decoder, service.model_name, service.metrics, service.batcher
+    app.state.service, app.state.batcher = service, batcher
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
@@ -96,12 +83,11 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
         return None
 
     @app.head("/health", include_in_schema=False)
-    @app.get("/health", responses={503: {"description": "The server is shutting down: send no more requests here"}})
+    @app.get("/health", responses={503: {"description": "The server is shutting down, or its batch is not making progress: send "
+                                             "no more requests here"}})
     async def health():
-        busy = {"queue_depth": len(batcher.waiting), "batch_size": len(batcher.running)}
-        if batcher.closing:  # a load balancer takes this server out of rotation while it drains
-            return JSONResponse({"status": "shutting down", **busy}, status_code=503)
-        return {"status": "ok", **busy}
+        status, body = service.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
@@ -109,7 +95,7 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
 
     @app.get("/v1/models", responses={401: ERROR_RESPONSES[401]})
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "specdec"}]}
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": service.created, "owned_by": "specdec"}]}
 
     @app.post("/v1/completions", responses={**STREAM_OR_JSON, **ERROR_RESPONSES})
     async def completions(body: CompletionRequest, request: Request):
@@ -135,34 +121,11 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
             raise BadRequest(f"the model {body.model!r} does not exist; this server has {model_name!r}", 404, "model_not_found", "model")
         body.refuse_unsupported()
         batcher.check_room()
-        check = lambda: _check(body, encode, param)
+        check = lambda: service.generation(body, encode, param)
         return await run_in_threadpool(check) if size > LONG_PROMPT_CHARS else check()
 
-    def _check(body: SamplingFields, encode, param: str) -> Generation:
-        try:
-            ids = encode()
-        except SpecDecError as error:
-            raise BadRequest(str(error), param=param) from None
-        except Exception as error:  # text the tokenizer cannot take, e.g. a lone surrogate
-            raise BadRequest(f"the {param} cannot be tokenized: {type(error).__name__}", param=param) from None
-        room = decoder.target.max_length - len(ids)
-        if body.max_tokens is None:
-            body.max_tokens = min(16, room) if isinstance(body, CompletionRequest) else room
-        if body.max_tokens > room:
-            raise BadRequest(f"max_tokens {body.max_tokens} plus the prompt's {len(ids)} tokens exceed the context of {decoder.target.max_length}",
-                             param="max_tokens")
-        if body.prediction is not None and not isinstance(decoder.drafter, AutoDrafter):
-            raise BadRequest("prediction is drafted by the default drafter; this server runs a fixed strategy", param="prediction")
-        try:
-            return decoder.request(ids, max_new_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                                   seed=body.seed, stop=body.stops(), logprobs=body.top_logprobs_wanted(), prediction=body.predicted_text(),
-                                   tenant=body.user)
-        except SpecDecError as error:
-            raise BadRequest(str(error)) from None
-
     async def _serve(request: Request, body: SamplingFields, generation: Generation, reply: Reply):
-        job = Job(generation, asyncio.get_running_loop())
-        batcher.submit(job)
+        job = service.submit(generation)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return CancellingStream(lambda: batcher.cancel(job), _sse(job, reply, include_usage), media_type="text/event-stream")

@@ -53,6 +53,7 @@ class Batcher:
         self.prefilling: deque[Job] = deque()  # running jobs whose prompt is not all in, in turn
         self.changed = threading.Condition()
         self.closing: str | None = None  # why new requests are refused (shutting down)
+        self.beat = time.monotonic()  # when the batch thread last began a round with work, or work arrived at an idle batch
         metrics.queue_depth.set_function(lambda: len(self.waiting))
         metrics.batch_size.set_function(lambda: len(self.running))
         self.thread = threading.Thread(target=self._run, name="specdec-batch", daemon=True)
@@ -61,6 +62,8 @@ class Batcher:
     def submit(self, job: Job) -> None:
         with self.changed:
             self.check_room()
+            if not self.waiting and not self.running:
+                self.beat = time.monotonic()
             self.waiting.append(job)
             self.changed.notify()
 
@@ -70,6 +73,10 @@ class Batcher:
             raise BadRequest(self.closing, status=503)
         if len(self.waiting) >= self.max_queue:
             raise BadRequest(f"the server is busy: {self.max_queue} requests are already waiting", status=429)
+
+    def stalled_for(self) -> float:
+        """Seconds the batch has had work without beginning a round (0 when it has none)."""
+        return time.monotonic() - self.beat if self.waiting or self.running else 0.0
 
     def cancel(self, job: Job) -> None:
         """The client left: a waiting job leaves the queue now, a running one at the next step."""
@@ -126,6 +133,7 @@ class Batcher:
         with self.changed:
             while not self.waiting and not self.running and not self.closing:
                 self.changed.wait()
+            self.beat = time.monotonic()
             admitted = []
             while self.waiting and len(self.running) + len(admitted) < self.max_batch:
                 admitted.append(self.waiting.popleft())

@@ -30,13 +30,13 @@ class Server(uvicorn.Server):
             self.draining = threading.Thread(target=self._drain, args=(sig,), daemon=True)
             self.draining.start()
             return
-        self.config.app.state.batcher.stop_now()
+        self.config.app.state.service.stop_now()
         super().handle_exit(sig, frame)
         self.force_exit = True
 
     def _drain(self, sig) -> None:
         try:
-            self.config.app.state.batcher.shut_down(self.shutdown_timeout)
+            self.config.app.state.service.drain(self.shutdown_timeout)
         finally:
             super().handle_exit(sig, None)  # uvicorn's main loop sees should_exit within 0.1 s
 

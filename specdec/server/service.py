@@ -1,0 +1,97 @@
+"""The generation service of one process: a decoder, its batch thread and metrics, and what
+starts, checks and stops them. The HTTP routes (`app`) are a view on it; the same service runs
+under uvicorn (`http`, `specdec serve`) and in a Ray Serve replica (`replicas`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from specdec.api import Generation, SpeculativeDecoder
+from specdec.drafters import AutoDrafter
+from specdec.errors import SpecDecError
+from specdec.policy import BatchDepth, SharedAcceptance
+from specdec.server.batch import Batcher, Job, Metrics
+from specdec.server.openai import BadRequest, CompletionRequest, SamplingFields
+
+STALL_SECONDS = 120.0  # a batch with work that has not finished a round for this long is wedged
+
+
+def batch_depth(decoder: SpeculativeDecoder) -> BatchDepth | None:
+    """A batch-wide depth cap for a decoder with a fixed gamma (None when it does not draft, or
+    when its own cost-aware policy adapts each row to the batch)."""
+    if decoder.drafter is None or decoder.uses_profile:
+        return None
+    return decoder.depth_policy(BatchDepth, decoder.gamma)
+
+
+class Service:
+    """Continuous batching over one decoder, started at construction: the cost profile is read
+    (or measured) first, so no request waits for it.
+
+    depth, for a decoder with a fixed gamma: "measure" caps each step's draft depth by the batch
+    size from measured forward costs (`batch_depth`), None: always the decoder's gamma. (The
+    default, cost-aware policy sizes each row's draft for the batch itself.)"""
+
+    def __init__(self, decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16, max_batch: int = 16,
+                 depth: BatchDepth | None | str = "measure", stall_seconds: float = STALL_SECONDS):
+        self.decoder, self.model_name, self.stall_seconds = decoder, model_name, stall_seconds
+        self.created = int(time.time())
+        self.metrics = Metrics()
+        if decoder.uses_profile:
+            decoder.profile()
+        if isinstance(decoder.drafter, AutoDrafter):  # new requests start from what earlier ones saw
+            decoder.shared_acceptance = SharedAcceptance()
+        self.batcher = Batcher(decoder, max_batch, max_queue, self.metrics, batch_depth(decoder) if depth == "measure" else depth)
+
+    # ------------------------------------------------------------------ requests
+    def generation(self, body: SamplingFields, encode, param: str) -> Generation:
+        """The request's generation, everything checked (a BadRequest otherwise); `encode()` gives
+        its prompt's token ids, `param` names the field they came from."""
+        decoder = self.decoder
+        try:
+            ids = encode()
+        except SpecDecError as error:
+            raise BadRequest(str(error), param=param) from None
+        except Exception as error:  # text the tokenizer cannot take, e.g. a lone surrogate
+            raise BadRequest(f"the {param} cannot be tokenized: {type(error).__name__}", param=param) from None
+        room = decoder.target.max_length - len(ids)
+        if body.max_tokens is None:
+            body.max_tokens = min(16, room) if isinstance(body, CompletionRequest) else room
+        if body.max_tokens > room:
+            raise BadRequest(f"max_tokens {body.max_tokens} plus the prompt's {len(ids)} tokens exceed the context of {decoder.target.max_length}",
+                             param="max_tokens")
+        if body.prediction is not None and not isinstance(decoder.drafter, AutoDrafter):
+            raise BadRequest("prediction is drafted by the default drafter; this server runs a fixed strategy", param="prediction")
+        try:
+            return decoder.request(ids, max_new_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                                   seed=body.seed, stop=body.stops(), logprobs=body.top_logprobs_wanted(), prediction=body.predicted_text(),
+                                   tenant=body.user)
+        except SpecDecError as error:
+            raise BadRequest(str(error)) from None
+
+    def submit(self, generation: Generation) -> Job:
+        """Queue a generation; its events arrive on the running event loop."""
+        job = Job(generation, asyncio.get_running_loop())
+        self.batcher.submit(job)
+        return job
+
+    # ------------------------------------------------------------------ life
+    def health(self) -> tuple[int, dict]:
+        """(HTTP status, body): 200 while the batch makes progress; 503 while shutting down (a
+        load balancer takes the server out of rotation) or when the batch thread is dead or wedged."""
+        batcher = self.batcher
+        busy = {"queue_depth": len(batcher.waiting), "batch_size": len(batcher.running)}
+        if batcher.closing:
+            return 503, {"status": "shutting down", **busy}
+        stalled = batcher.stalled_for()
+        if not batcher.thread.is_alive() or stalled > self.stall_seconds:
+            return 503, {"status": "unhealthy: the batch is not making progress", "stalled_seconds": round(stalled, 1), **busy}
+        return 200, {"status": "ok", **busy}
+
+    def drain(self, timeout: float) -> None:
+        """Refuse new requests, let running ones finish for up to `timeout` seconds (see Batcher.shut_down)."""
+        self.batcher.shut_down(timeout)
+
+    def stop_now(self) -> None:
+        self.batcher.stop_now()
