@@ -234,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="finished requests keep up to N tokens of their caches, and a new request starts from the longest "
                             "prefix it shares with them: a conversation's next turn or a shared system prompt is not computed "
                             f"again (default {SERVER_PREFIX_TOKENS:,}; on llama.cpp that many KV cells more; 0 = off)")
+    serve.add_argument("--replicas", type=_positive, default=None, metavar="N",
+                       help="run N replicas as a Ray Serve application on a local Ray instance (pip install -e \".[ray]\"); "
+                            "each loads the models and takes --threads cores of its own (default: the cores / N)")
+    serve.add_argument("--max-replicas", type=_positive, default=None, metavar="N",
+                       help="with --replicas: autoscale between --replicas and N replicas on ongoing requests")
     serve.set_defaults(run=run_serve)
     return parser
 
@@ -404,16 +409,45 @@ SERVER_PREFIX_TOKENS = 16_384
 
 
 def run_serve(args) -> None:
-    from specdec.server import create_app, serve
+    if args.replicas is not None:
+        from specdec.server.replicas import run_local
 
+        return run_local(args)
+    from specdec.server import routes, serve
+
+    service, http = server_service(args)
+    app = routes(service, **http)
+    decoder = service.decoder
+    print(f"specdec: serving {service.model_name!r} on http://{args.host}:{args.port}/v1 (drafter: "
+          f"{decoder.drafter.name if decoder.drafter else 'none'}, up to {service.batcher.max_batch} generations at once)", file=sys.stderr)
+    try:
+        serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, max_connections=args.max_connections)
+    except SystemExit as error:  # uvicorn logs why it could not start (a port in use, say), then exits
+        if error.code:
+            raise SpecDecError(f"the server could not start on {args.host}:{args.port} (see the message above)") from None
+
+
+def check_serve_arguments(args) -> None:
+    """What `specdec serve` refuses before it loads anything."""
     if not 0 <= args.shutdown_timeout <= 3600:
         raise SpecDecError("--shutdown-timeout must be between 0 and 3600 seconds")
+    if args.prefix_cache_tokens < 0:
+        raise SpecDecError("--prefix-cache-tokens must be >= 0")
+    if args.history_tokens is not None and args.history_tokens < 0:
+        raise SpecDecError("--history-tokens must be >= 0")
+
+
+def server_service(args, measure: bool = True):
+    """The Service `specdec serve`'s arguments describe (models loaded, batch thread started), and
+    the keywords of its routes (`specdec.server.routes`). With `measure`, forward costs the auto
+    policy needs are timed now if they are not cached yet."""
+    from specdec.server import Service
+
+    check_serve_arguments(args)
     template = _read_template(args.chat_template) if args.chat_template else None
     # llama.cpp sizes its KV cells by the batch at load; a transformers model is on a GPU once loaded
     max_batch = args.max_batch or DEFAULT_BATCH["gpu" if args.gpu_layers else "cpu"]
-    if args.prefix_cache_tokens < 0:
-        raise SpecDecError("--prefix-cache-tokens must be >= 0")
-    decoder = load_decoder(args, slots=max_batch, prefix_cache=args.prefix_cache_tokens)
+    decoder = load_decoder(args, slots=max_batch, measure=measure, prefix_cache=args.prefix_cache_tokens)
     if args.max_batch is None and decoder.target.backend == "transformers" and str(decoder.target.device).startswith("cuda"):
         max_batch = DEFAULT_BATCH["gpu"]
     _check_sequence_ids(decoder, max_batch)
@@ -422,24 +456,15 @@ def run_serve(args) -> None:
     decoder.history = _server_history(decoder, args.history_tokens, args.share_history)
     name = args.model_name or os.path.basename(os.path.normpath(decoder.target.path))
     loopback = args.host in ("127.0.0.1", "localhost", "::1")  # then only loopback Host headers: no DNS rebinding
-    app = create_app(decoder, name, max_queue=args.max_queue, max_batch=max_batch, api_key=args.api_key,
-                     depth="measure" if args.batch_depth == "measured" else None, allowed_origins=args.allowed_origins,
-                     allowed_hosts=["127.0.0.1", "localhost", "::1"] if loopback else None)
-    print(f"specdec: serving {name!r} on http://{args.host}:{args.port}/v1 (drafter: "
-          f"{decoder.drafter.name if decoder.drafter else 'none'}, up to {max_batch} generations at once)", file=sys.stderr)
-    try:
-        serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, max_connections=args.max_connections)
-    except SystemExit as error:  # uvicorn logs why it could not start (a port in use, say), then exits
-        if error.code:
-            raise SpecDecError(f"the server could not start on {args.host}:{args.port} (see the message above)") from None
+    service = Service(decoder, name, max_queue=args.max_queue, max_batch=max_batch, depth="measure" if args.batch_depth == "measured" else None)
+    return service, dict(api_key=args.api_key, allowed_origins=args.allowed_origins,
+                         allowed_hosts=["127.0.0.1", "localhost", "::1"] if loopback else None)
 
 
 def _server_history(decoder, tokens: int | None, shared: bool):
     """The server's history of earlier requests, or None (off, or a fixed strategy, which does not draft from one)."""
     from specdec.drafters import AutoDrafter, History
 
-    if tokens is not None and tokens < 0:
-        raise SpecDecError("--history-tokens must be >= 0")
     if not isinstance(decoder.drafter, AutoDrafter):
         if tokens or shared:
             raise SpecDecError("--history-tokens and --share-history are for the default drafter; this server runs a fixed strategy")

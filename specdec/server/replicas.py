@@ -1,0 +1,399 @@
+"""`specdec serve` as a Ray Serve application: replicas of the service behind an ingress that keeps
+a conversation where its cache is.
+
+    HTTP -> Ray's proxy -> Ingress (reads the body, names the request's conversation)
+         -> ConversationRouter (the replica that served the conversation, while it accepts work;
+            else power of two choices) -> Replica (a Service and its routes, as under uvicorn)
+
+A replica runs the very routes of `specdec serve` (`routes(Service)`): the ingress hands it the
+HTTP request (method, path, headers, body) and relays the ASGI messages it answers, so errors,
+authentication, limits and streaming are the single-process server's. Ray sends a replica at most
+`max_ongoing_requests` = its batch at once: the rest wait in Ray's queue, not a replica's.
+
+Faults: a replica that dies before the client got a byte of its reply is tried again on another
+(RESUBMITS times); a stream cut later ends with an SSE error event and `[DONE]`; a non-streamed
+reply cut later is a 503. Ray's health checks call the service's liveness (`Service.health`);
+graceful shutdown drains the batch.
+
+Started with `serve run specdec.server.replicas:build target=... replicas=2 threads=1` (an app
+builder: the arguments are `specdec serve`'s long options), a Serve config file (deploy/serve.yaml),
+or `specdec serve --replicas N` (a local Ray instance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import BackPressureError
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+
+from specdec.errors import SpecDecError
+from specdec.server.app import MAX_BODY_BYTES
+from specdec.server.openai import error_response
+
+RESUBMITS = 2  # further replicas a request whose replica died before answering is tried on
+AFFINITY_CHARS = 4096  # the start of a prompt a conversation is recognised by
+MIN_SHARED_CHARS = 128  # a new prompt goes to the replica of an earlier one that starts with this much of it
+REMEMBERED = 4096  # conversations the router remembers (least recently used forgotten)
+DRAIN_SECONDS = 10.0
+SESSION_HEADER = b"x-session-id"
+
+
+# ---------------------------------------------------------------------------- what crosses Ray
+@dataclass(frozen=True)
+class Forwarded:
+    """An HTTP request as the ingress received it, for a replica's routes."""
+
+    method: str
+    path: str
+    query_string: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    client: tuple[str, int] | None
+
+
+@dataclass(frozen=True)
+class Affinity:
+    """What names a request's conversation: a session id (the X-Session-Id header, else the body's
+    `user`), and the start of its prompt text."""
+
+    session: str | None
+    text: str
+
+
+def affinity(headers: list[tuple[bytes, bytes]], body: bytes) -> Affinity:
+    """A request's Affinity; a body that is not a JSON object gives an empty one (the replica's
+    routes answer it with their 400)."""
+    session = next((value.decode("latin-1") for name, value in headers if name.lower() == SESSION_HEADER), None)
+    try:
+        fields = json.loads(body) if body else {}
+    except ValueError:
+        fields = {}
+    if not isinstance(fields, dict):
+        return Affinity(session, "")
+    user = fields.get("user") if isinstance(fields.get("user"), str) else None
+    return Affinity(session or (f"user:{user}" if user else None), prompt_text(fields)[:AFFINITY_CHARS])
+
+
+def prompt_text(fields: dict) -> str:
+    """The text a request's prompt starts with: a completion's prompt, or a chat's message contents."""
+    prompt, messages = fields.get("prompt"), fields.get("messages")
+    if isinstance(messages, list):
+        return "".join(_content_text(m.get("content")) for m in messages if isinstance(m, dict))
+    if isinstance(prompt, list):
+        return " ".join(str(p) for p in prompt)  # token ids or texts: only equality matters
+    return prompt if isinstance(prompt, str) else ""
+
+
+def _content_text(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return ""
+
+
+def shared_chars(a: str, b: str) -> int:
+    return len(os.path.commonprefix((a, b)))
+
+
+# ---------------------------------------------------------------------------- routing
+class ConversationRouter(FIFOMixin, RequestRouter):
+    """Requests of one conversation go to the replica that served it (its prefix cache and history
+    are warm there): the same session, else the longest remembered prompt this one starts with
+    (at least MIN_SHARED_CHARS of it). That replica is tried first while it is alive and accepts
+    work (fewer than its `max_ongoing_requests`); otherwise, and for new conversations, power of
+    two choices, Ray's default.
+
+    Ray's own prefix router (`ray.serve.llm`'s PrefixCacheAffinityRouter) needs ray.serve.llm's
+    dependencies and request types, knows no sessions, and blocks its event loop on a tree actor;
+    this one keeps its memory in the ingress's router (one per ingress replica)."""
+
+    def initialize_state(self, **kwargs):
+        self.sessions: OrderedDict[str, ReplicaID] = OrderedDict()
+        self.texts: OrderedDict[str, ReplicaID] = OrderedDict()
+
+    def home(self, request: PendingRequest | None) -> ReplicaID | None:
+        """The replica that served this request's conversation, if one did."""
+        wanted = request.kwargs.get("affinity") if request is not None else None
+        if not isinstance(wanted, Affinity):
+            return None
+        if wanted.session is not None and wanted.session in self.sessions:
+            return self.sessions[wanted.session]
+        best, best_shared = None, MIN_SHARED_CHARS - 1
+        for text, replica in self.texts.items():
+            shared = shared_chars(text, wanted.text)
+            if shared > best_shared:
+                best, best_shared = replica, shared
+        return best
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        pair = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
+        home = self.home(pending_request)
+        warm = [replica for replica in candidate_replicas if replica.replica_id == home]
+        return [warm, [r for r in pair if r.replica_id != home]] if warm else [pair]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult):
+        wanted = pending_request.kwargs.get("affinity")
+        if not isinstance(wanted, Affinity):
+            return
+        for memory, key in ((self.sessions, wanted.session), (self.texts, wanted.text if len(wanted.text) >= MIN_SHARED_CHARS else None)):
+            if key is not None:
+                memory[key] = replica_id
+                memory.move_to_end(key)
+                while len(memory) > REMEMBERED:
+                    memory.popitem(last=False)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID):
+        super().on_replica_actor_died(replica_id)
+        for memory in (self.sessions, self.texts):
+            for key in [key for key, replica in memory.items() if replica == replica_id]:
+                del memory[key]
+
+
+# ---------------------------------------------------------------------------- the deployments
+class Replica:
+    """One replica: `specdec serve`'s service and routes, on cores of its own."""
+
+    def __init__(self, args: argparse.Namespace):
+        from specdec.cli import server_service
+        from specdec.server import routes
+
+        pin_cores(args.threads, replica_rank())
+        self.service, http = server_service(args, measure=False)  # the profile was measured before replicas started
+        self.app = routes(self.service, **http)
+
+    async def forward(self, request: Forwarded, affinity: Affinity | None = None):
+        """The routes' ASGI messages for one request (http.response.start, then the body's);
+        `affinity` is for the router, which reads it from the call. If
+        this is cancelled (the client left, the ingress gave up) the route is cancelled with it,
+        and the batch drops its generation."""
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": request.method, "scheme": "http",
+                 "path": request.path, "raw_path": request.path.encode(), "query_string": request.query_string, "root_path": "",
+                 "headers": request.headers, "client": request.client, "server": None}
+        messages: asyncio.Queue = asyncio.Queue()
+        delivered = False
+
+        async def receive():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": request.body, "more_body": False}
+            await asyncio.Event().wait()  # the client is there until this request is cancelled
+
+        async def send(message):
+            await messages.put(message)
+
+        async def run():
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                await messages.put(None)
+
+        task = asyncio.ensure_future(run())
+        try:
+            while (message := await messages.get()) is not None:
+                yield message
+        finally:
+            task.cancel()
+
+    def check_health(self) -> None:
+        """Ray's health check: the batch's liveness. Raising marks the replica unhealthy; Ray replaces it."""
+        status, body = self.service.health()
+        if status != 200 and body["status"] != "shutting down":
+            raise RuntimeError(body["status"])
+
+    async def __del__(self):
+        """Ray's graceful shutdown: refuse new work, let running generations finish."""
+        await asyncio.get_running_loop().run_in_executor(None, self.service.drain, DRAIN_SECONDS)
+
+
+class Ingress:
+    """Reads each request's body, names its conversation and hands the request to a replica
+    (ConversationRouter picks which); relays the reply. Retries on another replica when one dies
+    before the client saw any of its reply."""
+
+    def __init__(self, replicas):
+        self.replicas = replicas  # a DeploymentHandle of Replica
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        body = await _read_body(receive, MAX_BODY_BYTES)
+        if body is None:
+            return await error_response(f"the request body is larger than {MAX_BODY_BYTES} bytes", 413)(scope, receive, send)
+        request = Forwarded(scope["method"], scope["path"], scope.get("query_string", b""), list(scope["headers"]), body,
+                            tuple(scope["client"]) if scope.get("client") else None)
+        wanted = affinity(request.headers, body)
+        for attempt in range(RESUBMITS + 1):
+            relay = Relay(send)
+            try:
+                await relay.run(self.replicas.options(stream=True).forward.remote(request, affinity=wanted))
+                return
+            except BackPressureError:
+                return await error_response("the server is busy: too many requests are waiting", 429)(scope, receive, send)
+            except (ActorDiedError, ActorUnavailableError, RayActorError) as error:
+                if relay.sent_body:
+                    return await relay.cut(f"the replica serving this request stopped: {type(error).__name__}")
+        await error_response("no replica could serve this request: each one tried stopped", 503)(scope, receive, send)
+
+
+class Relay:
+    """Sends a replica's ASGI messages to the client, holding back the response head until its
+    first body bytes: until then nothing has reached the client and the request can be resubmitted."""
+
+    def __init__(self, send):
+        self.send, self.head, self.sent_body = send, None, False
+
+    async def run(self, messages) -> None:
+        try:
+            async for message in messages:
+                if message["type"] == "http.response.start":
+                    self.head = message
+                    continue
+                if not self.sent_body:
+                    await self.send(self.head)
+                    self.sent_body = True
+                await self.send(message)
+        finally:  # however this ends, the replica stops working for it
+            messages.cancel()
+
+    async def cut(self, why: str) -> None:
+        """End a reply whose replica died midway: a stream gets an error event and [DONE]."""
+        streaming = any(name.lower() == b"content-type" and value.startswith(b"text/event-stream") for name, value in self.head["headers"])
+        if streaming:
+            error = {"error": {"message": why, "type": "server_error", "param": None, "code": "unavailable"}}
+            await self.send({"type": "http.response.body", "body": f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode(), "more_body": False})
+        else:
+            await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _lifespan(receive, send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def _read_body(receive, limit: int) -> bytes | None:
+    """The request body, or None when it is longer than `limit` bytes (a replica checks the rest)."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return b"".join(chunks)
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > limit:
+            return None
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+# ---------------------------------------------------------------------------- threads and cores
+def replica_rank() -> int:
+    try:
+        rank = serve.get_replica_context().rank
+    except Exception:  # outside a replica
+        return 0
+    return getattr(rank, "rank", rank) or 0
+
+
+def pin_cores(threads: int, rank: int) -> None:
+    """Pin this process to `threads` cores of its own (by the replica's rank, round the cores this
+    process may use): `num_cpus` reserves cores in Ray's books but pins nothing."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[(rank * threads + i) % len(cores)] for i in range(min(threads, len(cores)))})
+
+
+# ---------------------------------------------------------------------------- building the app
+def build(options: dict) -> serve.Application:
+    """The app builder for `serve run specdec.server.replicas:build key=value ...`: the keys are
+    `specdec serve`'s long options (target, draft, threads, max_batch, replicas, max_replicas,
+    api_key, ...)."""
+    argv = ["serve"]
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True or value == "true":
+            argv.append(flag)
+        elif value not in (False, "false", None):
+            argv += [flag, *str(value).split()] if key in ("allowed_origins",) else [flag, str(value)]
+    from specdec.cli import build_parser
+
+    return application(build_parser().parse_args(argv))
+
+
+def application(args: argparse.Namespace) -> serve.Application:
+    """The ingress bound to the replicas `args` describe. Each replica gets `--threads` cores
+    (default: the machine's cores / replicas); the cost profile is measured here, once, before any
+    replica starts (replicas timing themselves at once would spoil each other's figures)."""
+    from specdec.cli import check_serve_arguments, load_decoder, DEFAULT_BATCH
+
+    check_serve_arguments(args)
+    replicas = args.replicas or 1
+    if args.max_replicas is not None and args.max_replicas < replicas:
+        raise SpecDecError("--max-replicas must be at least --replicas")
+    args.threads = args.threads or max(1, len(os.sched_getaffinity(0)) // (args.max_replicas or replicas))
+    max_batch = args.max_batch or DEFAULT_BATCH["gpu" if args.gpu_layers else "cpu"]
+    load_decoder(args, slots=1, measure=True)  # reads or measures the profile the replicas will read
+    scaling = ({"autoscaling_config": {"min_replicas": replicas, "max_replicas": args.max_replicas, "initial_replicas": replicas,
+                                       "target_ongoing_requests": max(1, max_batch // 2), "upscale_delay_s": 2, "downscale_delay_s": 10}}
+               if args.max_replicas else {"num_replicas": replicas})
+    replica = serve.deployment(Replica, name="specdec-replica", max_ongoing_requests=max_batch, health_check_period_s=5,
+                               graceful_shutdown_timeout_s=DRAIN_SECONDS + 5,
+                               ray_actor_options={"num_cpus": args.threads, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(args.threads)}}},
+                               request_router_config=RequestRouterConfig(request_router_class=ConversationRouter), **scaling)
+    ingress = serve.deployment(IngressHost, name="specdec-ingress", max_ongoing_requests=args.max_queue + max_batch * 8,
+                               ray_actor_options={"num_cpus": 0})
+    return ingress.bind(replica.bind(args))
+
+
+@serve.ingress()
+class IngressHost:
+    """Serve's ingress deployment around Ingress (`serve.ingress` wants a class without __call__;
+    the ASGI app it serves is built in the replica, after the constructor)."""
+
+    def __init__(self, replicas):
+        self.ingress = Ingress(replicas)
+
+    def __serve_build_asgi_app__(self):
+        return self.ingress
+
+
+# ---------------------------------------------------------------------------- specdec serve --replicas
+def run_local(args: argparse.Namespace) -> None:
+    """`specdec serve --replicas N`: a local Ray instance (its dashboard and client ports on loopback
+    only: Ray has no authentication), the app on --host:--port; runs until SIGTERM or Ctrl-C, then
+    drains."""
+    import ray
+
+    app = application(args)
+    ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, dashboard_host="127.0.0.1", log_to_driver=False,
+             configure_logging=False)
+    serve.start(http_options={"host": args.host, "port": args.port}, logging_config={"log_level": "WARNING"})
+    serve.run(app, name="specdec", route_prefix="/")
+    print(f"specdec: serving on http://{args.host}:{args.port}/v1 with {args.replicas} Ray Serve replica(s) of "
+          f"{args.threads} thread(s)" + (f", up to {args.max_replicas}" if args.max_replicas else ""), file=sys.stderr)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1):
+        pass
+    serve.shutdown()
+    ray.shutdown()
