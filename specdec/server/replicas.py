@@ -32,12 +32,13 @@ import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
-from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from specdec.errors import SpecDecError
 from specdec.server.app import MAX_BODY_BYTES
@@ -49,6 +50,8 @@ MIN_SHARED_CHARS = 128  # a new prompt goes to the replica of an earlier one tha
 REMEMBERED = 4096  # conversations the router remembers (least recently used forgotten)
 DRAIN_SECONDS = 10.0
 SESSION_HEADER = b"x-session-id"
+REPLICA_HEADER = b"x-specdec-replica"  # which replica answered
+RESUBMITS_HEADER = b"x-specdec-resubmits"  # how many replicas died under the request before it was answered
 
 
 # ---------------------------------------------------------------------------- what crosses Ray
@@ -64,10 +67,10 @@ class Forwarded:
     client: tuple[str, int] | None
 
 
-@dataclass(frozen=True)
-class Affinity:
+class Affinity(NamedTuple):
     """What names a request's conversation: a session id (the X-Session-Id header, else the body's
-    `user`), and the start of its prompt text."""
+    `user`), and the start of its prompt text. (A tuple: the router tests for one, since the class
+    it sees may be another copy of this one, unpickled by value.)"""
 
     session: str | None
     text: str
@@ -110,7 +113,7 @@ def shared_chars(a: str, b: str) -> int:
 
 
 # ---------------------------------------------------------------------------- routing
-class ConversationRouter(FIFOMixin, RequestRouter):
+class ConversationRouter(RequestRouter):
     """Requests of one conversation go to the replica that served it (its prefix cache and history
     are warm there): the same session, else the longest remembered prompt this one starts with
     (at least MIN_SHARED_CHARS of it). That replica is tried first while it is alive and accepts
@@ -119,7 +122,8 @@ class ConversationRouter(FIFOMixin, RequestRouter):
 
     Ray's own prefix router (`ray.serve.llm`'s PrefixCacheAffinityRouter) needs ray.serve.llm's
     dependencies and request types, knows no sessions, and blocks its event loop on a tree actor;
-    this one keeps its memory in the ingress's router (one per ingress replica)."""
+    this one keeps its memory in the ingress's router (one per ingress replica). Not FIFOMixin: it
+    hands a replica chosen for one request to whichever request waits longest, affinity or not."""
 
     def initialize_state(self, **kwargs):
         self.sessions: OrderedDict[str, ReplicaID] = OrderedDict()
@@ -128,8 +132,9 @@ class ConversationRouter(FIFOMixin, RequestRouter):
     def home(self, request: PendingRequest | None) -> ReplicaID | None:
         """The replica that served this request's conversation, if one did."""
         wanted = request.kwargs.get("affinity") if request is not None else None
-        if not isinstance(wanted, Affinity):
+        if not isinstance(wanted, tuple):
             return None
+        wanted = Affinity(*wanted)
         if wanted.session is not None and wanted.session in self.sessions:
             return self.sessions[wanted.session]
         best, best_shared = None, MIN_SHARED_CHARS - 1
@@ -148,8 +153,9 @@ class ConversationRouter(FIFOMixin, RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult):
         wanted = pending_request.kwargs.get("affinity")
-        if not isinstance(wanted, Affinity):
+        if not isinstance(wanted, tuple):
             return
+        wanted = Affinity(*wanted)
         for memory, key in ((self.sessions, wanted.session), (self.texts, wanted.text if len(wanted.text) >= MIN_SHARED_CHARS else None)):
             if key is not None:
                 memory[key] = replica_id
@@ -175,6 +181,7 @@ class Replica:
         pin_cores(args.threads, replica_rank())
         self.service, http = server_service(args, measure=False)  # the profile was measured before replicas started
         self.app = routes(self.service, **http)
+        self.name = replica_name().encode()
 
     async def forward(self, request: Forwarded, affinity: Affinity | None = None):
         """The routes' ASGI messages for one request (http.response.start, then the body's);
@@ -206,6 +213,8 @@ class Replica:
         task = asyncio.ensure_future(run())
         try:
             while (message := await messages.get()) is not None:
+                if message["type"] == "http.response.start":  # which replica answered: for logs, and to see the routing work
+                    message = {**message, "headers": [*message.get("headers", []), (REPLICA_HEADER, self.name)]}
                 yield message
         finally:
             task.cancel()
@@ -227,7 +236,8 @@ class Ingress:
     before the client saw any of its reply."""
 
     def __init__(self, replicas):
-        self.replicas = replicas  # a DeploymentHandle of Replica
+        # one streaming handle for every request: each handle has a router of its own, with its own memory
+        self.replicas = replicas.options(stream=True)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -239,9 +249,9 @@ class Ingress:
                             tuple(scope["client"]) if scope.get("client") else None)
         wanted = affinity(request.headers, body)
         for attempt in range(RESUBMITS + 1):
-            relay = Relay(send)
+            relay = Relay(send, attempt)
             try:
-                await relay.run(self.replicas.options(stream=True).forward.remote(request, affinity=wanted))
+                await relay.run(self.replicas.forward.remote(request, affinity=wanted))
                 return
             except BackPressureError:
                 return await error_response("the server is busy: too many requests are waiting", 429)(scope, receive, send)
@@ -255,8 +265,8 @@ class Relay:
     """Sends a replica's ASGI messages to the client, holding back the response head until its
     first body bytes: until then nothing has reached the client and the request can be resubmitted."""
 
-    def __init__(self, send):
-        self.send, self.head, self.sent_body = send, None, False
+    def __init__(self, send, resubmits: int = 0):
+        self.send, self.head, self.sent_body, self.resubmits = send, None, False, resubmits
 
     async def run(self, messages) -> None:
         try:
@@ -265,7 +275,7 @@ class Relay:
                     self.head = message
                     continue
                 if not self.sent_body:
-                    await self.send(self.head)
+                    await self.send({**self.head, "headers": [*self.head["headers"], (RESUBMITS_HEADER, str(self.resubmits).encode())]})
                     self.sent_body = True
                 await self.send(message)
         finally:  # however this ends, the replica stops working for it
@@ -307,6 +317,13 @@ async def _read_body(receive, limit: int) -> bytes | None:
 
 
 # ---------------------------------------------------------------------------- threads and cores
+def replica_name() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a replica
+        return str(os.getpid())
+
+
 def replica_rank() -> int:
     try:
         rank = serve.get_replica_context().rank

@@ -1,0 +1,181 @@
+"""specdec serve as Ray Serve replicas, on a local Ray instance (loopback only): greedy answers equal
+offline generation, conversations stay on their replica (and so reuse its cache), a replica killed
+mid-load loses no request that had not started and comes back, autoscaling goes from 1 to 2 replicas
+under load and back. Marked `ray` (about two minutes): `-m "not ray"` skips them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+import specdec
+from specdec.server.replicas import REPLICA_HEADER, RESUBMITS_HEADER, affinity, prompt_text
+
+pytestmark = pytest.mark.ray
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+APP = "specdec"
+MODEL = "target.gguf"  # the demo pair's target, as the server names it
+PROMPTS = ["def add(a, b):", "import os\n", "class Stack:", "# sort a list\n", "def fib(n):", "for i in range(", "x = [", "while True:"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return specdec.load(None, threads=1)
+
+
+def deploy(url: str, *argv: str) -> None:
+    """`specdec serve --threads 1 *argv` as the app, up and answering."""
+    from specdec.cli import build_parser
+    from specdec.server.replicas import application
+
+    serve.run(application(build_parser().parse_args(["serve", "--threads", "1", *argv])), name=APP, route_prefix="/")
+    deadline = time.time() + 120
+    while httpx.get(url + "/health", timeout=10).status_code != 200:
+        assert time.time() < deadline, "the app did not come up"
+        time.sleep(0.5)
+
+
+def running_replicas() -> int:
+    deployment = serve.status().applications[APP].deployments["specdec-replica"]
+    return deployment.replica_states.get("RUNNING", 0)
+
+
+def wait_for_replicas(count: int, seconds: float) -> float:
+    """Seconds until `count` replicas run (the test fails after `seconds`)."""
+    started = time.time()
+    while running_replicas() != count:
+        assert time.time() - started < seconds, f"{running_replicas()} replicas run, not {count}"
+        time.sleep(0.25)
+    return time.time() - started
+
+
+def complete(url: str, prompt: str, max_tokens: int = 24, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+                      headers=headers, timeout=120)
+
+
+def replica_pids() -> list[int]:
+    found = subprocess.run(["pgrep", "-f", f"ServeReplica:{APP}:specdec-replica"], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found]
+
+
+def test_affinity_names_a_conversation_by_session_then_user_then_prompt_start():
+    headers = [(b"x-session-id", b"abc")]
+    chat = json.dumps({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                       "user": "ann"}).encode()
+    assert affinity(headers, chat).session == "abc"
+    assert affinity([], chat).session == "user:ann" and affinity([], chat).text == "Be brief.Hi"
+    assert affinity([], b'{"prompt": "def f():"}') == affinity([], b'{"prompt": "def f():", "max_tokens": 3}')
+    assert affinity([], b"not json").text == "" and affinity([], b"[1, 2]").session is None
+    assert prompt_text({"prompt": [1, 2, 3]}) == "1 2 3"
+
+
+def test_two_replicas_answer_as_offline_and_keep_conversations_on_their_replica(cluster, offline):
+    deploy(cluster, "--replicas", "2")
+    assert running_replicas() == 2
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda p: complete(cluster, p), PROMPTS))
+    for prompt, reply in zip(PROMPTS, replies):
+        assert reply.status_code == 200
+        assert reply.json()["choices"][0]["text"] == offline.generate(prompt, max_new_tokens=24, temperature=0).text
+    assert len({reply.headers[REPLICA_HEADER.decode()] for reply in replies}) == 2, "both replicas served"
+
+    def converse(index: int, by_session: bool) -> list[httpx.Response]:
+        """Three turns; a session header, or only the growing prompt (> 128 characters) names the conversation."""
+        text, turns = f"# conversation {index}: " + "a long shared system prompt " * 6, []
+        for turn in range(3):
+            text += f"\nUser: tell me more ({turn})\nAssistant:"
+            reply = complete(cluster, text, 12, headers={"X-Session-Id": f"s{index}"} if by_session else None)
+            turns.append(reply)
+            text += reply.json()["choices"][0]["text"]
+        return turns
+
+    with ThreadPoolExecutor(4) as pool:
+        conversations = list(pool.map(lambda i: converse(i, by_session=i % 2 == 0), range(4)))
+    for turns in conversations:
+        assert len({reply.headers[REPLICA_HEADER.decode()] for reply in turns}) == 1, "a conversation stayed on one replica"
+        assert all(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for reply in turns[1:]), "later turns reused the cache"
+
+
+def test_a_replica_killed_mid_load_loses_no_request_that_had_not_started(cluster, offline):
+    deploy(cluster, "--replicas", "2")
+    prompts = PROMPTS * 2
+    with ThreadPoolExecutor(len(prompts) + 4) as pool:
+        whole = [pool.submit(complete, cluster, p, 160) for p in prompts]
+        streams = [pool.submit(stream, cluster, p, 160) for p in PROMPTS[:4]]
+        time.sleep(1.0)
+        victim = replica_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.time()
+        replies = [f.result() for f in whole]
+        streamed = [f.result() for f in streams]
+    for prompt, reply in zip(prompts, replies):
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == offline.generate(prompt, max_new_tokens=160, temperature=0).text
+    resubmitted = sum(int(reply.headers[RESUBMITS_HEADER.decode()]) > 0 for reply in replies)
+    assert resubmitted > 0, "the kill came while the victim held requests, and they were resubmitted"
+    cut = []
+    for prompt, (text, events) in zip(PROMPTS, streamed):
+        assert events[-1] == "[DONE]", "every stream ends, none hangs"
+        errors = [e for e in events[:-1] if "error" in json.loads(e)]
+        cut.append(bool(errors))
+        if errors:  # cut midway: a clean error event, after a prefix of the right text
+            assert json.loads(errors[0])["error"]["code"] == "unavailable"
+        assert offline.generate(prompt, max_new_tokens=160, temperature=0).text.startswith(text)
+        assert errors or text == offline.generate(prompt, max_new_tokens=160, temperature=0).text
+    recovery = wait_for_replicas(2, 120)
+    assert victim not in replica_pids()
+    print(f"{resubmitted} of {len(replies)} requests resubmitted, {sum(cut)} of {len(streamed)} streams cut; "
+          f"replica replaced {time.time() - killed_at:.1f} s after the kill ({recovery:.1f} s after the last reply)")
+
+
+def stream(url: str, prompt: str, max_tokens: int) -> tuple[str, list[str]]:
+    """A streamed completion's text and its raw events."""
+    events, text = [], ""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if line[6:] != "[DONE]" and "choices" in json.loads(line[6:]):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+    return text, events
+
+
+def test_autoscaling_goes_from_one_replica_to_two_under_load_and_back(cluster):
+    deploy(cluster, "--replicas", "1", "--max-replicas", "2", "--max-batch", "4")
+    assert running_replicas() == 1
+    deadline, scaled_up = time.time() + 90, None
+    with ThreadPoolExecutor(8) as pool:
+        while scaled_up is None:
+            assert time.time() < deadline, "no second replica under load"
+            batch = [pool.submit(complete, cluster, p, 96) for p in PROMPTS]
+            while not all(f.done() for f in batch):
+                if running_replicas() == 2:
+                    scaled_up = time.time()
+                time.sleep(0.25)
+            assert all(f.result().status_code == 200 for f in batch)
+    down = wait_for_replicas(1, 120)
+    print(f"scaled to 2 replicas under load; back to 1 {down:.1f} s after the load ended")
