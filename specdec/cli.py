@@ -410,9 +410,13 @@ SERVER_PREFIX_TOKENS = 16_384
 
 def run_serve(args) -> None:
     if args.replicas is not None:
-        from specdec.server.replicas import run_local
-
+        try:
+            from specdec.server.replicas import run_local
+        except ImportError as error:
+            raise SpecDecError(f"--replicas runs Ray Serve, which is not installed ({error}): pip install -e \".[ray]\"") from None
         return run_local(args)
+    if args.max_replicas is not None:
+        raise SpecDecError("--max-replicas autoscales Ray Serve replicas: give --replicas too")
     from specdec.server import routes, serve
 
     service, http = server_service(args)

@@ -12,12 +12,13 @@ import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 
 import specdec
-from specdec.server.replicas import REPLICA_HEADER, RESUBMITS_HEADER, affinity, prompt_text
+from specdec.server.replicas import REPLICA_HEADER, RESUBMITS_HEADER, affinity, prompt_text, serve_argv
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
@@ -90,6 +91,22 @@ def test_affinity_names_a_conversation_by_session_then_user_then_prompt_start():
     assert affinity([], b'{"prompt": "def f():"}') == affinity([], b'{"prompt": "def f():", "max_tokens": 3}')
     assert affinity([], b"not json").text == "" and affinity([], b"[1, 2]").session is None
     assert prompt_text({"prompt": [1, 2, 3]}) == "1 2 3"
+
+
+def test_the_serve_config_is_valid_and_its_args_are_specdec_serves_options():
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from specdec.cli import build_parser
+    config = yaml.safe_load((Path(__file__).parent.parent / "deploy" / "serve.yaml").read_text())
+    ServeDeploySchema.model_validate(config)
+    app = config["applications"][0]
+    args = build_parser().parse_args(serve_argv(app["args"]))
+    assert (args.threads, args.replicas, args.max_batch) == (1, 2, 16)
+    replica = next(d for d in app["deployments"] if d["name"] == "specdec-replica")
+    assert replica["ray_actor_options"]["num_cpus"] == args.threads and replica["max_ongoing_requests"] == args.max_batch
+    assert serve_argv({"share_history": True, "allowed_origins": ["http://a", "http://b"], "draft": None}) == \
+        ["serve", "--share-history", "--allowed-origins", "http://a", "http://b"]
 
 
 def test_two_replicas_answer_as_offline_and_keep_conversations_on_their_replica(cluster, offline):

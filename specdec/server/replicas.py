@@ -341,19 +341,25 @@ def pin_cores(threads: int, rank: int) -> None:
 
 # ---------------------------------------------------------------------------- building the app
 def build(options: dict) -> serve.Application:
-    """The app builder for `serve run specdec.server.replicas:build key=value ...`: the keys are
-    `specdec serve`'s long options (target, draft, threads, max_batch, replicas, max_replicas,
-    api_key, ...)."""
+    """The app builder for `serve run specdec.server.replicas:build key=value ...` (or a Serve
+    config's `args`): the keys are `specdec serve`'s long options (target, draft, threads,
+    max_batch, replicas, max_replicas, api_key, ...)."""
+    from specdec.cli import build_parser
+
+    return application(build_parser().parse_args(serve_argv(options)))
+
+
+def serve_argv(options: dict) -> list[str]:
+    """`specdec serve`'s command line for builder arguments: true is a bare flag, false or null leaves
+    it out, a list (allowed_origins) is several values."""
     argv = ["serve"]
     for key, value in options.items():
         flag = "--" + key.replace("_", "-")
         if value is True or value == "true":
             argv.append(flag)
         elif value not in (False, "false", None):
-            argv += [flag, *str(value).split()] if key in ("allowed_origins",) else [flag, str(value)]
-    from specdec.cli import build_parser
-
-    return application(build_parser().parse_args(argv))
+            argv += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
+    return argv
 
 
 def application(args: argparse.Namespace) -> serve.Application:
@@ -372,11 +378,13 @@ def application(args: argparse.Namespace) -> serve.Application:
     scaling = ({"autoscaling_config": {"min_replicas": replicas, "max_replicas": args.max_replicas, "initial_replicas": replicas,
                                        "target_ongoing_requests": max(1, max_batch // 2), "upscale_delay_s": 2, "downscale_delay_s": 10}}
                if args.max_replicas else {"num_replicas": replicas})
-    replica = serve.deployment(Replica, name="specdec-replica", max_ongoing_requests=max_batch, health_check_period_s=5,
+    replica = serve.deployment(Replica, name="specdec-replica", max_ongoing_requests=max_batch, max_queued_requests=args.max_queue,
+                               health_check_period_s=5,
                                graceful_shutdown_timeout_s=DRAIN_SECONDS + 5,
                                ray_actor_options={"num_cpus": args.threads, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(args.threads)}}},
                                request_router_config=RequestRouterConfig(request_router_class=ConversationRouter), **scaling)
-    ingress = serve.deployment(IngressHost, name="specdec-ingress", max_ongoing_requests=args.max_queue + max_batch * 8,
+    # the ingress holds every request until a replica answers it: those running and those waiting
+    ingress = serve.deployment(IngressHost, name="specdec-ingress", max_ongoing_requests=args.max_queue + max_batch * (args.max_replicas or replicas),
                                ray_actor_options={"num_cpus": 0})
     return ingress.bind(replica.bind(args))
 
