@@ -97,12 +97,18 @@ class Server:
             self.process.kill()
 
 
-def one_request(http: httpx.Client, url: str, prompt: str, mode: str, max_tokens: int, seed: int, llama: bool) -> dict:
+def one_request(http: httpx.Client, url: str, prompt: str, mode: str, max_tokens: int, seed: int, llama: bool, stream: bool = True) -> dict:
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "seed": seed, "stream": True,
             "stream_options": {"include_usage": True}, **MODES[mode]}
     if llama:  # llama.cpp's default sampler chain has more stages: plain temperature / top-k only
-        body.update(min_p=0.0, top_p=1.0, typical_p=1.0, repeat_penalty=1.0, cache_prompt=False)  # no prefix cache: we have none
+        body.update(min_p=0.0, top_p=1.0, typical_p=1.0, repeat_penalty=1.0)
     started, first, last, chunks, usage = time.perf_counter(), None, None, 0, None
+    if not stream:  # the whole reply at once: no time to first token
+        del body["stream"], body["stream_options"]
+        response = http.post(url + "/v1/completions", json=body)
+        if response.status_code != 200:
+            return {"error": f"HTTP {response.status_code}"}
+        return {"tokens": response.json()["usage"]["completion_tokens"], "ttft": None, "itl": None}
     with http.stream("POST", url + "/v1/completions", json=body) as response:
         if response.status_code != 200:
             return {"error": f"HTTP {response.status_code}"}
@@ -124,13 +130,14 @@ def one_request(http: httpx.Client, url: str, prompt: str, mode: str, max_tokens
     return {"tokens": tokens, "ttft": first - started, "itl": (last - first) / (tokens - 1) if tokens > 1 else None}
 
 
-def window(server: Server, clients: int, mode: str, prompts: list[str], max_tokens: int, llama: bool, per_client: int | None = None) -> dict:
+def window(server: Server, clients: int, mode: str, prompts: list[str], max_tokens: int, llama: bool, per_client: int | None = None,
+           stream: bool = True) -> dict:
     """`clients` clients at once, each sending `per_client` (default max(1, 4 // clients)) requests in turn."""
     per_client = per_client or max(1, 4 // clients)
 
     def client(i: int) -> list[dict]:
         with httpx.Client(timeout=600) as http:
-            return [one_request(http, server.url, prompts[(i * per_client + j) % len(prompts)], mode, max_tokens, 1000 * i + j, llama)
+            return [one_request(http, server.url, prompts[(i * per_client + j) % len(prompts)], mode, max_tokens, 1000 * i + j, llama, stream)
                     for j in range(per_client)]
 
     load_before, ray_before = os.getloadavg()[0], ray_cpu_seconds()
@@ -195,6 +202,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="threads of each specdec process or replica (specdec-wide: twice this)")
     parser.add_argument("--target", default=None, help="a GGUF file (default: the demo pair's target)")
     parser.add_argument("--per-client", type=int, default=None, help="requests each client sends in turn (default: max(1, 4 // clients))")
+    parser.add_argument("--whole", action="store_true", help="non-streamed requests (the whole reply at once; no time to first token)")
     parser.add_argument("--rounds", type=int, default=1, help="windows per client count and mode, the systems interleaved")
     parser.add_argument("--output", default=str(HERE / "serve-load"))
     args = parser.parse_args()
@@ -212,8 +220,8 @@ def main() -> None:
                         server = Server(system, args.threads, clients, args.target)
                     for mode in args.modes:
                         window(server, 1, mode, prompts[-1:], 8, llama)  # warm-up
-                        row = {"system": system, "round": round_, "threads": args.threads, "max_tokens": args.max_tokens,
-                               **window(server, clients, mode, prompts, args.max_tokens, llama, args.per_client)}
+                        row = {"system": system, "round": round_, "threads": args.threads, "max_tokens": args.max_tokens, "streamed": not args.whole,
+                               **window(server, clients, mode, prompts, args.max_tokens, llama, args.per_client, not args.whole)}
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                         (output / "results.json").write_text(json.dumps(rows, indent=1))

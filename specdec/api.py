@@ -363,7 +363,7 @@ def load(
     slots: int = 1,
     plain: bool = False,
     explore: bool = True,
-    prefix_cache: int = PREFIX_TOKENS,
+    prefix_cache: int | None = PREFIX_TOKENS,
 ) -> SpeculativeDecoder:
     """Load a target checkpoint and a drafter.
 
@@ -386,7 +386,7 @@ def load(
         choose_backend("", backend)  # validates the name before the demo pair is looked for
     options = dict(backend=backend, device=device, dtype=dtype, attn_implementation=attn_implementation,
                    threads=threads, gpu_layers=gpu_layers, context=context, tokenizer=tokenizer, slots=slots)
-    target_options = dict(options, prefix_cells=prefix_cache if choose_backend(target or demo_models(backend)[0], backend) == "llamacpp" else 0)
+    target_options = dict(options, prefix_cells=(prefix_cache or 0) if choose_backend(target or demo_models(backend)[0], backend) == "llamacpp" else 0)
     if plain:
         return SpeculativeDecoder(load_model(target or demo_models(backend)[0], **target_options), None, gamma, prefix_cache=prefix_cache)
     auto = gamma == "auto" and ngram is None and tree is None and not staged

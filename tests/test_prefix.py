@@ -190,3 +190,8 @@ def test_serve_prefix_cache_flag_is_checked(model_dirs, capsys):
 
     assert main(["serve", "--target", model_dirs["llama"], "--device", "cpu", "--prefix-cache-tokens", "-1"]) == 1
     assert "--prefix-cache-tokens must be >= 0" in capsys.readouterr().err
+
+
+def test_load_without_a_prefix_cache_on_llama_cpp():
+    decoder = specdec.load(None, threads=1, prefix_cache=None)
+    assert decoder.prefixes is None and decoder.target.spare_cells == 0

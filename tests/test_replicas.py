@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 import specdec
-from specdec.server.replicas import REPLICA_HEADER, RESUBMITS_HEADER, affinity, prompt_text, serve_argv
+from specdec.server.replicas import REPLICA_HEADER, RESUBMITS_HEADER, Relay, affinity, prompt_text, serve_argv
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
@@ -93,6 +93,53 @@ def test_affinity_names_a_conversation_by_session_then_user_then_prompt_start():
     assert prompt_text({"prompt": [1, 2, 3]}) == "1 2 3"
 
 
+class Replies:
+    """A replica's reply as the ingress sees it: ASGI messages, then (optionally) its death."""
+
+    def __init__(self, messages, dies: bool):
+        self.messages, self.dies, self.cancelled = messages, dies, False
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        for message in self.messages:
+            yield message
+        if self.dies:
+            raise ray.exceptions.ActorDiedError()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def sse(payload: dict) -> dict:
+    return {"type": "http.response.body", "body": f"data: {json.dumps(payload)}\n\n".encode(), "more_body": True}
+
+
+def test_the_relay_holds_back_what_carries_no_text_so_a_chat_stream_can_be_resubmitted():
+    import asyncio
+    head = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+    role = sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+    token = sse({"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]})
+
+    def relay(messages, dies):
+        sent, replies = [], Replies(messages, dies)
+        async def send(message):
+            sent.append(message)
+        relay = Relay(send)
+        try:
+            asyncio.run(relay.run(replies))
+        except ray.exceptions.ActorDiedError:
+            pass
+        return relay, sent, replies
+
+    held, sent, replies = relay([head, role], dies=True)
+    assert not held.sent_body and sent == [] and replies.cancelled, "died before any text: nothing sent, so it can be resubmitted"
+    started, sent, _ = relay([head, role, token], dies=True)
+    assert started.sent_body and [m["type"] for m in sent] == ["http.response.start", "http.response.body", "http.response.body"]
+    assert sent[1] == role and sent[2] == token and (RESUBMITS_HEADER, b"0") in sent[0]["headers"]
+
+
 def test_the_serve_config_is_valid_and_its_args_are_specdec_serves_options():
     import yaml
     from ray.serve.schema import ServeDeploySchema
@@ -105,8 +152,8 @@ def test_the_serve_config_is_valid_and_its_args_are_specdec_serves_options():
     assert (args.threads, args.replicas, args.max_batch) == (1, 2, 16)
     replica = next(d for d in app["deployments"] if d["name"] == "specdec-replica")
     assert replica["ray_actor_options"]["num_cpus"] == args.threads and replica["max_ongoing_requests"] == args.max_batch
-    assert serve_argv({"share_history": True, "allowed_origins": ["http://a", "http://b"], "draft": None}) == \
-        ["serve", "--share-history", "--allowed-origins", "http://a", "http://b"]
+    assert serve_argv({"share_history": True, "allowed_origins": ["http://a", "http://b"], "draft": None, "prefix_cache_tokens": 0}) == \
+        ["serve", "--share-history", "--allowed-origins", "http://a", "http://b", "--prefix-cache-tokens", "0"]
 
 
 def test_two_replicas_answer_as_offline_and_keep_conversations_on_their_replica(cluster, offline):

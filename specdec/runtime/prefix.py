@@ -41,7 +41,9 @@ class _Kept:
 
 class PrefixCache:
     """Finished sequences of one model, kept with the tokens their caches hold, up to `budget`
-    entries in all; the least recently used go first. Thread-safe.
+    entries in all; the least recently used go first. Its list is guarded by a lock (metrics read
+    `tokens` from other threads); the model's own calls (fork, release) are the engine's, made on
+    its thread like every other call into the model.
 
     Invariant: every kept sequence's cache holds exactly its `tokens`, as a chain (committed text),
     and the kept tokens add up to at most `budget`. On llama.cpp the budget is also capped by the
@@ -54,13 +56,14 @@ class PrefixCache:
         spare = getattr(model, "spare_cells", None)
         self.model, self.budget, self.min_shared = model, budget if spare is None else min(budget, spare), max(1, min_shared)
         self._kept: list[_Kept] = []  # least recently used first
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.reused_tokens = 0  # prompt tokens served from kept sequences, since the start
 
     @property
     def tokens(self) -> int:
         """Tokens kept now."""
-        return sum(len(kept.tokens) for kept in self._kept)
+        with self._lock:
+            return sum(len(kept.tokens) for kept in self._kept)
 
     def take(self, prompt: Seq[int]) -> Sequence:
         """A new sequence of the model holding the longest prefix of prompt[:-1] a kept sequence
@@ -82,20 +85,32 @@ class PrefixCache:
         return self.model.sequence()
 
     def put(self, sequence: Sequence, tokens: Seq[int]) -> None:
-        """Keep a finished sequence whose cache holds at least `tokens` as its first entries (the
-        rest is cut), or release it. It replaces kept sequences that hold a prefix of it."""
-        tokens = list(tokens)
-        if len(tokens) < self.min_shared or len(tokens) > self.budget or len(tokens) > sequence.cache_len:
+        """Keep the first entries of a finished sequence, whose cache begins with `tokens` (up to
+        the budget's worth of them), and release the sequence. What is kept is a fork: on
+        transformers rows of its own, not views of a batch's tensors; on llama.cpp the same cells.
+        It replaces kept sequences that hold a prefix of it."""
+        tokens = list(tokens)[: self.budget]
+        kept = None
+        try:
+            if self.min_shared <= len(tokens) <= sequence.cache_len:
+                with self._lock:  # room for the fork's sequence id
+                    while len(self._kept) >= MAX_KEPT:
+                        self._drop(self._kept[0])
+                sequence.truncate(len(tokens))
+                kept = sequence.fork(len(tokens))
+        except SpecDecError:  # no sequence id to spare: nothing is kept
+            kept = None
+        finally:
             sequence.release()
+        if kept is None:
             return
-        sequence.truncate(len(tokens))
         with self._lock:
-            if any(shared_prefix(kept.tokens, tokens) == len(tokens) for kept in self._kept):
-                sequence.release()  # a kept sequence holds all of it already
+            if any(shared_prefix(other.tokens, tokens) == len(tokens) for other in self._kept):
+                kept.release()  # a kept sequence holds all of it already
                 return
-            for kept in [k for k in self._kept if shared_prefix(k.tokens, tokens) == len(k.tokens)]:
-                self._drop(kept)
-            self._kept.append(_Kept(sequence, tokens))
+            for other in [k for k in self._kept if shared_prefix(k.tokens, tokens) == len(k.tokens)]:
+                self._drop(other)
+            self._kept.append(_Kept(kept, tokens))
             while self.tokens > self.budget or len(self._kept) > MAX_KEPT:
                 self._drop(self._kept[0])
 

@@ -10,10 +10,10 @@ HTTP request (method, path, headers, body) and relays the ASGI messages it answe
 authentication, limits and streaming are the single-process server's. Ray sends a replica at most
 `max_ongoing_requests` = its batch at once: the rest wait in Ray's queue, not a replica's.
 
-Faults: a replica that dies before the client got a byte of its reply is tried again on another
-(RESUBMITS times); a stream cut later ends with an SSE error event and `[DONE]`; a non-streamed
-reply cut later is a 503. Ray's health checks call the service's liveness (`Service.health`);
-graceful shutdown drains the batch.
+Faults: a request whose replica dies before the client got a byte of its reply is sent to another
+(up to RESUBMITS times; its generation starts again there): a non-streamed reply is one message, so
+it always is; a stream cut later ends with an SSE error event and `[DONE]`. Ray's health checks
+call the service's liveness (`Service.health`); graceful shutdown drains the batch.
 
 Started with `serve run specdec.server.replicas:build target=... replicas=2 threads=1` (an app
 builder: the arguments are `specdec serve`'s long options), a Serve config file (deploy/serve.yaml),
@@ -49,6 +49,7 @@ AFFINITY_CHARS = 4096  # the start of a prompt a conversation is recognised by
 MIN_SHARED_CHARS = 128  # a new prompt goes to the replica of an earlier one that starts with this much of it
 REMEMBERED = 4096  # conversations the router remembers (least recently used forgotten)
 DRAIN_SECONDS = 10.0
+BODY_TIMEOUT = 30.0  # seconds a request body may take to arrive (as `specdec serve`'s)
 SESSION_HEADER = b"x-session-id"
 REPLICA_HEADER = b"x-specdec-replica"  # which replica answered
 RESUBMITS_HEADER = b"x-specdec-resubmits"  # how many replicas died under the request before it was answered
@@ -115,34 +116,34 @@ def shared_chars(a: str, b: str) -> int:
 # ---------------------------------------------------------------------------- routing
 class ConversationRouter(RequestRouter):
     """Requests of one conversation go to the replica that served it (its prefix cache and history
-    are warm there): the same session, else the longest remembered prompt this one starts with
-    (at least MIN_SHARED_CHARS of it). That replica is tried first while it is alive and accepts
+    are warm there): the same session, else the longest remembered prompt (of at least
+    MIN_SHARED_CHARS characters) this one starts with: a conversation's earlier turn, not merely a
+    shared system prompt. That replica is tried first while it is alive and accepts
     work (fewer than its `max_ongoing_requests`); otherwise, and for new conversations, power of
     two choices, Ray's default.
 
     Ray's own prefix router (`ray.serve.llm`'s PrefixCacheAffinityRouter) needs ray.serve.llm's
     dependencies and request types, knows no sessions, and blocks its event loop on a tree actor;
-    this one keeps its memory in the ingress's router (one per ingress replica). Not FIFOMixin: it
+    this one keeps its memory in the ingress's router (one per ingress replica) and finds a
+    prompt's earlier turns by their first MIN_SHARED_CHARS characters, then `startswith`. Not FIFOMixin: it
     hands a replica chosen for one request to whichever request waits longest, affinity or not."""
 
     def initialize_state(self, **kwargs):
         self.sessions: OrderedDict[str, ReplicaID] = OrderedDict()
-        self.texts: OrderedDict[str, ReplicaID] = OrderedDict()
+        self.texts: OrderedDict[str, ReplicaID] = OrderedDict()  # prompt starts, at least MIN_SHARED_CHARS long
+        self.by_start: dict[str, set[str]] = {}  # their first MIN_SHARED_CHARS characters -> them
 
     def home(self, request: PendingRequest | None) -> ReplicaID | None:
-        """The replica that served this request's conversation, if one did."""
+        """The replica that served this request's conversation, if one did: its session's, else the
+        one of the longest remembered prompt this one starts with."""
         wanted = request.kwargs.get("affinity") if request is not None else None
         if not isinstance(wanted, tuple):
             return None
         wanted = Affinity(*wanted)
         if wanted.session is not None and wanted.session in self.sessions:
             return self.sessions[wanted.session]
-        best, best_shared = None, MIN_SHARED_CHARS - 1
-        for text, replica in self.texts.items():
-            shared = shared_chars(text, wanted.text)
-            if shared > best_shared:
-                best, best_shared = replica, shared
-        return best
+        earlier = [text for text in self.by_start.get(wanted.text[:MIN_SHARED_CHARS], ()) if wanted.text.startswith(text)]
+        return self.texts[max(earlier, key=len)] if earlier else None
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -156,18 +157,31 @@ class ConversationRouter(RequestRouter):
         if not isinstance(wanted, tuple):
             return
         wanted = Affinity(*wanted)
-        for memory, key in ((self.sessions, wanted.session), (self.texts, wanted.text if len(wanted.text) >= MIN_SHARED_CHARS else None)):
-            if key is not None:
-                memory[key] = replica_id
-                memory.move_to_end(key)
-                while len(memory) > REMEMBERED:
-                    memory.popitem(last=False)
+        if wanted.session is not None:
+            self._remember(self.sessions, wanted.session, replica_id)
+        if len(wanted.text) >= MIN_SHARED_CHARS:
+            self._remember(self.texts, wanted.text, replica_id)
+            self.by_start.setdefault(wanted.text[:MIN_SHARED_CHARS], set()).add(wanted.text)
 
     def on_replica_actor_died(self, replica_id: ReplicaID):
         super().on_replica_actor_died(replica_id)
         for memory in (self.sessions, self.texts):
             for key in [key for key, replica in memory.items() if replica == replica_id]:
-                del memory[key]
+                self._forget(memory, key)
+
+    def _remember(self, memory: OrderedDict, key: str, replica_id: ReplicaID) -> None:
+        memory[key] = replica_id
+        memory.move_to_end(key)
+        while len(memory) > REMEMBERED:
+            self._forget(memory, next(iter(memory)))
+
+    def _forget(self, memory: OrderedDict, key: str) -> None:
+        del memory[key]
+        if memory is self.texts:
+            starts = self.by_start[key[:MIN_SHARED_CHARS]]
+            starts.discard(key)
+            if not starts:
+                del self.by_start[key[:MIN_SHARED_CHARS]]
 
 
 # ---------------------------------------------------------------------------- the deployments
@@ -231,20 +245,27 @@ class Replica:
 
 
 class Ingress:
-    """Reads each request's body, names its conversation and hands the request to a replica
-    (ConversationRouter picks which); relays the reply. Retries on another replica when one dies
-    before the client saw any of its reply."""
+    """Reads each request's body (within `body_timeout` seconds, at most `max_body_bytes`), names its
+    conversation and hands the request to a replica (ConversationRouter picks which); relays the
+    reply. Resubmits to another replica when one dies before the client saw any of its reply."""
 
-    def __init__(self, replicas):
+    def __init__(self, replicas, max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT):
         # one streaming handle for every request: each handle has a router of its own, with its own memory
         self.replicas = replicas.options(stream=True)
+        self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
             return await _lifespan(receive, send)
-        body = await _read_body(receive, MAX_BODY_BYTES)
-        if body is None:
-            return await error_response(f"the request body is larger than {MAX_BODY_BYTES} bytes", 413)(scope, receive, send)
+        try:
+            body = await asyncio.wait_for(_read_body(receive, self.max_body_bytes), self.body_timeout)
+        except asyncio.TimeoutError:
+            return await error_response(f"the request body did not arrive within {self.body_timeout:g} seconds", 408,
+                                        headers={"Connection": "close"})(scope, receive, send)
+        except BodyTooLarge:
+            return await error_response(f"the request body is larger than {self.max_body_bytes} bytes", 413)(scope, receive, send)
+        except ClientLeft:
+            return
         request = Forwarded(scope["method"], scope["path"], scope.get("query_string", b""), list(scope["headers"]), body,
                             tuple(scope["client"]) if scope.get("client") else None)
         wanted = affinity(request.headers, body)
@@ -252,32 +273,45 @@ class Ingress:
             relay = Relay(send, attempt)
             try:
                 await relay.run(self.replicas.forward.remote(request, affinity=wanted))
-                return
             except BackPressureError:
                 return await error_response("the server is busy: too many requests are waiting", 429)(scope, receive, send)
             except (ActorDiedError, ActorUnavailableError, RayActorError) as error:
+                if not relay.sent_body:
+                    continue  # nothing reached the client: another replica generates it
+                return await relay.cut(f"the replica serving this request stopped: {type(error).__name__}")
+            except Exception as error:  # a failure inside the replica, or of the transport
                 if relay.sent_body:
-                    return await relay.cut(f"the replica serving this request stopped: {type(error).__name__}")
+                    return await relay.cut(f"generation failed: {type(error).__name__}")
+                return await error_response(f"the replica failed: {type(error).__name__}", 500)(scope, receive, send)
+            if not relay.sent_body:
+                return await error_response("the replica ended without a reply", 500)(scope, receive, send)
+            return
         await error_response("no replica could serve this request: each one tried stopped", 503)(scope, receive, send)
 
 
 class Relay:
-    """Sends a replica's ASGI messages to the client, holding back the response head until its
-    first body bytes: until then nothing has reached the client and the request can be resubmitted."""
+    """Sends a replica's ASGI messages to the client, holding back the response head, and a
+    stream's events that carry no text yet (a chat stream's role chunk), until the first text: until
+    then nothing has reached the client and the request can be resubmitted."""
 
     def __init__(self, send, resubmits: int = 0):
         self.send, self.head, self.sent_body, self.resubmits = send, None, False, resubmits
 
     async def run(self, messages) -> None:
+        held = []
         try:
             async for message in messages:
                 if message["type"] == "http.response.start":
                     self.head = message
-                    continue
-                if not self.sent_body:
+                elif self.sent_body:
+                    await self.send(message)
+                elif message.get("more_body") and _no_text_yet(message.get("body", b"")):
+                    held.append(message)
+                else:
                     await self.send({**self.head, "headers": [*self.head["headers"], (RESUBMITS_HEADER, str(self.resubmits).encode())]})
                     self.sent_body = True
-                await self.send(message)
+                    for earlier in [*held, message]:
+                        await self.send(earlier)
         finally:  # however this ends, the replica stops working for it
             messages.cancel()
 
@@ -291,6 +325,26 @@ class Relay:
             await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+def _no_text_yet(body: bytes) -> bool:
+    """Whether a stream's event carries no generated text (nor an end or an error)."""
+    if not body.startswith(b"data: {"):
+        return False
+    try:
+        event = json.loads(body[6:])
+    except ValueError:
+        return False
+    return "error" not in event and all(not choice.get("text") and not (choice.get("delta") or {}).get("content")
+                                        and choice.get("finish_reason") is None for choice in event.get("choices", []))
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class ClientLeft(Exception):
+    pass
+
+
 async def _lifespan(receive, send) -> None:
     while True:
         message = await receive()
@@ -301,17 +355,17 @@ async def _lifespan(receive, send) -> None:
             return
 
 
-async def _read_body(receive, limit: int) -> bytes | None:
-    """The request body, or None when it is longer than `limit` bytes (a replica checks the rest)."""
+async def _read_body(receive, limit: int) -> bytes:
+    """The request body (BodyTooLarge past `limit` bytes, ClientLeft if the client went first)."""
     chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            return b"".join(chunks)
+            raise ClientLeft
         chunks.append(message.get("body", b""))
         size += len(chunks[-1])
         if size > limit:
-            return None
+            raise BodyTooLarge
         if not message.get("more_body", False):
             return b"".join(chunks)
 
@@ -357,7 +411,7 @@ def serve_argv(options: dict) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if value is True or value == "true":
             argv.append(flag)
-        elif value not in (False, "false", None):
+        elif not (value is False or value is None or value == "false"):  # 0 is a value, not false
             argv += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
     return argv
 
@@ -373,7 +427,8 @@ def application(args: argparse.Namespace) -> serve.Application:
     if args.max_replicas is not None and args.max_replicas < replicas:
         raise SpecDecError("--max-replicas must be at least --replicas")
     args.threads = args.threads or max(1, len(os.sched_getaffinity(0)) // (args.max_replicas or replicas))
-    max_batch = args.max_batch or DEFAULT_BATCH["gpu" if args.gpu_layers else "cpu"]
+    # the batch each replica runs, decided here once: Ray's max_ongoing_requests must be the same
+    args.max_batch = max_batch = args.max_batch or DEFAULT_BATCH["gpu" if args.gpu_layers or str(args.device or "").startswith("cuda") else "cpu"]
     load_decoder(args, slots=1, measure=True)  # reads or measures the profile the replicas will read
     scaling = ({"autoscaling_config": {"min_replicas": replicas, "max_replicas": args.max_replicas, "initial_replicas": replicas,
                                        "target_ongoing_requests": max(1, max_batch // 2), "upscale_delay_s": 2, "downscale_delay_s": 10}}
@@ -403,14 +458,13 @@ class IngressHost:
 
 # ---------------------------------------------------------------------------- specdec serve --replicas
 def run_local(args: argparse.Namespace) -> None:
-    """`specdec serve --replicas N`: a local Ray instance (its dashboard and client ports on loopback
-    only: Ray has no authentication), the app on --host:--port; runs until SIGTERM or Ctrl-C, then
-    drains."""
+    """`specdec serve --replicas N`: a local Ray instance on loopback only (no dashboard: its jobs API
+    runs arbitrary code), the app on --host:--port; runs until SIGTERM or Ctrl-C, then drains."""
     import ray
 
     app = application(args)
-    ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, dashboard_host="127.0.0.1", log_to_driver=False,
-             configure_logging=False)
+    ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
+             log_to_driver=False, configure_logging=False)
     serve.start(http_options={"host": args.host, "port": args.port}, logging_config={"log_level": "WARNING"})
     serve.run(app, name="specdec", route_prefix="/")
     print(f"specdec: serving on http://{args.host}:{args.port}/v1 with {args.replicas} Ray Serve replica(s) of "
