@@ -70,8 +70,7 @@ class Forwarded:
 
 class Affinity(NamedTuple):
     """What names a request's conversation: a session id (the X-Session-Id header, else the body's
-    `user`), and the start of its prompt text. (A tuple: the router tests for one, since the class
-    it sees may be another copy of this one, unpickled by value.)"""
+    `user`), and the start of its prompt text."""
 
     session: str | None
     text: str
@@ -109,10 +108,6 @@ def _content_text(content) -> str:
     return ""
 
 
-def shared_chars(a: str, b: str) -> int:
-    return len(os.path.commonprefix((a, b)))
-
-
 # ---------------------------------------------------------------------------- routing
 class ConversationRouter(RequestRouter):
     """Requests of one conversation go to the replica that served it (its prefix cache and history
@@ -125,8 +120,8 @@ class ConversationRouter(RequestRouter):
     Ray's own prefix router (`ray.serve.llm`'s PrefixCacheAffinityRouter) needs ray.serve.llm's
     dependencies and request types, knows no sessions, and blocks its event loop on a tree actor;
     this one keeps its memory in the ingress's router (one per ingress replica) and finds a
-    prompt's earlier turns by their first MIN_SHARED_CHARS characters, then `startswith`. Not FIFOMixin: it
-    hands a replica chosen for one request to whichever request waits longest, affinity or not."""
+    prompt's earlier turns by their first MIN_SHARED_CHARS characters, then `startswith`. Not
+    FIFOMixin: it hands a replica chosen for one request to whichever request waits longest."""
 
     def initialize_state(self, **kwargs):
         self.sessions: OrderedDict[str, ReplicaID] = OrderedDict()
@@ -136,10 +131,9 @@ class ConversationRouter(RequestRouter):
     def home(self, request: PendingRequest | None) -> ReplicaID | None:
         """The replica that served this request's conversation, if one did: its session's, else the
         one of the longest remembered prompt this one starts with."""
-        wanted = request.kwargs.get("affinity") if request is not None else None
-        if not isinstance(wanted, tuple):
+        wanted = _affinity(request)
+        if wanted is None:
             return None
-        wanted = Affinity(*wanted)
         if wanted.session is not None and wanted.session in self.sessions:
             return self.sessions[wanted.session]
         earlier = [text for text in self.by_start.get(wanted.text[:MIN_SHARED_CHARS], ()) if wanted.text.startswith(text)]
@@ -153,10 +147,9 @@ class ConversationRouter(RequestRouter):
         return [warm, [r for r in pair if r.replica_id != home]] if warm else [pair]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult):
-        wanted = pending_request.kwargs.get("affinity")
-        if not isinstance(wanted, tuple):
+        wanted = _affinity(pending_request)
+        if wanted is None:
             return
-        wanted = Affinity(*wanted)
         if wanted.session is not None:
             self._remember(self.sessions, wanted.session, replica_id)
         if len(wanted.text) >= MIN_SHARED_CHARS:
@@ -182,6 +175,13 @@ class ConversationRouter(RequestRouter):
             starts.discard(key)
             if not starts:
                 del self.by_start[key[:MIN_SHARED_CHARS]]
+
+
+def _affinity(request: PendingRequest | None) -> Affinity | None:
+    """The Affinity the ingress gave the call (a tuple: the class the router sees may be another
+    copy of Affinity, unpickled by value)."""
+    wanted = request.kwargs.get("affinity") if request is not None else None
+    return Affinity(*wanted) if isinstance(wanted, tuple) else None
 
 
 # ---------------------------------------------------------------------------- the deployments
