@@ -420,7 +420,7 @@ def application(args: argparse.Namespace) -> serve.Application:
     """The ingress bound to the replicas `args` describe. Each replica gets `--threads` cores
     (default: the machine's cores / replicas); the cost profile is measured here, once, before any
     replica starts (replicas timing themselves at once would spoil each other's figures)."""
-    from specdec.cli import check_serve_arguments, load_decoder, DEFAULT_BATCH
+    from specdec.cli import DEFAULT_BATCH, check_serve_arguments, load_decoder
 
     check_serve_arguments(args)
     replicas = args.replicas or 1
