@@ -9,7 +9,6 @@ import zlib
 
 import httpx
 import pytest
-import torch
 
 import specdec
 from specdec.drafters.prediction import realign
