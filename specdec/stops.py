@@ -54,7 +54,7 @@ class StopStrings:
         """Drop checkpoints past the first character where `text` differs from the scanned text;
         returns how many characters of `text` the last checkpoint has scanned."""
         if not text.startswith(self._text):
-            same = _common_prefix(self._text, text)
+            same = common_prefix(self._text, text)
             while self._checkpoints[-1][0] > same:
                 self._checkpoints.pop()
         return self._checkpoints[-1][0]
@@ -82,8 +82,9 @@ def _extend(stop: str, failure: list[int], length: int) -> None:
         failure.append(border)
 
 
-def _common_prefix(a: str, b: str) -> int:
-    """Length of the longest common prefix, by bisection over C-speed comparisons."""
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """Length of the longest common prefix of two strings or lists (token ids, say), by bisection
+    over C-speed slice comparisons."""
     low, high = 0, min(len(a), len(b))
     while low < high:
         middle = (low + high + 1) // 2

@@ -16,18 +16,19 @@ from hypothesis import strategies as st
 
 import specdec
 from specdec.errors import SpecDecError
-from specdec.runtime.prefix import PrefixCache, shared_prefix
+from specdec.runtime.prefix import PrefixCache
+from specdec.stops import common_prefix
 from specdec.types import SamplingParams
 
 TOKENS = [(7 * i + 3) % 16 for i in range(48)]
 
 
 @given(st.lists(st.integers(0, 3), max_size=30), st.lists(st.integers(0, 3), max_size=30))
-def test_shared_prefix_is_the_longest_common_prefix(a, b):
+def test_common_prefix_is_the_longest_common_prefix(a, b):
     naive = 0
     while naive < min(len(a), len(b)) and a[naive] == b[naive]:
         naive += 1
-    assert shared_prefix(a, b) == naive
+    assert common_prefix(a, b) == naive
 
 
 def fed(model, tokens: list[int]):

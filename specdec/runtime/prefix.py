@@ -15,22 +15,11 @@ from typing import Sequence as Seq
 
 from specdec.errors import SpecDecError
 from specdec.runtime.base import CausalLM, Sequence
+from specdec.stops import common_prefix
 
 DEFAULT_TOKENS = 4096  # kept tokens by default: a long conversation, or a few shorter ones
 MIN_SHARED = 16  # a shorter shared prefix costs about as much to copy as to compute
 MAX_KEPT = 16  # sequences kept at most (on llama.cpp each holds a sequence id, which tree branches need too)
-
-
-def shared_prefix(a: Seq[int], b: Seq[int]) -> int:
-    """The length of the longest common prefix of two token lists (slices compared in C)."""
-    low, high = 0, min(len(a), len(b))
-    while low < high:
-        middle = (low + high + 1) // 2
-        if a[:middle] == b[:middle]:
-            low = middle
-        else:
-            high = middle - 1
-    return low
 
 
 @dataclass
@@ -72,7 +61,7 @@ class PrefixCache:
         with self._lock:
             best, length = None, 0
             for kept in self._kept:
-                shared = shared_prefix(kept.tokens, head)
+                shared = common_prefix(kept.tokens, head)
                 if shared > length:
                     best, length = kept, shared
             if best is not None and length >= self.min_shared:
@@ -105,10 +94,10 @@ class PrefixCache:
         if kept is None:
             return
         with self._lock:
-            if any(shared_prefix(other.tokens, tokens) == len(tokens) for other in self._kept):
+            if any(common_prefix(other.tokens, tokens) == len(tokens) for other in self._kept):
                 kept.release()  # a kept sequence holds all of it already
                 return
-            for other in [k for k in self._kept if shared_prefix(k.tokens, tokens) == len(k.tokens)]:
+            for other in [k for k in self._kept if common_prefix(k.tokens, tokens) == len(k.tokens)]:
                 self._drop(other)
             self._kept.append(_Kept(kept, tokens))
             while self.tokens > self.budget or len(self._kept) > MAX_KEPT:

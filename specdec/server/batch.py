@@ -56,6 +56,8 @@ class Batcher:
         self.beat = time.monotonic()  # when the batch thread last began a round with work, or work arrived at an idle batch
         metrics.queue_depth.set_function(lambda: len(self.waiting))
         metrics.batch_size.set_function(lambda: len(self.running))
+        if self.engine.prefixes is not None:
+            metrics.kept.set_function(lambda: self.engine.prefixes.tokens)
         self.thread = threading.Thread(target=self._run, name="specdec-batch", daemon=True)
         self.thread.start()
 
@@ -207,8 +209,6 @@ class Batcher:
         """The job leaves the batch; its slots go back, and what its policy learnt goes to the
         next requests. kind: what the client is told (None: it left)."""
         self.engine.close(job.generation.state)
-        if self.engine.prefixes is not None:
-            self.metrics.kept.set(self.engine.prefixes.tokens)
         if self.shared is not None and isinstance(job.generation.state.gamma_policy, CostAwarePolicy):
             self.shared.absorb(job.generation.state.gamma_policy)
         self.running.remove(job)
