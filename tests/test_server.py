@@ -277,7 +277,15 @@ def test_a_full_queue_gets_429(model_dirs):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 12, "temperature": 0}
     try:
         with ThreadPoolExecutor(6) as pool:
-            replies = list(pool.map(lambda _: httpx.post(live.url + "/v1/completions", json=body, timeout=60), range(6)))
+            # the first runs before the others arrive (six at once raced the batch thread's admission:
+            # all could find the first still waiting, and only it was served)
+            first = pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=60)
+            deadline = time.time() + 10
+            while httpx.get(live.url + "/health").json()["batch_size"] < 1:
+                assert time.time() < deadline, "the first request did not start"
+                time.sleep(0.01)
+            others = list(pool.map(lambda _: httpx.post(live.url + "/v1/completions", json=body, timeout=60), range(5)))
+            replies = [first.result()] + others
         statuses = [r.status_code for r in replies]
         assert statuses.count(200) >= 2 and 429 in statuses and set(statuses) <= {200, 429}
         assert all(r.json()["error"]["type"] == "rate_limit_error" and r.headers["retry-after"] == "1" for r in replies if r.status_code == 429)
