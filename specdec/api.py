@@ -364,6 +364,7 @@ def load(
     plain: bool = False,
     explore: bool = True,
     prefix_cache: int | None = PREFIX_TOKENS,
+    output_layer: str = "auto",
 ) -> SpeculativeDecoder:
     """Load a target checkpoint and a drafter.
 
@@ -385,7 +386,7 @@ def load(
     if target is None:
         choose_backend("", backend)  # validates the name before the demo pair is looked for
     options = dict(backend=backend, device=device, dtype=dtype, attn_implementation=attn_implementation,
-                   threads=threads, gpu_layers=gpu_layers, context=context, tokenizer=tokenizer, slots=slots)
+                   threads=threads, gpu_layers=gpu_layers, context=context, tokenizer=tokenizer, slots=slots, output_layer=output_layer)
     target_options = dict(options, prefix_cells=(prefix_cache or 0) if choose_backend(target or demo_models(backend)[0], backend) == "llamacpp" else 0)
     if plain:
         return SpeculativeDecoder(load_model(target or demo_models(backend)[0], **target_options), None, gamma, prefix_cache=prefix_cache)

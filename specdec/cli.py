@@ -12,7 +12,7 @@ from pathlib import Path
 from specdec import costs, losslessness
 from specdec.drafters.history import DEFAULT_TOKENS
 from specdec.errors import SpecDecError
-from specdec.runtime import BACKENDS
+from specdec.runtime import BACKENDS, OUTPUT_LAYERS
 
 
 def _gamma(value: str) -> int | str:
@@ -68,7 +68,8 @@ def load_decoder(args, slots: int = 1, measure: bool = True, prefix_cache: int =
 
 def runtime_options(args) -> dict:
     """The backend and its knobs, as `specdec.load` takes them."""
-    return dict(backend=args.backend, threads=args.threads, gpu_layers=args.gpu_layers, context=args.context, tokenizer=args.tokenizer)
+    return dict(backend=args.backend, threads=args.threads, gpu_layers=args.gpu_layers, context=args.context, tokenizer=args.tokenizer,
+                output_layer=args.output_layer)
 
 
 def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +82,9 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GGUF: KV cache cells (default: the trained context, at most 4096)")
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
                         help="GGUF: a Hugging Face tokenizer directory to use instead of the file's own")
+    parser.add_argument("--output-layer", choices=OUTPUT_LAYERS, default="auto",
+                        help="GGUF on the CPU: who computes the logits from the final norm. auto (default): specdec's kernel where "
+                             "it runs (a Q8_0 output matrix, AVX-512 VNNI), agrees with llama.cpp and is faster; else llama.cpp")
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:

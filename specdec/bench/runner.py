@@ -61,6 +61,7 @@ class BenchConfig:
     gpu_layers: int | None = None
     context: int | None = None
     tokenizer: str | None = None
+    output_layer: str = "auto"
     progress: bool = True
 
     @classmethod
@@ -134,7 +135,8 @@ def build_strategies(config: BenchConfig):
     if device is None and choose_backend(target_path, config.backend) == "transformers":
         device = "cpu"
     base = load(target_path, draft=draft_path, gamma=1, device=device, dtype=config.dtype, backend=config.backend,
-                threads=config.threads, gpu_layers=config.gpu_layers, context=config.context, tokenizer=config.tokenizer)
+                threads=config.threads, gpu_layers=config.gpu_layers, context=config.context, tokenizer=config.tokenizer,
+                output_layer=config.output_layer)
     target, model_drafter = base.target, base.drafter
     new = config.max_new_tokens
     default = lambda **options: SpeculativeDecoder(target, AutoDrafter(model_drafter, PromptLookupDrafter()), **{"history": None, **options})

@@ -9,8 +9,9 @@ from specdec.runtime.base import CausalLM, Sequence, require_trees
 from specdec.runtime.vocab import check_same_vocabulary, tokenizer_fingerprint
 
 BACKENDS = ("auto", "transformers", "llamacpp")
+OUTPUT_LAYERS = ("auto", "specdec", "llama.cpp")  # who computes a GGUF model's logits on the CPU (see cpu_head)
 
-__all__ = ["CausalLM", "Sequence", "BACKENDS", "load_model", "choose_backend", "require_trees",
+__all__ = ["CausalLM", "Sequence", "BACKENDS", "OUTPUT_LAYERS", "load_model", "choose_backend", "require_trees",
            "check_same_vocabulary", "tokenizer_fingerprint"]
 
 
@@ -35,6 +36,7 @@ def load_model(
     tokenizer: str | os.PathLike | None = None,
     slots: int = 1,
     prefix_cells: int = 0,
+    output_layer: str = "auto",
 ) -> CausalLM:
     """Load a model on the backend its path (or `backend`) selects.
 
@@ -45,7 +47,8 @@ def load_model(
     directory to use instead of the one in the GGUF file. slots: how many sequences of the full
     context must fit at once (llama.cpp sizes its shared KV cache by it; transformers caches grow).
     prefix_cells (llama.cpp): KV cells beyond the slots' for prefixes kept between generations
-    (`specdec.runtime.prefix.PrefixCache`).
+    (`specdec.runtime.prefix.PrefixCache`). output_layer (llama.cpp on the CPU): "auto", "specdec"
+    or "llama.cpp", who computes the logits from the final norm's rows (`specdec.runtime.cpu_head`).
     """
     if isinstance(prefix_cells, bool) or not isinstance(prefix_cells, int) or prefix_cells < 0:
         raise SpecDecError(f"prefix cells must be a number >= 0, got {prefix_cells!r}")
@@ -60,9 +63,9 @@ def load_model(
         from specdec.runtime.llamacpp import LlamaCppModel
 
         return LlamaCppModel(path, threads=threads, gpu_layers=gpu_layers or 0, context=context, tokenizer=hf_tokenizer, slots=slots,
-                             prefix_cells=prefix_cells)
-    if gpu_layers is not None or context is not None or tokenizer is not None:
-        raise SpecDecError("gpu_layers, context and tokenizer apply to GGUF files on llama.cpp; "
+                             prefix_cells=prefix_cells, output_layer=output_layer)
+    if gpu_layers is not None or context is not None or tokenizer is not None or output_layer != "auto":
+        raise SpecDecError("gpu_layers, context, tokenizer and output_layer apply to GGUF files on llama.cpp; "
                            "a checkpoint directory has its own tokenizer (use device to choose a GPU)")
     from specdec.runtime.hf import load_model as load_hf
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from specdec.errors import SpecDecError
-from specdec.runtime import base
+from specdec.runtime import OUTPUT_LAYERS, base, cpu_head
 
 MAX_SEQUENCE_IDS = 128  # branch ids shared by all sequences of a model (llama.cpp reserves logits rows for as many)
 DEFAULT_CONTEXT = 4096  # positions per sequence unless asked (the training context when shorter)
@@ -75,7 +75,9 @@ class LlamaCppModel:
     backend = "llamacpp"
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, gpu_layers: int = 0,
-                 context: int | None = None, tokenizer=None, slots: int = 1, prefix_cells: int = 0):
+                 context: int | None = None, tokenizer=None, slots: int = 1, prefix_cells: int = 0, output_layer: str = "auto"):
+        if output_layer not in OUTPUT_LAYERS:
+            raise SpecDecError(f"unknown output layer {output_layer!r}; choose one of {', '.join(OUTPUT_LAYERS)}")
         self.llama_cpp = lib = _bindings()
         self.path = str(path)
         _check_gguf_file(Path(path))
@@ -100,11 +102,65 @@ class LlamaCppModel:
         self.tree_tolerance = 1e-4 if self.dtype.upper() == "F32" else 3e-2
         self.stop_token_ids = frozenset(i for i in range(self.vocab_size) if lib.llama_vocab_is_eog(self._vocab, i))
         self.threads = threads or len(os.sched_getaffinity(0))
+        self._head, self.output_layer_note = self._open_head(output_layer, gpu_layers)
         self._context = self._new_context(lib, self.threads)
         self._memory = lib.llama_get_memory(self._context)
         self._batch = lib.llama_batch_init(BATCH, 0, MAX_SEQUENCE_IDS)
         self._free_ids = list(range(MAX_SEQUENCE_IDS - 1, -1, -1))  # a stack: low ids first
         self._tree_refusal: str | None | object = _UNCHECKED
+        self._use_head = self._head is not None
+        if self._head is not None:
+            self._check_head(output_layer)
+
+    @property
+    def output_layer(self) -> str:
+        """Who computes the logits: "specdec" (cpu_head) or "llama.cpp"."""
+        return "specdec" if self._use_head else "llama.cpp"
+
+    def _open_head(self, mode: str, gpu_layers: int) -> tuple[cpu_head.CpuHead | None, str]:
+        """specdec's output layer unless told otherwise or it cannot run here (then why, or raise if asked for it)."""
+        if mode == "llama.cpp":
+            return None, "asked for"
+        reason = cpu_head.unavailable() or ("layers are offloaded to a GPU" if gpu_layers else None)
+        if reason is None:
+            try:
+                return cpu_head.CpuHead(self.path, self.llama_cpp, self.llama_cpp.llama_model_n_embd(self._model), self.vocab_size,
+                                        BATCH, self.threads), ""
+            except ValueError as error:
+                reason = str(error)
+        if mode == "specdec":
+            raise SpecDecError(f"specdec's output layer cannot run {self.path}: {reason}")
+        return None, reason
+
+    def _check_head(self, mode: str) -> None:
+        """specdec's logits must be llama.cpp's up to float rounding (else its graph does more after
+        the final norm than one matmul) and, under "auto", no slower at 1 and at 8 rows."""
+        probe = [i % self.vocab_size for i in range(1, 9)]
+
+        def forward(use_head: bool, tokens: list[int]) -> tuple[torch.Tensor, float]:
+            self._use_head = use_head
+            sequence = self.sequence()
+            try:
+                sequence.forward(probe[:1])
+                started = time.perf_counter()
+                logits = sequence.forward(tokens)
+                return logits, time.perf_counter() - started
+            finally:
+                sequence.release()
+
+        theirs, ours = forward(False, probe)[0], forward(True, probe)[0]
+        error, tolerance = float((ours - theirs).abs().max()), 1e-3 * max(1.0, float(theirs.abs().max()))
+        problem = f"its logits differ from llama.cpp's by {error:.3g} (> {tolerance:.3g})" if not error <= tolerance else None
+        if problem is None and mode == "auto":
+            times = {(use, k): min(forward(use, probe[:k])[1] for _ in range(3)) for use in (False, True) for k in (1, 8)}
+            slower = [k for k in (1, 8) if times[True, k] > times[False, k]]
+            if slower:
+                problem = "slower here than llama.cpp's own: " + ", ".join(
+                    f"{times[True, k] * 1e3:.2f} vs {times[False, k] * 1e3:.2f} ms at {k} rows" for k in slower)
+        self._use_head = problem is None
+        if problem and mode == "specdec":
+            raise SpecDecError(f"specdec's output layer cannot run {self.path}: {problem}")
+        self.output_layer_note = problem or ""
 
     def _new_context(self, lib, threads: int):
         params = lib.llama_context_default_params()
@@ -115,6 +171,8 @@ class LlamaCppModel:
         params.swa_full = True  # sliding-window layers keep every cell, so any cell can be taken back
         params.n_threads = params.n_threads_batch = threads
         params.no_perf = True
+        if self._head is not None:  # the graph stops after the final norm, whose rows the callback copies out
+            params.cb_eval, params.cb_eval_user_data = self._head.callback, self._head.user_data
         context = lib.llama_init_from_model(self._model, params)
         if not context:
             raise SpecDecError(f"llama.cpp could not create a context of {self.cells} cells for {self.path}{_last_log()}")
@@ -133,7 +191,8 @@ class LlamaCppModel:
         return LlamaCppSequence(self)
 
     def describe(self) -> str:
-        return f"{self.path} ({self.architecture} {self.dtype}, llama.cpp)"
+        head = ", output layer by specdec" if self._use_head else ""
+        return f"{self.path} ({self.architecture} {self.dtype}, llama.cpp{head})"
 
     def verify_room(self, root_position: int) -> int:
         return max(self.max_length - 1 - root_position, 0)
@@ -220,12 +279,16 @@ class LlamaCppModel:
                     batch.seq_id[j][k] = seq_id
                 batch.logits[j] = outputs[i]
             _log.clear()
+            if self._head is not None:
+                self._head.begin(self._use_head)
             status = lib.llama_decode(self._context, batch)
             if status != 0:
                 full = f" (the KV cache of {self.cells} cells, shared by this model's open sequences, is full)" if status == 1 else ""
                 raise SpecDecError(f"llama.cpp could not decode {end - start} tokens of {self.path}{full}{_last_log()}")
             n_out = sum(outputs[start:end])
-            if n_out:
+            if n_out and self._use_head:
+                rows.append(self._head.logits(n_out))
+            elif n_out:
                 logits = lib.llama_get_logits(self._context)
                 rows.append(torch.from_numpy(np.ctypeslib.as_array(logits, shape=(n_out, self.vocab_size)).copy()))
         return torch.zeros(0, self.vocab_size) if not rows else rows[0] if len(rows) == 1 else torch.cat(rows)

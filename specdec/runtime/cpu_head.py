@@ -1,0 +1,154 @@
+"""The output layer of a GGUF model on llama.cpp's CPU backend, computed by specdec.
+
+Why: a verify needs logits at every drafted position, and on llama.cpp's CPU kernels those rows
+cost almost as much as separate forwards. Measured on Gemma 3 270M Q4_K_M (262k x 640 Q8_0 output
+matrix), AMD EPYC Zen 4, 1 thread, per-op timing by `specdec profile --breakdown`: the output
+layer takes 11.4 ms of a 19.5 ms one-token forward and 43 / 57 ms of a 4 / 8-token one.
+
+What: llama.cpp runs its graph up to the final norm (the tensor named "result_norm"); an eval
+callback in `_cpu_head.c` copies those rows out and stops the graph there, so llama.cpp never
+multiplies them by the output matrix. specdec's kernel then computes the logits, reading the
+matrix once for all rows (AVX-512 VNNI): 6.2 ms for 1 row, 7.1 for 4, 15 for 8 on that machine.
+
+Exactness: the kernel quantizes each hidden row as llama.cpp does (Q8_0), so the integer dot
+products are llama.cpp's; only the float order of the per-block sums differs. It computes every
+row alone, the same way in any batch: a row's logits are bitwise the same whatever the batch
+shape, so plain decoding (one row) and a verify (k rows) compute one function of the hidden
+states. A self-check at load compares it with llama.cpp's own logits and refuses it if they
+disagree beyond rounding (an architecture that does more after the final norm than one matmul).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+NORM_TENSOR = b"result_norm"  # llama.cpp's name for the final norm's output, the rows the output matrix multiplies
+Q8_0 = 8  # ggml_type / GGMLQuantizationType
+Q8_0_BLOCK, Q8_0_BYTES = 32, 34
+GGUF_FLOAT32 = 6  # enum gguf_type
+
+
+class Capture(ctypes.Structure):
+    """The callback's state (the struct `Capture` in _cpu_head.c, field for field)."""
+
+    _fields_ = [("get_name", ctypes.c_void_p), ("nbytes", ctypes.c_void_p), ("tensor_get", ctypes.c_void_p),
+                ("active", ctypes.c_int32), ("stop", ctypes.c_int32), ("name", ctypes.c_char * 64),
+                ("dest", ctypes.c_void_p), ("capacity", ctypes.c_uint64), ("copied", ctypes.c_uint64)]
+
+
+@functools.cache
+def _kernels():
+    """The compiled module, or the reason it cannot be used here."""
+    try:
+        from specdec.runtime import _cpu_head
+    except ImportError as error:
+        return f"specdec's compiled output layer is not built ({error}; reinstall specdec with a C compiler)"
+    if not _cpu_head.vnni():
+        return "this CPU has no AVX-512 VNNI (the kernel's only fast path)"
+    return _cpu_head
+
+
+def unavailable() -> str | None:
+    """Why specdec's output layer cannot run on this machine and build, or None."""
+    kernels = _kernels()
+    return kernels if isinstance(kernels, str) else None
+
+
+@functools.cache
+def _ggml_base(llama_cpp_module) -> ctypes.CDLL:
+    """llama.cpp's ggml base library (tensors, the scheduler, GGUF files), as llama-cpp-python ships it."""
+    library = ctypes.CDLL(str(Path(llama_cpp_module.__file__).parent / "lib" / "libggml-base.so"))
+    library.gguf_init_from_file.restype = ctypes.c_void_p
+    library.gguf_init_from_file.argtypes = [ctypes.c_char_p, _GgufInit]
+    for name, result, arguments in (("gguf_find_tensor", ctypes.c_int64, [ctypes.c_char_p]), ("gguf_find_key", ctypes.c_int64, [ctypes.c_char_p]),
+                                    ("gguf_get_tensor_offset", ctypes.c_size_t, [ctypes.c_int64]),
+                                    ("gguf_get_tensor_size", ctypes.c_size_t, [ctypes.c_int64]),
+                                    ("gguf_get_tensor_type", ctypes.c_int, [ctypes.c_int64]), ("gguf_get_data_offset", ctypes.c_size_t, []),
+                                    ("gguf_get_kv_type", ctypes.c_int, [ctypes.c_int64]), ("gguf_get_val_f32", ctypes.c_float, [ctypes.c_int64]),
+                                    ("gguf_get_val_str", ctypes.c_char_p, [ctypes.c_int64]), ("gguf_free", None, [])):
+        function = getattr(library, name)
+        function.restype, function.argtypes = result, [ctypes.c_void_p, *arguments]
+    return library
+
+
+class _GgufInit(ctypes.Structure):
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]  # struct gguf_init_params
+
+
+def _ggml_functions(library: ctypes.CDLL) -> tuple[int, int, int]:
+    """Addresses of ggml_get_name, ggml_nbytes and ggml_backend_tensor_get, for the callback."""
+    return tuple(ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+                 for name in ("ggml_get_name", "ggml_nbytes", "ggml_backend_tensor_get"))
+
+
+class CpuHead:
+    """One GGUF file's output matrix, packed for the kernel, and the capture of the final norm's
+    rows from llama.cpp's graph (handed to the context as its eval callback)."""
+
+    def __init__(self, path: str | Path, llama_cpp_module, width: int, vocab_size: int, rows: int, threads: int):
+        kernels = _kernels()
+        if isinstance(kernels, str):
+            raise ValueError(kernels)
+        self.kernels, self.width, self.vocab_size, self.threads = kernels, width, vocab_size, threads
+        library = _ggml_base(llama_cpp_module)
+        matrix, self.softcap = _output_matrix(library, Path(path), width, vocab_size)
+        groups = -(-vocab_size // 16)
+        self.weights = np.empty(groups * 16 * width, np.uint8)
+        self.scales = np.empty(groups * 16 * (width // Q8_0_BLOCK), np.uint16)
+        kernels.pack_q8_0(matrix, vocab_size, width, self.weights, self.scales)
+        self.hidden = torch.empty(rows, width, dtype=torch.float32)
+        name, nbytes, tensor_get = _ggml_functions(library)
+        self.capture = Capture(get_name=name, nbytes=nbytes, tensor_get=tensor_get, active=1, stop=1, name=NORM_TENSOR,
+                               dest=self.hidden.data_ptr(), capacity=self.hidden.numel() * 4, copied=0)
+        self.callback = ctypes.cast(kernels.capture_address(), llama_cpp_module.ggml_backend_sched_eval_callback)
+        self.user_data = ctypes.cast(ctypes.pointer(self.capture), ctypes.c_void_p)
+
+    def begin(self, active: bool = True) -> None:
+        """Before a decode: capture (and stop after) the final norm, or let llama.cpp finish its graph."""
+        self.capture.active = int(active)
+        self.capture.copied = 0
+
+    def logits(self, rows: int) -> torch.Tensor:
+        """The logits of the `rows` output rows the last decode captured."""
+        if self.capture.copied != rows * self.width * 4:
+            raise RuntimeError(f"llama.cpp's graph gave {self.capture.copied // (4 * self.width)} final-norm rows, {rows} expected")
+        out = torch.empty(rows, self.vocab_size, dtype=torch.float32)
+        self.kernels.logits(self.weights, self.scales, self.vocab_size, self.width, self.hidden[:rows].numpy(), rows, out.numpy(),
+                            self.threads, False)
+        if self.softcap:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out
+
+
+def _output_matrix(library: ctypes.CDLL, path: Path, width: int, vocab_size: int) -> tuple[np.ndarray, float]:
+    """The output matrix's Q8_0 bytes, mapped from the file (the tied embedding matrix when there
+    is no output matrix), and the final logit softcap (0: none). Raises ValueError when it is not
+    a Q8_0 matrix of the model's shape."""
+    gguf = library.gguf_init_from_file(os.fsencode(path), _GgufInit(True, None))
+    if not gguf:
+        raise ValueError("llama.cpp's GGUF reader could not open the file")
+    try:
+        if library.gguf_find_tensor(gguf, b"output.scale") >= 0:
+            raise ValueError("its output layer has a scale tensor")
+        tensor = library.gguf_find_tensor(gguf, b"output.weight")
+        tensor = tensor if tensor >= 0 else library.gguf_find_tensor(gguf, b"token_embd.weight")
+        if tensor < 0:
+            raise ValueError("no output matrix in the file")
+        kind, size = library.gguf_get_tensor_type(gguf, tensor), library.gguf_get_tensor_size(gguf, tensor)
+        if kind != Q8_0:
+            raise ValueError(f"its output matrix is not Q8_0 (ggml type {kind}), the only type the kernel takes")
+        if width % Q8_0_BLOCK or size != vocab_size * width // Q8_0_BLOCK * Q8_0_BYTES:
+            raise ValueError(f"its output matrix ({size} bytes) is not {vocab_size} x {width}")
+        offset = library.gguf_get_data_offset(gguf) + library.gguf_get_tensor_offset(gguf, tensor)
+        architecture = library.gguf_get_val_str(gguf, library.gguf_find_key(gguf, b"general.architecture")).decode()
+        key = library.gguf_find_key(gguf, f"{architecture}.final_logit_softcapping".encode())
+        softcap = float(library.gguf_get_val_f32(gguf, key)) if key >= 0 and library.gguf_get_kv_type(gguf, key) == GGUF_FLOAT32 else 0.0
+    finally:
+        library.gguf_free(gguf)
+    return np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(size,)), softcap
