@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
     prof.add_argument("--plot", metavar="FILE.png", help="also draw the cost curves")
     prof.add_argument("--json", action="store_true", help="print the profile as JSON")
+    prof.add_argument("--breakdown", action="store_true",
+                      help="GGUF: also time the target's forwards per kind of op (output layer, matmuls, attention, other) "
+                           "at k = 1, 4, 8, 16 (specdec/runtime/op_times.py)")
     prof.set_defaults(run=run_profile)
 
     serve = commands.add_parser("serve", help="serve the models over an OpenAI-compatible HTTP API",
@@ -280,6 +283,14 @@ def run_profile(args) -> None:
         print(format_profile(profile, decoder, costs.cache_dir()))
     if args.plot:
         print(f"wrote {plot_profile(profile, args.plot)}", file=sys.stderr)
+    if args.breakdown:
+        if decoder.target.backend != "llamacpp":
+            raise SpecDecError("--breakdown times llama.cpp's ops: it takes a GGUF target")
+        from specdec.runtime.op_times import breakdown, format_breakdown
+
+        note = decoder.target.output_layer_note
+        print(f"\nwhere the target's forward goes (output layer: {decoder.target.output_layer}{f'; {note}' if note else ''}):\n")
+        print(format_breakdown(breakdown(decoder.target)))
 
 
 def format_profile(profile, decoder, cache) -> str:

@@ -1,8 +1,12 @@
 """What a forward costs on this machine: measured once per model, backend, threads and device, kept on disk.
 
 A cost profile holds
-- t_target(k) and t_draft(k): seconds of one forward over k new tokens after a short cached prefix,
-  with logits for every one of them (what a verify, a tree level or a batch of rows needs);
+- t_target(k) and t_draft(k): seconds of one forward over k new tokens after a cached prefix of
+  PREFIX tokens (the suites' prompts are hundreds of tokens), with logits for every one of them
+  (what a verify, a tree level or a batch of rows needs), as decoding pays it: each timed forward
+  follows an untimed one of the same size, so llama.cpp reuses its graph as in steady decoding
+  (timed alone after another size, a one-token forward cost 5.9 ms on the demo target where
+  decoding paid 3.4-4.4);
 - the engine's own time per iteration (sampling, verification, bookkeeping) and the draft model's
   per draft level, outside the forwards: on a fast runtime these decide whether drafting pays at all.
 
@@ -33,12 +37,12 @@ import torch
 
 from specdec.runtime import CausalLM
 
-PREFIX = 32  # tokens cached before a timed forward: a short context, as when decoding
+PREFIX = 256  # tokens cached before a timed forward (at most a quarter of the model's context)
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 DRAFT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 STABLE = 0.05
 MIN_ROUNDS, MAX_ROUNDS = 3, 12
-FORMAT = 1  # bump when what is measured changes: old cache files are then ignored
+FORMAT = 2  # bump when what is measured changes: old cache files are then ignored
 
 
 @dataclass
@@ -163,21 +167,23 @@ def interpolate(costs: dict[int, float], k: float) -> float:
 def measure_curve(model: CausalLM, sizes=SIZES, max_rounds: int = MAX_ROUNDS) -> tuple[dict[int, float], int]:
     """Seconds of one forward of k new tokens after PREFIX cached ones, for each k that fits the
     context (see the module docstring for the noise handling). Returns (curve, rounds taken)."""
-    sizes = tuple(k for k in sizes if PREFIX + k <= model.max_length) or (1,)
+    prefix = prefix_length(model)
+    sizes = tuple(k for k in sizes if prefix + k <= model.max_length) or (1,)
     times: dict[int, list[float]] = {k: [] for k in sizes}
     sequence = model.sequence()
     previous, rounds = None, 0
     try:
-        sequence.forward([i % model.vocab_size for i in range(PREFIX)], last=1)
-        sequence.forward([1])  # warm-up, not kept
-        sequence.truncate(PREFIX)
+        sequence.forward([i % model.vocab_size for i in range(prefix)], last=1)
         while rounds < max_rounds:
             rounds += 1
             for k in sizes:
+                tokens = [(7 * i + 3) % model.vocab_size for i in range(k)]
+                sequence.forward(tokens)  # untimed: llama.cpp builds its graph for this size
+                sequence.truncate(prefix)
                 started = time.perf_counter()
-                sequence.forward([(7 * i + 3) % model.vocab_size for i in range(k)])
+                sequence.forward(tokens)
                 times[k].append(time.perf_counter() - started)
-                sequence.truncate(PREFIX)
+                sequence.truncate(prefix)
             curve = _monotone({k: _low_quartile(t) for k, t in times.items()})
             if rounds >= MIN_ROUNDS and previous is not None and _agree(previous, curve):
                 break
@@ -185,6 +191,10 @@ def measure_curve(model: CausalLM, sizes=SIZES, max_rounds: int = MAX_ROUNDS) ->
     finally:
         sequence.release()
     return curve, rounds
+
+
+def prefix_length(model: CausalLM) -> int:
+    return min(PREFIX, model.max_length // 4)
 
 
 def measure(target: CausalLM, draft: CausalLM | None = None, max_rounds: int = MAX_ROUNDS) -> Profile:
@@ -242,16 +252,17 @@ def model_identity(model: CausalLM) -> dict:
 
 def _plain_step(target: CausalLM) -> float:
     """Median seconds of one engine iteration of plain decoding (a forward of one token plus the
-    engine's sampling and bookkeeping), after a PREFIX-token prompt."""
+    engine's sampling and bookkeeping), after a prompt of prefix_length tokens."""
     from specdec.engine import DecodeState, Engine
     from specdec.policy import FixedGamma
     from specdec.sampling import RandomStreams
     from specdec.types import SamplingParams
 
-    steps = min(24, target.max_length - PREFIX - 1)
+    prefix = prefix_length(target)
+    steps = min(24, target.max_length - prefix - 1)
     if steps < 2:
         return 0.0
-    state = DecodeState([i % target.vocab_size for i in range(PREFIX)], SamplingParams(temperature=1.0), steps, FixedGamma(0), RandomStreams(0))
+    state = DecodeState([i % target.vocab_size for i in range(prefix)], SamplingParams(temperature=1.0), steps, FixedGamma(0), RandomStreams(0))
     engine, times = Engine(target, None), []
     engine.open(state)
     try:
@@ -270,11 +281,12 @@ def _draft_level(draft: CausalLM) -> float:
     from specdec.drafters.model import ModelDrafter
     from specdec.types import SamplingParams
 
-    depth = min(8, draft.max_length - PREFIX - 2)
+    prefix = prefix_length(draft)
+    depth = min(8, draft.max_length - prefix - 2)
     if depth < 1:
         return 0.0
     drafter, times = ModelDrafter(draft), []
-    prompt = [i % draft.vocab_size for i in range(PREFIX)]
+    prompt = [i % draft.vocab_size for i in range(prefix)]
     generator = torch.Generator().manual_seed(0)
     for _ in range(5):
         slot = drafter.open(prompt)
