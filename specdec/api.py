@@ -73,7 +73,8 @@ class SpeculativeDecoder:
     prefix_cache: finished generations' caches kept (a `PrefixCache`, or its budget in tokens; 0 or
     None: none), so a request starts from the longest prefix it shares with them: a conversation's
     next turn does not compute the earlier ones again. On llama.cpp it needs KV cells beyond the
-    slots' (`load_model(prefix_cells=...)`; `load` reserves them).
+    slots' (`load_model(prefix_cells=...)`; `load` reserves them). Off on a batch-invariant target
+    (as trees are: both would put KV cells out of position order).
     """
 
     def __init__(self, target: CausalLM, drafter: Drafter | None = None, gamma: int | str = "auto", explore: bool = True,
@@ -88,6 +89,8 @@ class SpeculativeDecoder:
         if history is not None and not isinstance(drafter, AutoDrafter):
             raise SpecDecError("a history is drafted from by the default (auto) drafter; this decoder has " + _drafter_name(drafter))
         self.history: History | None = history or None
+        if getattr(target, "batch_invariant", False):
+            prefix_cache = None  # a fork's new tokens could take freed cells below the shared ones: out of position order
         if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
             prefix_cache = PrefixCache(target, prefix_cache)
         self.prefixes = prefix_cache if prefix_cache is not None and prefix_cache.budget else None
@@ -365,6 +368,7 @@ def load(
     explore: bool = True,
     prefix_cache: int | None = PREFIX_TOKENS,
     output_layer: str = "auto",
+    batch_invariant: bool = False,
 ) -> SpeculativeDecoder:
     """Load a target checkpoint and a drafter.
 
@@ -378,7 +382,7 @@ def load(
     backend="transformers"), drafting with its draft model (and, when staged, its n-gram model)
     unless told otherwise. A .gguf path runs on llama.cpp, a checkpoint directory on transformers;
     `backend` overrides. The model options (see `specdec.runtime.load_model`; `slots`: generations
-    that may run at once, for a server's batch) apply to both models;
+    that may run at once, for a server's batch) apply to both models, `batch_invariant` to the target;
     trees are refused on a model that cannot score them exactly. `explore`, `prefix_cache` (tokens
     kept between generations; on llama.cpp that many KV cells more): see SpeculativeDecoder.
     """
@@ -387,7 +391,9 @@ def load(
         choose_backend("", backend)  # validates the name before the demo pair is looked for
     options = dict(backend=backend, device=device, dtype=dtype, attn_implementation=attn_implementation,
                    threads=threads, gpu_layers=gpu_layers, context=context, tokenizer=tokenizer, slots=slots, output_layer=output_layer)
-    target_options = dict(options, prefix_cells=(prefix_cache or 0) if choose_backend(target or demo_models(backend)[0], backend) == "llamacpp" else 0)
+    on_llamacpp = choose_backend(target or demo_models(backend)[0], backend) == "llamacpp"
+    # batch invariance matters for the target's logits only: a draft's numerics never change what is accepted
+    target_options = dict(options, prefix_cells=(prefix_cache or 0) if on_llamacpp and not batch_invariant else 0, batch_invariant=batch_invariant)
     if plain:
         return SpeculativeDecoder(load_model(target or demo_models(backend)[0], **target_options), None, gamma, prefix_cache=prefix_cache)
     auto = gamma == "auto" and ngram is None and tree is None and not staged

@@ -69,7 +69,7 @@ def load_decoder(args, slots: int = 1, measure: bool = True, prefix_cache: int =
 def runtime_options(args) -> dict:
     """The backend and its knobs, as `specdec.load` takes them."""
     return dict(backend=args.backend, threads=args.threads, gpu_layers=args.gpu_layers, context=args.context, tokenizer=args.tokenizer,
-                output_layer=args.output_layer)
+                output_layer=args.output_layer, batch_invariant=args.batch_invariant)
 
 
 def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +85,9 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-layer", choices=OUTPUT_LAYERS, default="auto",
                         help="GGUF on the CPU: who computes the logits from the final norm. auto (default): specdec's kernel where "
                              "it runs (a Q8_0 output matrix, AVX-512 VNNI), agrees with llama.cpp and is faster; else llama.cpp")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="GGUF: kernels that give a token the same logits in a batch of any size (checked at load), so greedy "
+                             "speculation equals plain greedy decoding exactly; see the README for what it costs")
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:

@@ -62,6 +62,7 @@ class BenchConfig:
     context: int | None = None
     tokenizer: str | None = None
     output_layer: str = "auto"
+    batch_invariant: bool = False
     progress: bool = True
 
     @classmethod
@@ -136,7 +137,7 @@ def build_strategies(config: BenchConfig):
         device = "cpu"
     base = load(target_path, draft=draft_path, gamma=1, device=device, dtype=config.dtype, backend=config.backend,
                 threads=config.threads, gpu_layers=config.gpu_layers, context=config.context, tokenizer=config.tokenizer,
-                output_layer=config.output_layer)
+                output_layer=config.output_layer, batch_invariant=config.batch_invariant)
     target, model_drafter = base.target, base.drafter
     new = config.max_new_tokens
     default = lambda **options: SpeculativeDecoder(target, AutoDrafter(model_drafter, PromptLookupDrafter()), **{"history": None, **options})

@@ -37,6 +37,7 @@ def load_model(
     slots: int = 1,
     prefix_cells: int = 0,
     output_layer: str = "auto",
+    batch_invariant: bool = False,
 ) -> CausalLM:
     """Load a model on the backend its path (or `backend`) selects.
 
@@ -49,6 +50,9 @@ def load_model(
     prefix_cells (llama.cpp): KV cells beyond the slots' for prefixes kept between generations
     (`specdec.runtime.prefix.PrefixCache`). output_layer (llama.cpp on the CPU): "auto", "specdec"
     or "llama.cpp", who computes the logits from the final norm's rows (`specdec.runtime.cpu_head`).
+    batch_invariant (llama.cpp): kernels that give a row the same logits in a batch of any size (no
+    repacked weights, no tiled matmuls; checked at load, refused where they still differ), so
+    greedy speculation equals plain greedy decoding bit for bit; costs are in the README.
     """
     if isinstance(prefix_cells, bool) or not isinstance(prefix_cells, int) or prefix_cells < 0:
         raise SpecDecError(f"prefix cells must be a number >= 0, got {prefix_cells!r}")
@@ -63,9 +67,9 @@ def load_model(
         from specdec.runtime.llamacpp import LlamaCppModel
 
         return LlamaCppModel(path, threads=threads, gpu_layers=gpu_layers or 0, context=context, tokenizer=hf_tokenizer, slots=slots,
-                             prefix_cells=prefix_cells, output_layer=output_layer)
-    if gpu_layers is not None or context is not None or tokenizer is not None or output_layer != "auto":
-        raise SpecDecError("gpu_layers, context, tokenizer and output_layer apply to GGUF files on llama.cpp; "
+                             prefix_cells=prefix_cells, output_layer=output_layer, batch_invariant=batch_invariant)
+    if gpu_layers is not None or context is not None or tokenizer is not None or output_layer != "auto" or batch_invariant:
+        raise SpecDecError("gpu_layers, context, tokenizer, output_layer and batch_invariant apply to GGUF files on llama.cpp; "
                            "a checkpoint directory has its own tokenizer (use device to choose a GPU)")
     from specdec.runtime.hf import load_model as load_hf
 

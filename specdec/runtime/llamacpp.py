@@ -75,13 +75,17 @@ class LlamaCppModel:
     backend = "llamacpp"
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, gpu_layers: int = 0,
-                 context: int | None = None, tokenizer=None, slots: int = 1, prefix_cells: int = 0, output_layer: str = "auto"):
+                 context: int | None = None, tokenizer=None, slots: int = 1, prefix_cells: int = 0, output_layer: str = "auto",
+                 batch_invariant: bool = False):
         if output_layer not in OUTPUT_LAYERS:
             raise SpecDecError(f"unknown output layer {output_layer!r}; choose one of {', '.join(OUTPUT_LAYERS)}")
         self.llama_cpp = lib = _bindings()
         self.path = str(path)
         _check_gguf_file(Path(path))
-        self._weights = _Weights(lib, Path(path), gpu_layers)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            _untiled_matmuls()
+        self._weights = _Weights(lib, Path(path), gpu_layers, batch_invariant)
         self._model = self._weights.model
         if lib.llama_model_is_recurrent(self._model) or lib.llama_model_is_hybrid(self._model):
             raise SpecDecError(f"{path}: recurrent models cannot take back rejected draft tokens; specdec needs an attention model")
@@ -111,6 +115,27 @@ class LlamaCppModel:
         self._use_head = self._head is not None
         if self._head is not None:
             self._check_head(output_layer)
+        if batch_invariant:
+            self._check_batch_invariance()
+
+    def _check_batch_invariance(self) -> None:
+        """Asked for batch-invariant forwards: 12 tokens fed one at a time and all at once must
+        give bitwise the same logits, or the model is refused (a runtime whose kernels still
+        depend on the batch shape would make greedy speculation leave plain greedy text)."""
+        probe = [(7 * i + 3) % self.vocab_size for i in range(12)]
+        one, batched = self.sequence(), self.sequence()
+        try:
+            alone = torch.cat([one.forward([token]) for token in probe])
+            together = batched.forward(probe)
+        finally:
+            one.release()
+            batched.release()
+        if not torch.equal(alone, together):
+            difference = float((alone - together).abs().max())
+            raise SpecDecError(f"{self.path}: llama.cpp's logits still move with the batch shape (by up to {difference:.3g}) with "
+                               "repacked weights and tiled matmuls off; a build without llamafile's kernels fixes it for F16 and F32 "
+                               f'weights: CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" pip install --force-reinstall --no-cache-dir --no-deps '
+                               f"llama-cpp-python=={self.llama_cpp.__version__}")
 
     @property
     def output_layer(self) -> str:
@@ -198,6 +223,9 @@ class LlamaCppModel:
         return max(self.max_length - 1 - root_position, 0)
 
     def tree_refusal(self) -> str | None:
+        if self.batch_invariant:
+            return ("batch-invariant decoding needs each sequence's KV cells in position order (llama.cpp's attention sums over "
+                    "cells in cell order), and a tree's rejected branches leave holes that later tokens would fill out of order")
         if self._tree_refusal is _UNCHECKED:
             self._tree_refusal = base.tree_check(self)
         return self._tree_refusal
@@ -486,6 +514,13 @@ class _CpuOnly:
 _CPU_ONLY = _CpuOnly()
 
 
+def _untiled_matmuls() -> None:
+    """ggml's tiled K-quant matmuls (taken from 8 rows up) sum in another order than its one-row
+    kernel; ggml reads the switch once per process, at its first matmul, so a batch-invariant
+    model turns them off for the whole process (its invariance is then checked by measurement)."""
+    os.environ["GGML_CPU_TILED_MM"] = "0"
+
+
 @functools.cache
 def _amx_buffers() -> bool:
     """Whether this llama.cpp build would put quantized weights in AMX buffers."""
@@ -500,10 +535,12 @@ def _amx_buffers() -> bool:
 class _Weights:
     """A llama_model, freed when the last holder (the model, its tokenizer) lets go."""
 
-    def __init__(self, lib, path: Path, gpu_layers: int):
+    def __init__(self, lib, path: Path, gpu_layers: int, batch_invariant: bool = False):
         self.lib = lib
         params = lib.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
+        if batch_invariant:
+            params.use_extra_bufts = False  # repacked weights take another kernel for batches than for one row
         if gpu_layers == 0 and _amx_buffers():
             # every weight in the plain CPU buffer: the AMX kernels of llama.cpp as built by
             # llama-cpp-python 0.3.36 crash on multi-token forwards of quantized (Q8_0) weights
