@@ -70,8 +70,8 @@ class SpeculativeDecoder:
     history: earlier generations' prompts and outputs, drafted from by the auto drafter (suffix
     decoding; a `History`, or True for one with the default budget, or None); per tenant, as
     each request says (`request(tenant=...)`).
-    prefix_cache: finished generations' caches kept (a `PrefixCache`, or its budget in tokens; 0 or
-    None: none), so a request starts from the longest prefix it shares with them: a conversation's
+    prefix_cache: finished generations' caches kept (a `PrefixCache`, or its budget in tokens, for
+    the cache every decoder on this target shares; 0 or None: none), so a request starts from the longest prefix it shares with them: a conversation's
     next turn does not compute the earlier ones again. On llama.cpp it needs KV cells beyond the
     slots' (`load_model(prefix_cells=...)`; `load` reserves them). Off on a batch-invariant target
     (as trees are: both would put KV cells out of position order).
@@ -92,7 +92,7 @@ class SpeculativeDecoder:
         if getattr(target, "batch_invariant", False):
             prefix_cache = None  # a fork's new tokens could take freed cells below the shared ones: out of position order
         if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
-            prefix_cache = PrefixCache(target, prefix_cache)
+            prefix_cache = PrefixCache.of(target, prefix_cache) if prefix_cache else None
         self.prefixes = prefix_cache if prefix_cache is not None and prefix_cache.budget else None
         self.shared_acceptance: SharedAcceptance | None = None  # a server's: what earlier requests saw, for new ones
         self._busy = False  # one generation at a time: the caches belong to it

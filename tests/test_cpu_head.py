@@ -151,3 +151,28 @@ def test_sampled_speculation_with_it_keeps_the_target_distribution(q8_0_pair, ki
         drafted, accepted = drafted + result.stats.drafted, accepted + result.stats.accepted
     assert 0.1 < accepted / drafted < 0.95, "both acceptances and rejections must happen"
     assert chi_square(counts, pruned_joint(target, prompt, SamplingParams(**setting), SAMPLES), SAMPLES) > ALPHA
+
+
+def test_the_breakdown_times_every_kind_of_op(gguf_models):
+    from specdec.runtime.op_times import CATEGORIES, breakdown, category, format_breakdown
+
+    assert [category(op, name) for op, name in (("MUL_MAT", "result_output"), ("MUL_MAT", "ffn_up-3"), ("MUL_MAT", "Qcur-0"),
+                                                 ("FLASH_ATTN_EXT", "node_7"), ("RMS_NORM", "norm-2"))] == [
+        "output layer", "feed-forward matmuls", "attention matmuls", "attention", "other ops"]
+    model = specdec.load_model(gguf_models["gguf-q8_0"], threads=1)
+    result = breakdown(model, sizes=(1, 4), repeats=2)
+    for k in (1, 4):
+        assert all(result[k][kind] > 0 for kind in (*CATEGORIES, "forward"))
+        assert ("output layer (specdec)" in result[k]) == (model.output_layer == "specdec")
+    table = format_breakdown(result)
+    assert "| output layer |" in table and "k = 4" in table
+
+
+def test_profile_breakdown_on_the_cli(gguf_models, model_dirs):
+    done = subprocess.run([sys.executable, "-m", "specdec", "profile", "--target", gguf_models["gguf-q8_0"], "--plain", "--threads", "1",
+                           "--breakdown"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "where the target's forward goes" in done.stdout and "| feed-forward matmuls |" in done.stdout
+    done = subprocess.run([sys.executable, "-m", "specdec", "profile", "--target", model_dirs["llama"], "--plain", "--breakdown"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "takes a GGUF target" in done.stderr and "Traceback" not in done.stderr

@@ -94,6 +94,19 @@ def test_llama_cpp_keeps_prefixes_only_in_cells_spared_for_them(gguf_models):
     assert spared.cells == spared.max_length + 300 and PrefixCache(spared, budget=4096).budget == 300
 
 
+def test_decoders_on_one_model_share_its_spared_cells(gguf_models):
+    """Six decoders with a cache each once filled the spared cells and failed (`specdec bench` does
+    that): decoders asking by budget share the model's one cache, whatever its users."""
+    spared = specdec.load_model(gguf_models["gguf-f32"], threads=1, prefix_cells=160)
+    decoders = [specdec.SpeculativeDecoder(spared, prefix_cache=4096) for _ in range(4)]
+    assert all(decoder.prefixes is decoders[0].prefixes for decoder in decoders) and decoders[0].prefixes.budget == 160
+    for i in range(8):
+        for decoder in decoders:
+            decoder.generate([(7 * i + j) % spared.vocab_size for j in range(50)], max_new_tokens=10, temperature=0)
+            assert decoder.prefixes.tokens <= 160
+    assert specdec.SpeculativeDecoder(spared, prefix_cache=PrefixCache(spared, 100)).prefixes is not decoders[0].prefixes
+
+
 # ---------------------------------------------------------------- losslessness
 
 

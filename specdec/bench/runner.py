@@ -7,6 +7,7 @@ plain decoding measured in the same run; greedy texts must agree across strategi
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import sys
@@ -26,6 +27,9 @@ from specdec.drafters import AutoDrafter, History, ModelDrafter, NgramDrafter, P
 from specdec.errors import SpecDecError
 from specdec.runtime import CausalLM, choose_backend
 from specdec.types import GenerationStats, SamplingParams
+
+# every run prefills its whole prompt, as the peers' do: no strategy starts from another's kept prefix
+Decoder = functools.partial(SpeculativeDecoder, prefix_cache=None)
 
 
 @dataclass
@@ -140,8 +144,8 @@ def build_strategies(config: BenchConfig):
                 output_layer=config.output_layer, batch_invariant=config.batch_invariant)
     target, model_drafter = base.target, base.drafter
     new = config.max_new_tokens
-    default = lambda **options: SpeculativeDecoder(target, AutoDrafter(model_drafter, PromptLookupDrafter()), **{"history": None, **options})
-    strategies = [specdec_strategy("plain", "plain", SpeculativeDecoder(target), new),
+    default = lambda **options: Decoder(target, AutoDrafter(model_drafter, PromptLookupDrafter()), **{"history": None, **options})
+    strategies = [specdec_strategy("plain", "plain", Decoder(target), new),
                   specdec_strategy("default (auto)", "auto", default(), new),
                   specdec_strategy("default, no exploring", "auto", default(explore=False), new)]
     if config.history:
@@ -150,8 +154,8 @@ def build_strategies(config: BenchConfig):
         strategies.append(specdec_strategy("default + prediction", "auto", default(), new, predicts=True))
     if model_drafter is not None:
         for gamma in config.gammas:
-            strategies.append(specdec_strategy(f"chain γ={gamma}", "chain", SpeculativeDecoder(target, model_drafter, gamma), new))
-        strategies.append(specdec_strategy("chain γ=auto", "chain", SpeculativeDecoder(target, model_drafter, "auto"), new))
+            strategies.append(specdec_strategy(f"chain γ={gamma}", "chain", Decoder(target, model_drafter, gamma), new))
+        strategies.append(specdec_strategy("chain γ=auto", "chain", Decoder(target, model_drafter, "auto"), new))
     ngram = None
     if ngram_path is not None:
         from specdec.ngram import KatzTrigram
@@ -160,10 +164,10 @@ def build_strategies(config: BenchConfig):
     if model_drafter is not None and (config.trees or config.staged):
         strategies += tree_strategies(config, target, model_drafter.model, ngram)
     strategies.append(specdec_strategy(f"prompt lookup γ={config.lookup_gamma}", "lookup",
-                                       SpeculativeDecoder(target, PromptLookupDrafter(), config.lookup_gamma), new))
+                                       Decoder(target, PromptLookupDrafter(), config.lookup_gamma), new))
     if ngram is not None:
         strategies.append(specdec_strategy(f"n-gram γ={config.ngram_gamma}", "ngram",
-                                           SpeculativeDecoder(target, NgramDrafter(ngram), config.ngram_gamma), new))
+                                           Decoder(target, NgramDrafter(ngram), config.ngram_gamma), new))
     if config.peers:
         strategies += [peer_strategy(peer) for peer in target.peers(model_drafter.model if model_drafter else None, new)]
     return target, model_drafter.model if model_drafter else None, strategies
@@ -179,7 +183,7 @@ def tree_strategies(config: BenchConfig, target: CausalLM, draft: CausalLM, ngra
     trees = config.trees if refusal is None else ()
     for nodes, depth in trees:
         drafter = ModelDrafter(draft, tree=TreeShape(nodes, config.tree_width))
-        out.append(specdec_strategy(f"tree {nodes} γ={depth}", "tree", SpeculativeDecoder(target, drafter, depth), new))
+        out.append(specdec_strategy(f"tree {nodes} γ={depth}", "tree", Decoder(target, drafter, depth), new))
     if not config.staged:
         return out
     inners = {"lookup": PromptLookupDrafter}
@@ -191,7 +195,7 @@ def tree_strategies(config: BenchConfig, target: CausalLM, draft: CausalLM, ngra
         for tree in staged_shapes:
             drafter = ModelDrafter(draft, tree=tree, inner=inner(), inner_gamma=config.inner_gamma)
             name = f"staged {'tree ' + str(tree.nodes) + ' ' if tree else ''}γ={gamma} ({inner_name})"
-            out.append(specdec_strategy(name, "staged", SpeculativeDecoder(target, drafter, gamma), new))
+            out.append(specdec_strategy(name, "staged", Decoder(target, drafter, gamma), new))
     return out
 
 

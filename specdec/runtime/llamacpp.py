@@ -210,7 +210,11 @@ class LlamaCppModel:
         if getattr(self, "_batch", None) is not None:
             lib.llama_batch_free(self._batch)
         if getattr(self, "_context", None):
+            # sequences of a reference cycle (a shared prefix cache holds its model's sequences) may be
+            # finalized after the model: with no memory left, their release is a no-op
+            self._memory = None
             lib.llama_free(self._context)
+            self._context = None
 
     def sequence(self) -> LlamaCppSequence:
         return LlamaCppSequence(self)
@@ -260,6 +264,8 @@ class LlamaCppModel:
 
     def drop_id(self, seq_id: int, from_position: int = -1) -> None:
         """Remove the id from its cells at positions >= from_position (all of them: -1)."""
+        if self._memory is None:  # the context is gone (see __del__)
+            return
         if not self.llama_cpp.llama_memory_seq_rm(self._memory, seq_id, from_position, -1):
             raise SpecDecError(f"llama.cpp could not remove cells of sequence {seq_id} from position {from_position}")
         if from_position < 0:

@@ -10,6 +10,7 @@ differ in the last bits from what a fresh prefill would compute, as a verify's e
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
@@ -47,6 +48,22 @@ class PrefixCache:
         self._kept: list[_Kept] = []  # least recently used first
         self._lock = threading.RLock()
         self.reused_tokens = 0  # prompt tokens served from kept sequences, since the start
+
+    @classmethod
+    def of(cls, model: CausalLM, budget: int) -> PrefixCache:
+        """The model's own cache, shared by every decoder that asks for one by budget: on llama.cpp
+        their kept prefixes all live in the cells the model spares, so they must share one budget
+        (the largest asked for). Six decoders with a cache each filled those cells and then failed.
+        The model holds it weakly (its kept sequences hold the model): it lives as long as a decoder does."""
+        reference = getattr(model, "_shared_prefix_cache", None)
+        cache = reference() if reference is not None else None
+        if cache is None:
+            cache = cls(model, budget)
+            model._shared_prefix_cache = weakref.ref(cache)
+        elif budget > cache.budget:
+            spare = getattr(model, "spare_cells", None)
+            cache.budget = budget if spare is None else min(budget, spare)
+        return cache
 
     @property
     def tokens(self) -> int:
