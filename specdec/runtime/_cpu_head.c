@@ -325,7 +325,8 @@ typedef struct {
     char name[64];       /* the tensor to copy */
     float *dest;
     uint64_t capacity;   /* bytes at dest */
-    uint64_t copied;     /* bytes copied by the last forward (0: none; set back to 0 by the caller) */
+    uint64_t copied;     /* bytes copied since the caller set it to 0: the rows of every ubatch of a decode, in order */
+    int32_t overflow;    /* a tensor did not fit: the caller refuses the decode's logits */
 } Capture;
 
 bool specdec_capture(const void *tensor, bool ask, void *user_data) {
@@ -333,9 +334,9 @@ bool specdec_capture(const void *tensor, bool ask, void *user_data) {
     if (!c->active || strcmp(c->get_name(tensor), c->name) != 0) return false;
     if (ask) return true;
     const size_t bytes = c->nbytes(tensor);
-    if (bytes > c->capacity) { c->copied = 0; return true; }  /* the caller sees nothing copied and refuses */
-    c->tensor_get(tensor, c->dest, 0, bytes);
-    c->copied = bytes;
+    if (c->copied + bytes > c->capacity) { c->overflow = 1; return true; }
+    c->tensor_get(tensor, (char *)c->dest + c->copied, 0, bytes);
+    c->copied += bytes;
     return !c->stop;
 }
 

@@ -39,7 +39,7 @@ class Capture(ctypes.Structure):
 
     _fields_ = [("get_name", ctypes.c_void_p), ("nbytes", ctypes.c_void_p), ("tensor_get", ctypes.c_void_p),
                 ("active", ctypes.c_int32), ("stop", ctypes.c_int32), ("name", ctypes.c_char * 64),
-                ("dest", ctypes.c_void_p), ("capacity", ctypes.c_uint64), ("copied", ctypes.c_uint64)]
+                ("dest", ctypes.c_void_p), ("capacity", ctypes.c_uint64), ("copied", ctypes.c_uint64), ("overflow", ctypes.c_int32)]
 
 
 @functools.cache
@@ -112,11 +112,11 @@ class CpuHead:
     def begin(self, active: bool = True) -> None:
         """Before a decode: capture (and stop after) the final norm, or let llama.cpp finish its graph."""
         self.capture.active = int(active)
-        self.capture.copied = 0
+        self.capture.copied = self.capture.overflow = 0
 
     def logits(self, rows: int) -> torch.Tensor:
         """The logits of the `rows` output rows the last decode captured."""
-        if self.capture.copied != rows * self.width * 4:
+        if self.capture.overflow or self.capture.copied != rows * self.width * 4:
             raise RuntimeError(f"llama.cpp's graph gave {self.capture.copied // (4 * self.width)} final-norm rows, {rows} expected")
         out = torch.empty(rows, self.vocab_size, dtype=torch.float32)
         self.kernels.logits(self.weights, self.scales, self.vocab_size, self.width, self.hidden[:rows].numpy(), rows, out.numpy(),

@@ -145,7 +145,7 @@ class LlamaCppModel:
     def _open_head(self, mode: str, gpu_layers: int) -> tuple[cpu_head.CpuHead | None, str]:
         """specdec's output layer unless told otherwise or it cannot run here (then why, or raise if asked for it)."""
         if mode == "llama.cpp":
-            return None, "asked for"
+            return None, "asked for (output_layer llama.cpp)"
         reason = cpu_head.unavailable() or ("layers are offloaded to a GPU" if gpu_layers else None)
         if reason is None:
             try:
@@ -210,8 +210,8 @@ class LlamaCppModel:
         if getattr(self, "_batch", None) is not None:
             lib.llama_batch_free(self._batch)
         if getattr(self, "_context", None):
-            # sequences of a reference cycle (a shared prefix cache holds its model's sequences) may be
-            # finalized after the model: with no memory left, their release is a no-op
+            # a sequence finalized after its model (both in one garbage-collected cycle) finds no
+            # memory left: its release is then a no-op, not a call into a freed context
             self._memory = None
             lib.llama_free(self._context)
             self._context = None
