@@ -299,7 +299,7 @@ def run_profile(args) -> None:
 def format_profile(profile, decoder, cache) -> str:
     """The cost curves as a table: milliseconds and the ratio to a one-token forward."""
     load = f", load {profile.load:.2f}" if profile.load is not None else ""
-    lines = [f"target: {decoder.target.path}" + (f" · draft: {decoder.draft_model.path}" if decoder.draft_model else ""),
+    lines = [f"target: {decoder.target.describe()}" + (f" · draft: {decoder.draft_model.describe()}" if decoder.draft_model else ""),
              f"measured {profile.measured} in {profile.rounds} rounds{load} · cache: {cache}", "",
              "| k | target ms | × k=1 | draft ms |", "|---|---|---|---|"]
     for k, seconds in sorted(profile.target.items()):

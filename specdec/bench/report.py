@@ -33,7 +33,10 @@ def markdown(data: dict) -> str:
     if load.get("warning"):
         lines.append(f"**Warning:** {load['warning']}")
     models = data["models"]
-    lines.append(f"Target: {models['target']['parameters'] / 1e6:.1f}M parameters ({models['target']['dtype']})"
+    target = models["target"]
+    lines.append(f"Target: {target['parameters'] / 1e6:.1f}M parameters ({target['dtype']})"
+                 + (f" · output layer: {target['output_layer']}" if target.get("output_layer") else "")
+                 + (" · batch-invariant" if target.get("batch_invariant") else "")
                  + (f" · draft: {models['draft']['parameters'] / 1e6:.2f}M" if models["draft"] else ""))
     if len(suites) > 1:
         lines += ["", *overview(data)]

@@ -320,7 +320,8 @@ def run_bench(config: BenchConfig) -> dict:
 
 def model_facts(model: CausalLM) -> dict:
     return {"path": model.path, "backend": model.backend, "parameters": model.parameters, "weight_bytes": model.weight_bytes,
-            "dtype": model.dtype, "vocab_size": model.vocab_size, "context": model.max_length, "threads": getattr(model, "threads", None)}
+            "dtype": model.dtype, "vocab_size": model.vocab_size, "context": model.max_length, "threads": getattr(model, "threads", None),
+            "output_layer": getattr(model, "output_layer", None), "batch_invariant": getattr(model, "batch_invariant", False)}
 
 
 def read_bandwidth(threads: int = 1, megabytes: int = 256, repeats: int = 5) -> float:
