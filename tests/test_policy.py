@@ -209,7 +209,7 @@ def test_profile_is_measured_once_and_cached(model_dirs, tmp_path, monkeypatch):
     first = measured_profile(target, draft)
     files = list(tmp_path.glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["target"]
-    assert sorted(first.target) == sorted(k for k in costs.SIZES if costs.PREFIX + k <= target.max_length)
+    assert sorted(first.target) == sorted(k for k in costs.SIZES if costs.prefix_length(target) + k <= target.max_length)
     assert all(a <= b for a, b in zip(list(first.target.values()), list(first.target.values())[1:]))  # non-decreasing
     assert first.draft and first.rounds >= costs.MIN_ROUNDS and first.step_overhead >= 0
     calls = []
