@@ -57,13 +57,15 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def gguf_models() -> dict[str, str]:
-    """GGUF files for llama.cpp: the demo pair (f16), its draft model in float32 and in Q8_0, and a
-    perturbed copy of it in f16 (tests/data; tests/data/make.py made them)."""
+    """GGUF files for llama.cpp: the demo pair (f16), its draft model in float32 and in Q8_0, a
+    perturbed copy of it in f16, and a random 256-wide model whose output matrix is Q6_K
+    (tests/data; tests/data/make.py made them)."""
     demo = Path(specdec.__file__).parent / "demo_pair"
     return {"gguf-f16": str(demo / "target.gguf"), "gguf-draft-f16": str(demo / "draft.gguf"),
             "gguf-f32": str(Path(__file__).parent / "data" / "draft-f32.gguf"), "hf-draft": str(demo / "draft"),
             "gguf-near": str(Path(__file__).parent / "data" / "near-f16.gguf"),
-            "gguf-q8_0": str(Path(__file__).parent / "data" / "draft-q8_0.gguf")}
+            "gguf-q8_0": str(Path(__file__).parent / "data" / "draft-q8_0.gguf"),
+            "gguf-wide-q6_k": str(Path(__file__).parent / "data" / "wide-q6_k.gguf")}
 
 
 @pytest.fixture(scope="session")

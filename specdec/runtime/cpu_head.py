@@ -8,10 +8,12 @@ layer takes 11.4 ms of a 19.5 ms one-token forward and 43 / 57 ms of a 4 / 8-tok
 What: llama.cpp runs its graph up to the final norm (the tensor named "result_norm"); an eval
 callback in `_cpu_head.c` copies those rows out and stops the graph there, so llama.cpp never
 multiplies them by the output matrix. specdec's kernel then computes the logits, reading the
-matrix once for all rows (AVX-512 VNNI): 6.2 ms for 1 row, 7.1 for 4, 15 for 8 on that machine.
+matrix once for all rows (AVX-512 VNNI): 6.2 ms for 1 row, 8.3 for 4, 12.8 for 8 on that machine.
+It takes Q8_0 matrices and Q6_K ones (what Q4_K_M files of models whose width is a multiple of
+256 store).
 
-Exactness: the kernel quantizes each hidden row as llama.cpp does (Q8_0), so the integer dot
-products are llama.cpp's; only the float order of the per-block sums differs. It computes every
+Exactness: the kernel quantizes each hidden row as llama.cpp does (Q8_0 rows against a Q8_0
+matrix, Q8_K rows against a Q6_K one), so the integer dot products are llama.cpp's; only the float order of the per-block sums differs. It computes every
 row alone, the same way in any batch: a row's logits are bitwise the same whatever the batch
 shape, so plain decoding (one row) and a verify (k rows) compute one function of the hidden
 states. A self-check at load compares it with llama.cpp's own logits and refuses it if they
@@ -29,8 +31,7 @@ import numpy as np
 import torch
 
 NORM_TENSOR = b"result_norm"  # llama.cpp's name for the final norm's output, the rows the output matrix multiplies
-Q8_0 = 8  # ggml_type / GGMLQuantizationType
-Q8_0_BLOCK, Q8_0_BYTES = 32, 34
+KINDS = {8: ("Q8_0", 32, 34), 14: ("Q6_K", 256, 210)}  # ggml type -> name, weights and bytes per block; the kernel's kind is the index
 GGUF_FLOAT32 = 6  # enum gguf_type
 
 
@@ -97,11 +98,13 @@ class CpuHead:
             raise ValueError(kernels)
         self.kernels, self.width, self.vocab_size, self.threads = kernels, width, vocab_size, threads
         library = _ggml_base(llama_cpp_module)
-        matrix, self.softcap = _output_matrix(library, Path(path), width, vocab_size)
-        groups = -(-vocab_size // 16)
-        self.weights = np.empty(groups * 16 * width, np.uint8)
-        self.scales = np.empty(groups * 16 * (width // Q8_0_BLOCK), np.uint16)
-        kernels.pack_q8_0(matrix, vocab_size, width, self.weights, self.scales)
+        matrix, ggml_type, self.softcap = _output_matrix(library, Path(path), width, vocab_size)
+        self.kind, (self.type_name, block, _) = list(KINDS).index(ggml_type), KINDS[ggml_type]
+        rows_packed = -(-vocab_size // 16) * 16
+        self.weights = np.empty(rows_packed * width, np.uint8)
+        self.scales = np.empty(rows_packed * (width // block), np.uint16)
+        self.subscales = np.empty(rows_packed * (width // 16) if block == 256 else 0, np.int8)
+        kernels.pack(self.kind, matrix, vocab_size, width, self.weights, self.scales, self.subscales)
         self.hidden = torch.empty(rows, width, dtype=torch.float32)
         name, nbytes, tensor_get = _ggml_functions(library)
         self.capture = Capture(get_name=name, nbytes=nbytes, tensor_get=tensor_get, active=1, stop=1, name=NORM_TENSOR,
@@ -119,17 +122,17 @@ class CpuHead:
         if self.capture.overflow or self.capture.copied != rows * self.width * 4:
             raise RuntimeError(f"llama.cpp's graph gave {self.capture.copied // (4 * self.width)} final-norm rows, {rows} expected")
         out = torch.empty(rows, self.vocab_size, dtype=torch.float32)
-        self.kernels.logits(self.weights, self.scales, self.vocab_size, self.width, self.hidden[:rows].numpy(), rows, out.numpy(),
-                            self.threads, False)
+        self.kernels.logits(self.kind, self.weights, self.scales, self.subscales, self.vocab_size, self.width, self.hidden[:rows].numpy(),
+                            rows, out.numpy(), self.threads, False)
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out
 
 
-def _output_matrix(library: ctypes.CDLL, path: Path, width: int, vocab_size: int) -> tuple[np.ndarray, float]:
-    """The output matrix's Q8_0 bytes, mapped from the file (the tied embedding matrix when there
-    is no output matrix), and the final logit softcap (0: none). Raises ValueError when it is not
-    a Q8_0 matrix of the model's shape."""
+def _output_matrix(library: ctypes.CDLL, path: Path, width: int, vocab_size: int) -> tuple[np.ndarray, int, float]:
+    """The output matrix's bytes, mapped from the file (the tied embedding matrix when there is no
+    output matrix), its ggml type and the final logit softcap (0: none). Raises ValueError when it
+    is not a Q8_0 or Q6_K matrix of the model's shape."""
     gguf = library.gguf_init_from_file(os.fsencode(path), _GgufInit(True, None))
     if not gguf:
         raise ValueError("llama.cpp's GGUF reader could not open the file")
@@ -141,9 +144,10 @@ def _output_matrix(library: ctypes.CDLL, path: Path, width: int, vocab_size: int
         if tensor < 0:
             raise ValueError("no output matrix in the file")
         kind, size = library.gguf_get_tensor_type(gguf, tensor), library.gguf_get_tensor_size(gguf, tensor)
-        if kind != Q8_0:
-            raise ValueError(f"its output matrix is not Q8_0 (ggml type {kind}), the only type the kernel takes")
-        if width % Q8_0_BLOCK or size != vocab_size * width // Q8_0_BLOCK * Q8_0_BYTES:
+        if kind not in KINDS:
+            raise ValueError(f"its output matrix is neither Q8_0 nor Q6_K (ggml type {kind}), the types the kernel takes")
+        _, block, block_bytes = KINDS[kind]
+        if width % block or size != vocab_size * width // block * block_bytes:
             raise ValueError(f"its output matrix ({size} bytes) is not {vocab_size} x {width}")
         offset = library.gguf_get_data_offset(gguf) + library.gguf_get_tensor_offset(gguf, tensor)
         architecture = library.gguf_get_val_str(gguf, library.gguf_find_key(gguf, b"general.architecture")).decode()
@@ -151,4 +155,4 @@ def _output_matrix(library: ctypes.CDLL, path: Path, width: int, vocab_size: int
         softcap = float(library.gguf_get_val_f32(gguf, key)) if key >= 0 and library.gguf_get_kv_type(gguf, key) == GGUF_FLOAT32 else 0.0
     finally:
         library.gguf_free(gguf)
-    return np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(size,)), softcap
+    return np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(size,)), kind, softcap

@@ -9,6 +9,9 @@
 - near-f16.gguf: the demo draft with every weight perturbed (seeded noise of 0.3 of each tensor's
   standard deviation), in f16: a fast drafter for the float32 draft that agrees with it only
   sometimes, so the distribution tests see acceptances and rejections.
+- wide-q6_k.gguf: a random 2-layer Llama 256 wide (K-quants need rows of 256) on the demo tokenizer,
+  Q8_0 with its tied embedding and output matrix in Q6_K (llama.cpp's quantizer), as Q4_K_M files
+  of wider models store theirs: specdec's output layer takes it (tests/test_cpu_head.py).
 LLAMA_CPP_DIR: a llama.cpp source tree (scripts/convert_to_gguf.py explains where one comes from).
 """
 
@@ -33,6 +36,24 @@ def convert(model: Path, out: Path, outtype: str, llama_cpp: str) -> None:
                     "--pre", "gpt-2"], check=True)
 
 
+def wide_q6_k(directory: Path, llama_cpp: str) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import llama_cpp as bindings
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, head_dim=64, tie_word_embeddings=True, initializer_range=0.1, eos_token_id=0,
+                         pad_token_id=0, max_position_embeddings=1024)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(DEMO_DRAFT).save_pretrained(directory)
+    convert(directory, directory / "wide-f32.gguf", "f32", llama_cpp)
+    params = bindings.llama_model_quantize_default_params()
+    params.ftype, params.nthread = 7, 1  # LLAMA_FTYPE_MOSTLY_Q8_0
+    params.token_embedding_type = params.output_tensor_type = 14  # GGML_TYPE_Q6_K
+    if bindings.llama_model_quantize(str(directory / "wide-f32.gguf").encode(), str(HERE / "wide-q6_k.gguf").encode(), params):
+        raise SystemExit("llama.cpp could not quantize the wide model")
+
+
 def near_copy(directory: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(DEMO_DRAFT, dtype=torch.float32)
     noise = torch.Generator().manual_seed(0)
@@ -50,3 +71,5 @@ if __name__ == "__main__":
     convert(DEMO_DRAFT, HERE / "draft-q8_0.gguf", "q8_0", llama_cpp)
     with tempfile.TemporaryDirectory() as tmp:
         convert(near_copy(Path(tmp)), HERE / "near-f16.gguf", "f16", llama_cpp)
+    with tempfile.TemporaryDirectory() as tmp:
+        wide_q6_k(Path(tmp), llama_cpp)
