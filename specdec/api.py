@@ -71,8 +71,9 @@ class SpeculativeDecoder:
     decoding; a `History`, or True for one with the default budget, or None); per tenant, as
     each request says (`request(tenant=...)`).
     prefix_cache: finished generations' caches kept (a `PrefixCache`, or its budget in tokens, for
-    the cache every decoder on this target shares; 0 or None: none), so a request starts from the longest prefix it shares with them: a conversation's
-    next turn does not compute the earlier ones again. On llama.cpp it needs KV cells beyond the
+    the cache every decoder on this target shares; 0 or None: none), so a request starts from the
+    longest prefix it shares with them: a conversation's next turn does not compute the earlier
+    ones again. On llama.cpp it needs KV cells beyond the
     slots' (`load_model(prefix_cells=...)`; `load` reserves them). Off on a batch-invariant target
     (as trees are: both would put KV cells out of position order).
     """

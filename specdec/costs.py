@@ -165,8 +165,9 @@ def interpolate(costs: dict[int, float], k: float) -> float:
 
 
 def measure_curve(model: CausalLM, sizes=SIZES, max_rounds: int = MAX_ROUNDS) -> tuple[dict[int, float], int]:
-    """Seconds of one forward of k new tokens after PREFIX cached ones, for each k that fits the
-    context (see the module docstring for the noise handling). Returns (curve, rounds taken)."""
+    """Seconds of one forward of k new tokens after prefix_length cached ones, each after an
+    untimed one of its size, for each k that fits the context (see the module docstring for the
+    noise handling). Returns (curve, rounds taken)."""
     prefix = prefix_length(model)
     sizes = tuple(k for k in sizes if prefix + k <= model.max_length) or (1,)
     times: dict[int, list[float]] = {k: [] for k in sizes}
