@@ -219,3 +219,14 @@ def test_profile_breakdown_on_the_cli(gguf_models, model_dirs):
     done = subprocess.run([sys.executable, "-m", "specdec", "profile", "--target", model_dirs["llama"], "--plain", "--breakdown"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "takes a GGUF target" in done.stderr and "Traceback" not in done.stderr
+
+
+@needs_head
+def test_a_graph_without_the_final_norm_keeps_llama_cpps_output_layer(gguf_models, monkeypatch):
+    """An architecture whose graph names no "result_norm": the capture sees no rows, and the check
+    at load keeps llama.cpp's output layer (or refuses specdec's when asked for), never a crash."""
+    monkeypatch.setattr(cpu_head, "NORM_TENSOR", b"no_such_tensor")
+    model = specdec.load_model(gguf_models["gguf-q8_0"], threads=1)
+    assert model.output_layer == "llama.cpp" and "final-norm rows" in model.output_layer_note
+    with pytest.raises(specdec.SpecDecError, match="final-norm rows"):
+        specdec.load_model(gguf_models["gguf-q8_0"], threads=1, output_layer="specdec")
