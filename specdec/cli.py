@@ -84,7 +84,7 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GGUF: a Hugging Face tokenizer directory to use instead of the file's own")
     parser.add_argument("--output-layer", choices=OUTPUT_LAYERS, default="auto",
                         help="GGUF on the CPU: who computes the logits from the final norm. auto (default): specdec's kernel where "
-                             "it runs (a Q8_0 output matrix, AVX-512 VNNI), agrees with llama.cpp and is faster; else llama.cpp")
+                             "it runs (a Q8_0 or Q6_K output matrix, AVX-512 VNNI), agrees with llama.cpp and is faster; else llama.cpp")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="GGUF: kernels that give a token the same logits in a batch of any size (checked at load), so greedy "
                              "speculation equals plain greedy decoding exactly; see the README for what it costs")

@@ -22,7 +22,7 @@
    zero scales.
 
    Also here: `specdec_capture`, a ggml eval callback that copies one named tensor (the final
-   norm's output) out of llama.cpp's graph and can stop the graph right after it. */
+   norm's output) out of llama.cpp's graph and stops the graph right after it. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -396,7 +396,6 @@ typedef struct {
     size_t (*nbytes)(const void *tensor);
     void (*tensor_get)(const void *tensor, void *data, size_t offset, size_t size);
     int32_t active;      /* 0: ask for nothing (llama.cpp computes its whole graph in one go) */
-    int32_t stop;        /* stop the graph once the tensor is copied */
     char name[64];       /* the tensor to copy */
     float *dest;
     uint64_t capacity;   /* bytes at dest */
@@ -412,7 +411,7 @@ bool specdec_capture(const void *tensor, bool ask, void *user_data) {
     if (c->copied + bytes > c->capacity) { c->overflow = 1; return true; }
     c->tensor_get(tensor, (char *)c->dest + c->copied, 0, bytes);
     c->copied += bytes;
-    return !c->stop;
+    return false;  /* the rest of the graph (the output layer) is not computed */
 }
 
 static PyObject *capture_address(PyObject *self, PyObject *args) { return PyLong_FromVoidPtr((void *)&specdec_capture); }

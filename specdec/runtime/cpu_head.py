@@ -13,8 +13,8 @@ It takes Q8_0 matrices and Q6_K ones (what Q4_K_M files of models whose width is
 256 store).
 
 Exactness: the kernel quantizes each hidden row as llama.cpp does (Q8_0 rows against a Q8_0
-matrix, Q8_K rows against a Q6_K one), so the integer dot products are llama.cpp's; only the float order of the per-block sums differs. It computes every
-row alone, the same way in any batch: a row's logits are bitwise the same whatever the batch
+matrix, Q8_K rows against a Q6_K one), so the integer dot products are llama.cpp's; only the
+float order of the per-block sums differs. It computes every row alone, the same way in any batch: a row's logits are bitwise the same whatever the batch
 shape, so plain decoding (one row) and a verify (k rows) compute one function of the hidden
 states. A self-check at load compares it with llama.cpp's own logits and refuses it if they
 disagree beyond rounding (an architecture that does more after the final norm than one matmul).
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 NORM_TENSOR = b"result_norm"  # llama.cpp's name for the final norm's output, the rows the output matrix multiplies
-KINDS = {8: ("Q8_0", 32, 34), 14: ("Q6_K", 256, 210)}  # ggml type -> name, weights and bytes per block; the kernel's kind is the index
+KINDS = {8: (32, 34), 14: (256, 210)}  # ggml type (Q8_0, Q6_K) -> weights and bytes per block; the kernel's kind is the index
 GGUF_FLOAT32 = 6  # enum gguf_type
 
 
@@ -39,7 +39,7 @@ class Capture(ctypes.Structure):
     """The callback's state (the struct `Capture` in _cpu_head.c, field for field)."""
 
     _fields_ = [("get_name", ctypes.c_void_p), ("nbytes", ctypes.c_void_p), ("tensor_get", ctypes.c_void_p),
-                ("active", ctypes.c_int32), ("stop", ctypes.c_int32), ("name", ctypes.c_char * 64),
+                ("active", ctypes.c_int32), ("name", ctypes.c_char * 64),
                 ("dest", ctypes.c_void_p), ("capacity", ctypes.c_uint64), ("copied", ctypes.c_uint64), ("overflow", ctypes.c_int32)]
 
 
@@ -99,7 +99,7 @@ class CpuHead:
         self.kernels, self.width, self.vocab_size, self.threads = kernels, width, vocab_size, threads
         library = _ggml_base(llama_cpp_module)
         matrix, ggml_type, self.softcap = _output_matrix(library, Path(path), width, vocab_size)
-        self.kind, (self.type_name, block, _) = list(KINDS).index(ggml_type), KINDS[ggml_type]
+        self.kind, (block, _) = list(KINDS).index(ggml_type), KINDS[ggml_type]
         rows_packed = -(-vocab_size // 16) * 16
         self.weights = np.empty(rows_packed * width, np.uint8)
         self.scales = np.empty(rows_packed * (width // block), np.uint16)
@@ -107,10 +107,15 @@ class CpuHead:
         kernels.pack(self.kind, matrix, vocab_size, width, self.weights, self.scales, self.subscales)
         self.hidden = torch.empty(rows, width, dtype=torch.float32)
         name, nbytes, tensor_get = _ggml_functions(library)
-        self.capture = Capture(get_name=name, nbytes=nbytes, tensor_get=tensor_get, active=1, stop=1, name=NORM_TENSOR,
+        self.capture = Capture(get_name=name, nbytes=nbytes, tensor_get=tensor_get, active=1, name=NORM_TENSOR,
                                dest=self.hidden.data_ptr(), capacity=self.hidden.numel() * 4, copied=0)
         self.callback = ctypes.cast(kernels.capture_address(), llama_cpp_module.ggml_backend_sched_eval_callback)
         self.user_data = ctypes.cast(ctypes.pointer(self.capture), ctypes.c_void_p)
+
+    def drop_matrix(self) -> None:
+        """When llama.cpp keeps the output layer: the packed copy goes (the capture stays, inactive:
+        the context holds its address)."""
+        self.weights = self.scales = self.subscales = None
 
     def begin(self, active: bool = True) -> None:
         """Before a decode: capture (and stop after) the final norm, or let llama.cpp finish its graph."""
@@ -146,7 +151,7 @@ def _output_matrix(library: ctypes.CDLL, path: Path, width: int, vocab_size: int
         kind, size = library.gguf_get_tensor_type(gguf, tensor), library.gguf_get_tensor_size(gguf, tensor)
         if kind not in KINDS:
             raise ValueError(f"its output matrix is neither Q8_0 nor Q6_K (ggml type {kind}), the types the kernel takes")
-        _, block, block_bytes = KINDS[kind]
+        block, block_bytes = KINDS[kind]
         if width % block or size != vocab_size * width // block * block_bytes:
             raise ValueError(f"its output matrix ({size} bytes) is not {vocab_size} x {width}")
         offset = library.gguf_get_data_offset(gguf) + library.gguf_get_tensor_offset(gguf, tensor)

@@ -102,13 +102,13 @@ class _Context:
             raise RuntimeError("llama.cpp could not create a context for the breakdown")
         self.batch = lib.llama_batch_init(cells, 0, 1)
         self.memory = lib.llama_get_memory(self.context)
-        self.cached = 0
+        self.vocab_size, self.cached = model.vocab_size, 0
 
     def forward(self, tokens: list[int], prefix: int) -> float:
         """Seconds of a forward of `tokens` (logits for every one) after `prefix` cached tokens."""
         if self.cached != prefix:
             self.lib.llama_memory_seq_rm(self.memory, 0, 0, -1)
-            self._decode([i % 1000 for i in range(prefix)], 0)
+            self._decode([i % self.vocab_size for i in range(prefix)], 0)
             self.cached = prefix
         self.lib.llama_memory_seq_rm(self.memory, 0, prefix, -1)
         return self._decode(tokens, prefix)
