@@ -14,7 +14,7 @@ from specdec.drafters.prediction import Prediction
 from specdec.engine import DecodeState, Engine, StepResult, TokenLogprob
 from specdec.errors import SpecDecError
 from specdec.ngram import KatzTrigram
-from specdec.runtime import CausalLM, check_same_vocabulary, choose_backend, load_model, require_trees, tokenizer_fingerprint
+from specdec.runtime import CausalLM, check_same_vocabulary, choose_backend, load_draft, load_model, require_trees, tokenizer_fingerprint
 from specdec.runtime.prefix import DEFAULT_TOKENS as PREFIX_TOKENS, PrefixCache
 from specdec.policy import AUTO_MAX_DEPTH, MAX_DEPTH, BatchDepth, CostAwareDepth, CostAwarePolicy, FixedGamma, SharedAcceptance
 from specdec.sampling import RandomStreams
@@ -411,7 +411,7 @@ def load(
         return SpeculativeDecoder(target_model, AutoDrafter(None, PromptLookupDrafter()) if auto else inner, gamma, explore, prefix_cache=prefix_cache)
     if device is None and target_model.backend == "transformers" and choose_backend(draft, backend) == "transformers":
         options["device"] = str(target_model.device)  # the draft runs beside the target
-    draft_model = load_model(draft, **options)
+    draft_model = load_draft(draft, target_model, **options)
     drafter = ModelDrafter(draft_model, tree=tree, inner=inner if staged else None, inner_gamma=inner_gamma)
     return SpeculativeDecoder(target_model, AutoDrafter(drafter, PromptLookupDrafter()) if auto else drafter, gamma, explore, prefix_cache=prefix_cache)
 

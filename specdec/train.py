@@ -7,8 +7,7 @@ and JSON only: nothing is pickled), so an interrupted run resumes where it stopp
 model is written to DIR with `save_pretrained` (config.json, model.safetensors, tokenizer files)
 plus DIR/training.json with the settings and the held-out loss history.
 
-`--distill-from TARGET` trains a draft to match the target's next-token distributions
-(KL(target || draft) at `--distill-temperature`), using the target's tokenizer.
+Distilling a draft from a target is `specdec.distill` (`specdec train --distill-from TARGET`).
 """
 
 from __future__ import annotations
@@ -58,8 +57,6 @@ class TrainConfig:
     device: str = "cpu"
     bf16: bool = False  # autocast matmuls to bfloat16 (weights and optimizer stay float32)
     save_dtype: str = "float32"  # dtype of the final model.safetensors ("float16" for a small demo pair)
-    distill_from: str | None = None
-    distill_temperature: float = 1.0
     progress: bool = True
 
     def check(self) -> None:
@@ -166,17 +163,10 @@ def model_config(config: TrainConfig, vocab_size: int, eos_id: int):
     )
 
 
-def loss_fn(model, batch: torch.Tensor, teacher=None, temperature: float = 1.0) -> torch.Tensor:
-    """Next-token cross-entropy, or KL(teacher || model) when distilling."""
+def loss_fn(model, batch: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy."""
     logits = model(input_ids=batch[:, :-1]).logits.float()  # [b, t, vocab]
-    if teacher is None:
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-    with torch.no_grad():
-        teacher_logits = teacher(input_ids=batch[:, :-1]).logits.float()[..., : logits.shape[-1]]
-    log_student = torch.log_softmax(logits / temperature, -1)
-    log_teacher = torch.log_softmax(teacher_logits / temperature, -1)
-    kl = torch.nn.functional.kl_div(log_student, log_teacher, log_target=True, reduction="none").sum(-1)
-    return kl.mean() * temperature**2
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
@@ -240,13 +230,7 @@ def train(config: TrainConfig) -> TrainState:
     torch.manual_seed(config.seed)
     files = expand_files(config.files)
     train_files, held_files = split_files(files, config.holdout)
-    teacher = None
-    if config.distill_from:
-        from specdec.runtime import load_model
-
-        teacher_model = load_model(config.distill_from, device=config.device, dtype="float32")
-        teacher, tokenizer = teacher_model.model, teacher_model.tokenizer
-    elif config.tokenizer or (out / "tokenizer.json").exists():  # a resumed run keeps the tokenizer it trained
+    if config.tokenizer or (out / "tokenizer.json").exists():  # a resumed run keeps the tokenizer it trained
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or out, local_files_only=True, trust_remote_code=False)
     else:
         tokenizer = train_tokenizer(train_files, config.vocab_size)
@@ -269,7 +253,7 @@ def train(config: TrainConfig) -> TrainState:
     def heldout_loss() -> float:
         model.eval()
         with torch.no_grad(), _autocast(config):
-            losses = [float(loss_fn(model, batch_at(held_ids, s, config.seq_len).to(config.device), teacher, config.distill_temperature)) for s in held_starts]
+            losses = [float(loss_fn(model, batch_at(held_ids, s, config.seq_len).to(config.device))) for s in held_starts]
         model.train()
         return sum(losses) / len(losses)
 
@@ -282,7 +266,7 @@ def train(config: TrainConfig) -> TrainState:
             group["lr"] = learning_rate(config, state.step)
         batch = batch_at(train_ids, rng.integers(0, len(train_ids) - config.seq_len - 1, config.batch_size), config.seq_len)
         with _autocast(config):
-            loss = loss_fn(model, batch.to(config.device), teacher, config.distill_temperature)
+            loss = loss_fn(model, batch.to(config.device))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()

@@ -11,7 +11,7 @@ from specdec.runtime.vocab import check_same_vocabulary, tokenizer_fingerprint
 BACKENDS = ("auto", "transformers", "llamacpp")
 OUTPUT_LAYERS = ("auto", "specdec", "llama.cpp")  # who computes a GGUF model's logits on the CPU (see cpu_head)
 
-__all__ = ["CausalLM", "Sequence", "BACKENDS", "OUTPUT_LAYERS", "load_model", "choose_backend", "require_trees",
+__all__ = ["CausalLM", "Sequence", "BACKENDS", "OUTPUT_LAYERS", "load_model", "load_draft", "choose_backend", "require_trees",
            "check_same_vocabulary", "tokenizer_fingerprint"]
 
 
@@ -78,6 +78,16 @@ def load_model(
 
         torch.set_num_threads(threads)
     return load_hf(path, device=device, dtype=dtype, attn_implementation=attn_implementation)
+
+
+def load_draft(path: str | os.PathLike, target: CausalLM, **options) -> CausalLM:
+    """A draft model for `target` (options as for `load_model`). A distilled draft that predicts only
+    part of the target's vocabulary is wrapped to speak the target's ids (`runtime.pruned`)."""
+    from specdec.runtime.pruned import PrunedVocab, VocabMap
+
+    model = load_model(path, **options)
+    vocab_map = VocabMap.of(path)
+    return model if vocab_map is None else PrunedVocab(model, vocab_map, target.tokenizer)
 
 
 def _load_tokenizer(directory: str | os.PathLike):

@@ -93,10 +93,12 @@ class HFModel:
 
     def peers(self, draft: HFModel | None, max_new_tokens: int) -> list[base.Peer]:
         """Hugging Face generate() on the very same model objects: plain, assisted by the draft
-        model, and its prompt lookup. Forwards are counted with hooks on the models."""
+        model (one with the target's own vocabulary), and its prompt lookup. Forwards are counted
+        with hooks on the models."""
         import transformers
 
         transformers.logging.set_verbosity_error()  # generate() warns about flags set on purpose
+        draft = draft if isinstance(draft, HFModel) else None  # a pruned draft (runtime.pruned) is specdec's own
         target_forwards, draft_forwards = _ForwardCounter(self.model), _ForwardCounter(draft.model) if draft else None
         peers = [base.Peer("HF generate", False, self._generate_peer(max_new_tokens, target_forwards))]
         if draft is not None:

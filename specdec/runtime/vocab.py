@@ -32,7 +32,13 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, draft_name: str = "
     )
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
-    """A short hash of the string -> id map, stored with n-gram models to catch a tokenizer swap."""
+def tokenizer_fingerprint(tokenizer, spaces_as_written: bool = False) -> str:
+    """A short hash of the string -> id map, stored with n-gram models to catch a tokenizer swap.
+
+    spaces_as_written: SentencePiece's space mark "▁" hashed as the space it stands for. The same
+    GGUF tokenizer read by transformers and by llama.cpp differs only there (llama.cpp writes
+    Gemma's pieces of bare spaces with spaces), so a fingerprint taken so matches on both backends."""
     items = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    if spaces_as_written:
+        items = [(piece.replace("\u2581", " "), token_id) for piece, token_id in items]
     return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]

@@ -1,0 +1,466 @@
+"""Distil a small draft from the user's own target: `specdec train --distill-from TARGET -o DIR`.
+
+Any target specdec runs works as the teacher (a GGUF file on llama.cpp, a checkpoint on
+transformers); it is used only through the runtime protocol. Four stages, each saved under
+DIR/work, so re-running the same command resumes where it stopped:
+
+1. corpus: local text and code (default: the standard library's source, less the files the bench
+   suites are built from, so acceptance is measured on text the draft never saw), tokenized by the
+   target, capped at `corpus_tokens`;
+2. generations (self-distillation): the target continues windows of the corpus, half greedily and
+   half sampled at `temperature`; every continuation token keeps the target's `soft_top` most
+   likely tokens and their logits, the soft labels;
+3. vocabulary: the `draft_vocab` target tokens most frequent in the generations and the corpus
+   (the target's stop tokens always among them); the draft predicts only these (`runtime.pruned`:
+   q = 0 elsewhere, which keeps speculative sampling exact);
+4. training: a small Llama-architecture model, its embeddings initialised from the target's
+   (projected to the draft's width) where the target's weights can be read; loss = KL(target's
+   top-k || draft) on continuation tokens, cross-entropy on corpus tokens.
+
+DIR then holds a transformers checkpoint with `vocab_map.json`, `draft.gguf` (the same weights for
+llama.cpp, the map in its metadata) and `distill.json` (settings, data, held-out agreement with the
+target's greedy choice, wall time and peak memory per stage).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sysconfig
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from specdec.errors import SpecDecError
+from specdec.runtime.base import Feed
+from specdec.runtime.pruned import VocabMap
+from specdec.runtime.vocab import tokenizer_fingerprint
+from specdec.sampling import probs_from_logits, sample
+from specdec.types import SamplingParams
+
+
+@dataclass
+class DistillConfig:
+    target: str
+    output: str
+    files: list[str] = field(default_factory=list)  # default: the standard library (less the suites' files)
+    backend: str = "auto"
+    threads: int | None = None
+    device: str = "cpu"  # where the draft trains (and a checkpoint target runs)
+    corpus_tokens: int = 2_000_000
+    prompts: int = 2048  # corpus windows the target continues
+    prompt_tokens: int = 96
+    new_tokens: int = 96
+    temperature: float = 0.7  # for the sampled half of the continuations
+    soft_top: int = 8  # soft labels kept per continuation token
+    generate_batch: int = 16  # continuations decoded side by side
+    draft_vocab: int = 8192
+    hidden_size: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 1
+    intermediate_size: int = 768
+    context: int = 4096  # the draft's positions; a longer prompt is left undrafted
+    batch_size: int = 16
+    steps: int = 1200
+    lr: float = 2e-3
+    warmup: int = 100
+    weight_decay: float = 0.05
+    holdout: float = 0.04  # fraction of the continuations held out for the agreement figure
+    eval_every: int = 250
+    save_every: int = 250
+    seed: int = 0
+    bf16: bool = False  # autocast the draft's matmuls to bfloat16 while training (weights stay float32)
+    gguf: bool = True  # also write DIR/draft.gguf
+    progress: bool = True
+
+    def check(self) -> None:
+        for name in ("corpus_tokens", "prompts", "prompt_tokens", "new_tokens", "soft_top", "generate_batch", "draft_vocab",
+                     "hidden_size", "layers", "heads", "kv_heads", "intermediate_size", "batch_size", "steps", "eval_every", "save_every"):
+            if getattr(self, name) < 1:
+                raise SpecDecError(f"{name.replace('_', '-')} must be >= 1")
+        if self.hidden_size % self.heads or self.heads % self.kv_heads or (self.hidden_size // self.heads) % 2:
+            raise SpecDecError(f"hidden size {self.hidden_size} must split into {self.heads} heads of even width, "
+                               f"and the heads into {self.kv_heads} kv heads")
+        if not 0 < self.holdout < 0.5:
+            raise SpecDecError("holdout must be a fraction in (0, 0.5)")
+        if self.prompts * self.holdout < 1:
+            raise SpecDecError(f"{self.prompts} prompts hold none out at holdout {self.holdout}")
+        if self.temperature <= 0:
+            raise SpecDecError("temperature (of the sampled continuations) must be > 0")
+
+
+# ---------------------------------------------------------------------------------------- stages
+
+
+def default_corpus() -> list[Path]:
+    """The standard library's source, less the held-out files the bench suites are built from."""
+    from specdec.bench.suites import heldout_sources
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    held = set(heldout_sources())
+    return [p for p in sorted(stdlib.rglob("*.py")) if "site-packages" not in p.relative_to(stdlib).parts and p not in held]
+
+
+def build_corpus(config: DistillConfig, tokenizer) -> np.ndarray:
+    """One stream of target ids, files in order (each followed by EOS), at most corpus_tokens long."""
+    from specdec.train import expand_files, read_text
+
+    files = expand_files(config.files) if config.files else default_corpus()
+    eos = tokenizer.eos_token_id
+    chunks, total = [], 0
+    for path in tqdm(files, desc="corpus", unit="file", disable=not config.progress, leave=False):
+        ids = tokenizer.encode(read_text(path), add_special_tokens=False) + ([eos] if eos is not None else [])
+        chunks.append(np.asarray(ids, dtype=np.int32))
+        total += len(ids)
+        if total >= config.corpus_tokens:
+            break
+    stream = np.concatenate(chunks)[: config.corpus_tokens] if chunks else np.zeros(0, dtype=np.int32)
+    if len(stream) < config.prompt_tokens * 4:
+        raise SpecDecError(f"the corpus holds {len(stream)} tokens of the target, too few for {config.prompt_tokens}-token prompts")
+    return stream
+
+
+@dataclass
+class Generations:
+    """Continuations of corpus windows: `tokens` [n, prompt + new] (prompt, then continuation,
+    padded with -1 after a stop), soft labels `top_ids` / `top_logits` [n, new, soft_top] for
+    predicting each continuation token."""
+
+    tokens: np.ndarray
+    top_ids: np.ndarray
+    top_logits: np.ndarray
+
+    def save(self, path: Path) -> None:
+        np.savez(path, tokens=self.tokens, top_ids=self.top_ids, top_logits=self.top_logits)
+
+    @staticmethod
+    def load(paths: list[Path]) -> Generations:
+        parts = [np.load(p) for p in paths]
+        return Generations(*(np.concatenate([part[key] for part in parts]) for key in ("tokens", "top_ids", "top_logits")))
+
+
+def prompt_starts(config: DistillConfig, corpus_length: int) -> np.ndarray:
+    return np.random.default_rng([config.seed, 1]).integers(0, corpus_length - config.prompt_tokens, config.prompts)
+
+
+def generate(target, corpus: np.ndarray, config: DistillConfig, work: Path) -> Generations:
+    """The target's continuations (stage 2), decoded generate_batch at a time in one batched
+    forward per token and saved a batch per file, so an interrupted run loses at most one batch."""
+    starts = prompt_starts(config, len(corpus))
+    batches = [range(i, min(i + config.generate_batch, config.prompts)) for i in range(0, config.prompts, config.generate_batch)]
+    files = [work / f"generations-{b:05d}.npz" for b in range(len(batches))]
+    done = sum(f.exists() for f in files)
+    bar = tqdm(total=config.prompts, initial=min(config.prompts, done * config.generate_batch), desc="target generations",
+               unit="prompt", disable=not config.progress)
+    for batch, file in zip(batches[done:], files[done:]):
+        prompts = [corpus[starts[i]: starts[i] + config.prompt_tokens] for i in batch]
+        continue_batch(target, prompts, [i % 2 == 1 for i in batch], config).save(file)
+        bar.update(len(batch))
+    bar.close()
+    return Generations.load(files)
+
+
+def continue_batch(target, prompts: list[np.ndarray], sampled: list[bool], config: DistillConfig) -> Generations:
+    """Continue each prompt by new_tokens (greedy, or sampled at the temperature), recording the
+    target's top soft_top logits at every continuation token."""
+    rng = torch.Generator().manual_seed(config.seed * 1_000_003 + int(prompts[0][0]) + len(prompts))
+    params = SamplingParams(temperature=config.temperature)
+    n, new = len(prompts), config.new_tokens
+    tokens = np.full((n, config.prompt_tokens + new), -1, dtype=np.int32)
+    top_ids = np.zeros((n, new, config.soft_top), dtype=np.int32)
+    top_logits = np.full((n, new, config.soft_top), -np.inf, dtype=np.float16)
+    sequences = [target.sequence() for _ in prompts]
+    try:
+        logits = [seq.forward(p.tolist(), last=1)[0] for seq, p in zip(sequences, prompts)]
+        live = list(range(n))
+        for row, prompt in enumerate(prompts):
+            tokens[row, : len(prompt)] = prompt
+        for step in range(new):
+            chosen = []
+            for row in live:
+                row_logits = logits[row].float()
+                values, ids = torch.topk(row_logits, config.soft_top)
+                top_ids[row, step], top_logits[row, step] = ids.numpy(), values.numpy()
+                token = sample(probs_from_logits(row_logits, params), rng) if sampled[row] else int(row_logits.argmax())
+                tokens[row, config.prompt_tokens + step] = token
+                chosen.append(token)
+            live = [row for row, token in zip(live, chosen) if token not in target.stop_token_ids]
+            if not live or step == new - 1:
+                break
+            fed = target.forward_batch([Feed(sequences[row], [int(tokens[row, config.prompt_tokens + step])], last=1) for row in live])
+            for row, row_logits in zip(live, fed):
+                logits[row] = row_logits[0]
+    finally:
+        for seq in sequences:
+            seq.release()
+    return Generations(tokens, top_ids, top_logits)
+
+
+def choose_vocabulary(corpus: np.ndarray, generations: Generations, size: int, stop_ids, vocab_size: int) -> np.ndarray:
+    """The `size` target ids the draft will predict: ranked by how often the target generated them
+    (or ranked them in its top soft labels), then by corpus frequency; stop tokens always in."""
+    generated = generations.tokens[:, -generations.top_ids.shape[1]:]
+    counts = np.bincount(generated[generated >= 0], minlength=vocab_size).astype(np.float64) * 1e6
+    counts += np.bincount(generations.top_ids.reshape(-1), minlength=vocab_size) * 1e3
+    counts += np.bincount(corpus, minlength=vocab_size)
+    counts[list(stop_ids)] = np.inf
+    ranked = np.argsort(-counts, kind="stable")
+    return np.sort(ranked[: min(size, int((counts > 0).sum()))])
+
+
+# ---------------------------------------------------------------------------------------- draft model
+
+
+def draft_config(config: DistillConfig, vocab_map: VocabMap, eos_draft_id: int | None):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_map.draft_vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.layers, num_attention_heads=config.heads, num_key_value_heads=config.kv_heads,
+        max_position_embeddings=config.context, tie_word_embeddings=True, rope_theta=10000.0,
+        bos_token_id=None, eos_token_id=eos_draft_id, pad_token_id=eos_draft_id,
+    )
+
+
+def target_embeddings(target) -> torch.Tensor | None:
+    """The target's input embedding matrix [vocab, width] in float32, where its weights can be read."""
+    inner = getattr(target, "model", None)
+    if inner is not None and hasattr(inner, "get_input_embeddings"):
+        return inner.get_input_embeddings().weight.detach().float().cpu()
+    if str(target.path).lower().endswith(".gguf"):
+        from gguf import GGUFReader
+        from gguf.quants import dequantize
+
+        for tensor in GGUFReader(str(target.path)).tensors:
+            if tensor.name == "token_embd.weight":
+                return torch.from_numpy(np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+    return None
+
+
+def project_embeddings(embeddings: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows projected onto their top `width` principal directions, scaled to an init's magnitude
+    (std 0.02 per entry): the draft starts from the target's geometry of its tokens."""
+    centered = embeddings - embeddings.mean(0, keepdim=True)
+    _, _, v = torch.linalg.svd(centered, full_matrices=False)
+    projected = centered @ v[:width].T if v.shape[0] >= width else torch.nn.functional.pad(centered @ v.T, (0, width - v.shape[0]))
+    return projected * (0.02 / projected.std().clamp_min(1e-12))
+
+
+def soft_loss(logits: torch.Tensor, top_ids: torch.Tensor, top_logits: torch.Tensor) -> torch.Tensor:
+    """KL(target's top-k, renormalised || draft) per position, up to the target's entropy term.
+
+    logits [n, draft vocab]; top_ids [n, k] draft ids (-1: outside the draft's vocabulary, dropped);
+    top_logits [n, k] the target's logits at them."""
+    weights = torch.softmax(top_logits.float().masked_fill(top_ids < 0, -torch.inf), -1)
+    log_q = torch.log_softmax(logits.float(), -1).gather(-1, top_ids.clamp_min(0))
+    return -(weights * log_q).sum(-1)
+
+
+@dataclass
+class Examples:
+    """Training rows in draft ids: inputs [n, length], hard labels [n, length] (-100: none), soft
+    labels top_ids / top_logits [n, length, k] (top_ids -1: none) and a soft mask [n, length]."""
+
+    inputs: torch.Tensor
+    hard: torch.Tensor
+    top_ids: torch.Tensor
+    top_logits: torch.Tensor
+    soft: torch.Tensor
+
+    def rows(self, index) -> Examples:
+        return Examples(*(t[index] for t in (self.inputs, self.hard, self.top_ids, self.top_logits, self.soft)))
+
+
+def examples(generations: Generations, vocab_map: VocabMap, prompt_tokens: int) -> Examples:
+    """Predict token t+1 from tokens <= t: corpus tokens by cross-entropy (where the draft can
+    predict them), continuation tokens from the target's soft labels."""
+    to_draft = vocab_map.to_draft()
+    tokens = generations.tokens.astype(np.int64)
+    n, length = tokens.shape[0], tokens.shape[1] - 1
+    inputs = np.where(tokens[:, :-1] >= 0, to_draft[np.maximum(tokens[:, :-1], 0)], vocab_map.unknown)
+    hard = np.full((n, length), -100, dtype=np.int64)
+    labels = to_draft[np.maximum(tokens[:, 1: prompt_tokens], 0)]
+    hard[:, : prompt_tokens - 1] = np.where(labels == vocab_map.unknown, -100, labels)
+    k = generations.top_ids.shape[2]
+    top_ids = np.full((n, length, k), -1, dtype=np.int64)
+    top_logits = np.zeros((n, length, k), dtype=np.float32)
+    mapped = to_draft[generations.top_ids]
+    top_ids[:, prompt_tokens - 1:] = np.where(mapped == vocab_map.unknown, -1, mapped)
+    top_logits[:, prompt_tokens - 1:] = np.nan_to_num(generations.top_logits.astype(np.float32), neginf=-1e4)
+    # a continuation token is a label where it was generated (not the padding after a stop)
+    soft = np.zeros((n, length), dtype=bool)
+    soft[:, prompt_tokens - 1:] = tokens[:, prompt_tokens:] >= 0
+    soft &= (top_ids >= 0).any(-1)
+    return Examples(*(torch.from_numpy(a) for a in (inputs, hard, top_ids, top_logits, soft)))
+
+
+def batch_loss(model, batch: Examples, device: str) -> torch.Tensor:
+    logits = model(input_ids=batch.inputs.to(device)).logits  # [b, length, draft vocab]
+    hard = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch.hard.to(device).flatten(), reduction="sum")
+    soft_mask = batch.soft.to(device)
+    soft = soft_loss(logits[soft_mask], batch.top_ids.to(device)[soft_mask], batch.top_logits.to(device)[soft_mask]).sum()
+    count = (batch.hard >= 0).sum() + batch.soft.sum()
+    return (hard + soft) / count.clamp_min(1).to(device)
+
+
+def agreement(model, held: Examples, device: str) -> float:
+    """How often the draft's most likely token is the target's (on held-out continuations): the
+    per-token acceptance a greedy chain would see with these contexts."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=held.inputs.to(device)).logits.cpu()
+    model.train()
+    mask = held.soft
+    return float((logits[mask].argmax(-1) == held.top_ids[mask][:, 0]).float().mean())
+
+
+# ---------------------------------------------------------------------------------------- driver
+
+
+@dataclass
+class Report:
+    stages: dict = field(default_factory=dict)  # stage -> {"seconds", "peak_rss_mb"}
+    history: list = field(default_factory=list)  # {"step", "train_loss", "heldout_agreement"}
+
+
+def distill(config: DistillConfig) -> dict:
+    """Run (or resume) a distillation; returns the report written to OUTPUT/distill.json."""
+    from specdec.runtime import load_model
+
+    config.check()
+    work = Path(config.output) / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(config.seed)
+    report = Report(**json.loads((work / "report.json").read_text())) if (work / "report.json").exists() else Report()
+
+    def stage(name: str, run):
+        started = time.perf_counter()
+        result = run()
+        seconds = time.perf_counter() - started + report.stages.get(name, {}).get("seconds", 0.0)
+        report.stages[name] = {"seconds": round(seconds, 1), "peak_rss_mb": _peak_rss_mb()}
+        (work / "report.json").write_text(json.dumps(asdict(report)))
+        return result
+
+    options = {} if config.device == "cpu" or str(config.target).lower().endswith(".gguf") else {"device": config.device}
+    target = load_model(config.target, backend=config.backend, threads=config.threads, slots=config.generate_batch,
+                        context=(config.prompt_tokens + config.new_tokens + 8) if _is_gguf(config) else None, **options)
+    corpus = _cached(work / "corpus.npy", lambda: stage("corpus", lambda: build_corpus(config, target.tokenizer)))
+    generations = stage("generate", lambda: generate(target, corpus, config, work))
+    ids = choose_vocabulary(corpus, generations, config.draft_vocab, target.stop_token_ids, target.vocab_size)
+    vocab_map = VocabMap(tuple(int(i) for i in ids), target.vocab_size, tokenizer_fingerprint(target.tokenizer, spaces_as_written=True))
+    embeddings = target_embeddings(target) if not (work / "checkpoint" / "state.json").exists() else None
+    model, state = stage("train", lambda: train_draft(config, generations, vocab_map, embeddings, target, work, report))
+    return write_outputs(config, model, vocab_map, draft_pieces(target.tokenizer, vocab_map), corpus, generations, state, report)
+
+
+def _is_gguf(config: DistillConfig) -> bool:
+    from specdec.runtime import choose_backend
+
+    return choose_backend(config.target, config.backend) == "llamacpp"
+
+
+def _cached(path: Path, build) -> np.ndarray:
+    if path.exists():
+        return np.load(path)
+    value = build()
+    np.save(path, value)
+    return value
+
+
+def _peak_rss_mb() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+
+
+def train_draft(config: DistillConfig, generations: Generations, vocab_map: VocabMap, embeddings, target, work: Path, report: Report):
+    """Stage 4: AdamW with warmup and a cosine schedule, checkpointed every save_every steps."""
+    from transformers import LlamaForCausalLM
+
+    from specdec.train import TrainConfig, TrainState, learning_rate, load_checkpoint, save_checkpoint
+
+    eos = next((i for i, t in enumerate(vocab_map.target_ids) if t == getattr(target.tokenizer, "eos_token_id", None)), None)
+    model = LlamaForCausalLM(draft_config(config, vocab_map, eos)).to(config.device)
+    if embeddings is not None:
+        with torch.no_grad():
+            rows = embeddings[list(vocab_map.target_ids)]
+            model.get_input_embeddings().weight[: vocab_map.unknown] = project_embeddings(rows, config.hidden_size).to(config.device)
+    schedule = TrainConfig(files=[], output="", steps=config.steps, lr=config.lr, warmup=config.warmup)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
+    checkpoint = work / "checkpoint"
+    state = load_checkpoint(checkpoint, model, optimizer) if (checkpoint / "state.json").exists() else TrainState()
+    data = examples(generations, vocab_map, config.prompt_tokens)
+    order = np.random.default_rng(config.seed).permutation(len(data.inputs))
+    held_count = max(1, int(len(order) * config.holdout))
+    held, train_rows = data.rows(torch.from_numpy(order[:held_count])), order[held_count:]
+    rng = np.random.default_rng([config.seed, state.step])
+    bar = tqdm(total=config.steps, initial=state.step, desc="training the draft", unit="step", disable=not config.progress)
+    running = None
+    while state.step < config.steps:
+        started = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(schedule, state.step)
+        with torch.autocast("cuda" if config.device.startswith("cuda") else "cpu", dtype=torch.bfloat16, enabled=config.bf16):
+            loss = batch_loss(model, data.rows(torch.from_numpy(rng.choice(train_rows, config.batch_size))), config.device)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        state.tokens_seen += config.batch_size * data.inputs.shape[1]
+        state.seconds += time.perf_counter() - started
+        running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+        bar.update(1)
+        bar.set_postfix(loss=f"{running:.3f}")
+        if state.step % config.eval_every == 0 or state.step == config.steps:
+            report.history.append({"step": state.step, "train_loss": round(running, 4), "heldout_agreement": round(agreement(model, held, config.device), 4)})
+            state.history = report.history
+            bar.write(f"step {state.step}: loss {running:.3f}, held-out agreement with the target's greedy choice {report.history[-1]['heldout_agreement']:.3f}")
+        if state.step % config.save_every == 0 or state.step == config.steps:
+            save_checkpoint(checkpoint, model, optimizer, state, schedule)
+    bar.close()
+    return model, state
+
+
+def write_outputs(config: DistillConfig, model, vocab_map: VocabMap, pieces: list[str], corpus, generations: Generations, state, report: Report) -> dict:
+    """OUTPUT: the transformers checkpoint with its vocabulary map, draft.gguf, distill.json."""
+    from specdec.export import draft_tokenizer, write_gguf
+
+    out = Path(config.output)
+    model.to(torch.float32).cpu().save_pretrained(out)
+    vocab_map.save(out)
+    draft_tokenizer(pieces, model.config.eos_token_id).save_pretrained(out)
+    if config.gguf:
+        write_gguf(model, pieces, vocab_map, out / "draft.gguf")
+    generated = generations.tokens[:, config.prompt_tokens:]
+    inside = np.isin(generated[generated >= 0], np.asarray(vocab_map.target_ids))
+    summary = {
+        "target": str(config.target), "settings": {k: v for k, v in asdict(config).items() if k not in ("target", "output")},
+        "corpus_tokens": int(len(corpus)), "continuations": int(len(generations.tokens)), "generated_tokens": int(inside.size),
+        "vocabulary": {"draft": len(vocab_map.target_ids), "target": vocab_map.target_vocab_size,
+                       "generated_tokens_covered": round(float(inside.mean()), 4)},
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "steps": state.step, "train_seconds": round(state.seconds, 1),
+        "heldout_agreement": report.history[-1]["heldout_agreement"] if report.history else None,
+        "stages": report.stages, "history": report.history,
+        "total_seconds": round(sum(s["seconds"] for s in report.stages.values()), 1),
+        "peak_rss_mb": max((s["peak_rss_mb"] for s in report.stages.values()), default=_peak_rss_mb()),
+    }
+    (out / "distill.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def draft_pieces(tokenizer, vocab_map: VocabMap) -> list[str]:
+    """The draft's token strings, for its tokenizer files: each predicted token's text in the
+    target's tokenizer (`<tID>` where that text is not unique), then `<unk>`."""
+    text = {token_id: piece for piece, token_id in tokenizer.get_vocab().items()}
+    pieces = [text.get(i, f"<t{i}>") for i in vocab_map.target_ids] + ["<unk>"]
+    seen: set[str] = set()
+    for i, piece in enumerate(pieces):
+        if piece in seen:
+            pieces[i] = f"<t{vocab_map.target_ids[i]}>"
+        seen.add(pieces[i])
+    return pieces

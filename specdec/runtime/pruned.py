@@ -1,0 +1,156 @@
+"""A draft that predicts only part of the target's vocabulary (a distilled draft, `specdec.distill`).
+
+The draft model has its own small vocabulary: draft id i stands for target id `target_ids[i]`, and
+one more id, `unknown`, stands for every other target token in its input. `PrunedVocab` wraps the
+loaded draft so that the engine sees the target's vocabulary: target ids in, target-sized logits
+out, with -inf (q = 0) at every token the draft cannot predict. Speculative sampling stays exact:
+the draft never proposes such a token, and the residual max(0, p - q) = p there gives the target its
+full mass back after a rejection. The unknown id is an input only; it is never proposed either.
+
+The map travels with the draft: `vocab_map.json` in a checkpoint directory, the metadata keys
+`specdec.vocab_map.*` in a GGUF file. It records the target tokenizer's fingerprint, so a draft is
+refused beside a target whose string -> id map differs from the one it was distilled from.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec.errors import SpecDecError
+from specdec.runtime import base
+from specdec.runtime.vocab import tokenizer_fingerprint
+
+MAP_FILE = "vocab_map.json"
+GGUF_KEYS = ("specdec.vocab_map.target_ids", "specdec.vocab_map.target_fingerprint", "specdec.vocab_map.target_vocab_size")
+
+
+@dataclass(frozen=True)
+class VocabMap:
+    target_ids: tuple[int, ...]  # draft id i predicts target id target_ids[i]; draft id len(target_ids) = unknown
+    target_vocab_size: int
+    target_fingerprint: str
+
+    @property
+    def unknown(self) -> int:
+        return len(self.target_ids)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return len(self.target_ids) + 1
+
+    def check(self) -> None:
+        ids = np.asarray(self.target_ids)
+        if len(ids) == 0 or len(set(self.target_ids)) != len(ids) or ids.min() < 0 or ids.max() >= self.target_vocab_size:
+            raise SpecDecError("a vocabulary map must list distinct target ids within the target's vocabulary")
+
+    def to_draft(self) -> np.ndarray:
+        """[target vocab] -> draft id (unknown for tokens the draft does not predict)."""
+        table = np.full(self.target_vocab_size, self.unknown, dtype=np.int64)
+        table[list(self.target_ids)] = np.arange(len(self.target_ids))
+        return table
+
+    def save(self, directory: str | Path) -> None:
+        (Path(directory) / MAP_FILE).write_text(json.dumps({
+            "target_ids": list(self.target_ids), "target_vocab_size": self.target_vocab_size,
+            "target_fingerprint": self.target_fingerprint}))
+
+    @staticmethod
+    def of(path: str | Path) -> VocabMap | None:
+        """The map stored with a draft (a checkpoint directory or a GGUF file), or None for a draft
+        with the target's own vocabulary."""
+        path = Path(path)
+        if path.is_dir():
+            file = path / MAP_FILE
+            if not file.is_file():
+                return None
+            saved = json.loads(file.read_text())
+            return VocabMap(tuple(saved["target_ids"]), saved["target_vocab_size"], saved["target_fingerprint"])
+        if path.suffix.lower() == ".gguf" and path.is_file():
+            return _gguf_map(path)
+        return None
+
+
+def _gguf_map(path: Path) -> VocabMap | None:
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    if GGUF_KEYS[0] not in fields:
+        return None
+    ids, fingerprint, size = (fields[key] for key in GGUF_KEYS)
+    return VocabMap(tuple(int(ids.parts[i][0]) for i in ids.data), int(size.parts[size.data[0]][0]),
+                    bytes(fingerprint.parts[fingerprint.data[0]]).decode())
+
+
+class PrunedVocab:
+    """A draft model with a `VocabMap`, seen through the target's vocabulary (see the module docstring)."""
+
+    def __init__(self, draft: base.CausalLM, vocab_map: VocabMap, target_tokenizer):
+        vocab_map.check()
+        if vocab_map.draft_vocab_size != draft.vocab_size:
+            raise SpecDecError(f"{draft.path}: its vocabulary map covers {vocab_map.draft_vocab_size} draft tokens, the model has {draft.vocab_size}")
+        fingerprint = tokenizer_fingerprint(target_tokenizer, spaces_as_written=True)
+        if vocab_map.target_fingerprint != fingerprint or vocab_map.target_vocab_size != len(target_tokenizer):
+            raise SpecDecError(f"the draft {draft.path} was distilled for another tokenizer than the target's "
+                               f"(fingerprint {vocab_map.target_fingerprint} vs {fingerprint})")
+        self.inner, self.vocab_map = draft, vocab_map
+        self.tokenizer, self.vocab_size = target_tokenizer, vocab_map.target_vocab_size
+        self.stop_token_ids = frozenset(int(vocab_map.target_ids[i]) for i in draft.stop_token_ids if i < vocab_map.unknown)
+        self._to_draft = torch.from_numpy(vocab_map.to_draft())
+        self._columns = torch.tensor(vocab_map.target_ids, dtype=torch.long)
+
+    def __getattr__(self, name):  # path, backend, max_length, weight_bytes, dtype ...: the draft model's own
+        return getattr(self.inner, name)
+
+    def describe(self) -> str:
+        return f"{self.inner.describe()}, predicting {len(self._columns)} of the target's {self.vocab_size} tokens"
+
+    def sequence(self) -> PrunedSequence:
+        return PrunedSequence(self, self.inner.sequence())
+
+    def peers(self, draft, max_new_tokens: int) -> list[base.Peer]:
+        return self.inner.peers(None, max_new_tokens)
+
+    def draft_tokens(self, tokens) -> list[int]:
+        return self._to_draft[torch.as_tensor(tokens, dtype=torch.long).reshape(-1)].tolist()
+
+    def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[n, draft vocab] -> [n, target vocab]: each predicted token's logit at its target id, -inf elsewhere."""
+        out = torch.full((logits.shape[0], self.vocab_size), -torch.inf, dtype=logits.dtype)
+        out[:, self._columns] = logits[:, : len(self._columns)]
+        return out
+
+    def forward_batch(self, feeds: list[base.Feed]) -> list[torch.Tensor]:
+        inner = [base.Feed(f.sequence.inner, self.draft_tokens(f.tokens), f.parents, f.last) for f in feeds]
+        return [self.target_logits(logits) for logits in self.inner.forward_batch(inner)]
+
+
+class PrunedSequence:
+    """A draft sequence that takes target ids; everything but `forward` is the inner sequence's."""
+
+    def __init__(self, owner: PrunedVocab, inner: base.Sequence):
+        self.owner, self.inner = owner, inner
+
+    @property
+    def cache_len(self) -> int:
+        return self.inner.cache_len
+
+    def forward(self, tokens, parents=None, last: int | None = None) -> torch.Tensor:
+        return self.owner.target_logits(self.inner.forward(self.owner.draft_tokens(tokens), parents, last))
+
+    def keep(self, start: int, indices) -> None:
+        self.inner.keep(start, indices)
+
+    def truncate(self, length: int) -> None:
+        self.inner.truncate(length)
+
+    def release(self) -> None:
+        self.inner.release()
+
+    def fork(self, length: int) -> PrunedSequence | None:
+        forked = self.inner.fork(length)
+        return None if forked is None else PrunedSequence(self.owner, forked)
