@@ -203,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     distill = tr.add_argument_group("distilling (--distill-from)")
     for name, help_text in (("draft_vocab", "target tokens the draft predicts (the others get q = 0)"),
                             ("corpus_tokens", "corpus tokens read"), ("prompts", "corpus windows the target continues"),
+                            ("short_prompts", "short windows (8-48 tokens at line starts) it continues"),
                             ("prompt_tokens", "tokens per window"), ("new_tokens", "tokens per continuation"),
                             ("temperature", "of the sampled half of the continuations"), ("soft_top", "soft labels per token"),
                             ("generate_batch", "continuations decoded side by side")):

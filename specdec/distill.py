@@ -52,7 +52,8 @@ class DistillConfig:
     threads: int | None = None
     device: str = "cpu"  # where the draft trains (and a checkpoint target runs)
     corpus_tokens: int = 2_000_000
-    prompts: int = 2048  # corpus windows the target continues
+    prompts: int = 2048  # corpus windows of prompt_tokens the target continues by new_tokens
+    short_prompts: int = 768  # and windows of 8-48 tokens at line starts, continued to the same length
     prompt_tokens: int = 96
     new_tokens: int = 96
     temperature: float = 0.7  # for the sampled half of the continuations
@@ -66,7 +67,7 @@ class DistillConfig:
     intermediate_size: int = 768
     context: int = 4096  # the draft's positions; a longer prompt is left undrafted
     batch_size: int = 16
-    steps: int = 1200
+    steps: int = 1600
     lr: float = 2e-3
     warmup: int = 100
     weight_decay: float = 0.05
@@ -79,6 +80,8 @@ class DistillConfig:
     progress: bool = True
 
     def check(self) -> None:
+        if self.short_prompts < 0:
+            raise SpecDecError("short-prompts must be >= 0")
         for name in ("corpus_tokens", "prompts", "prompt_tokens", "new_tokens", "soft_top", "generate_batch", "draft_vocab",
                      "hidden_size", "layers", "heads", "kv_heads", "intermediate_size", "batch_size", "steps", "eval_every", "save_every"):
             if getattr(self, name) < 1:
@@ -88,8 +91,8 @@ class DistillConfig:
                                f"and the heads into {self.kv_heads} kv heads")
         if not 0 < self.holdout < 0.5:
             raise SpecDecError("holdout must be a fraction in (0, 0.5)")
-        if self.prompts * self.holdout < 1:
-            raise SpecDecError(f"{self.prompts} prompts hold none out at holdout {self.holdout}")
+        if (self.prompts + self.short_prompts) * self.holdout < 1:
+            raise SpecDecError(f"{self.prompts + self.short_prompts} prompts hold none out at holdout {self.holdout}")
         if self.temperature <= 0:
             raise SpecDecError("temperature (of the sampled continuations) must be > 0")
 
@@ -127,38 +130,63 @@ def build_corpus(config: DistillConfig, tokenizer) -> np.ndarray:
 
 @dataclass
 class Generations:
-    """Continuations of corpus windows: `tokens` [n, prompt + new] (prompt, then continuation,
-    padded with -1 after a stop), soft labels `top_ids` / `top_logits` [n, new, soft_top] for
-    predicting each continuation token."""
+    """The target's continuations of corpus windows, one row each, all `prompt_tokens + new_tokens`
+    long: `tokens` [n, length] (the window's `prompt_lengths` [n] tokens, then what the target
+    generated, -1 after a stop) and, at every generated position t, the target's soft labels for
+    token t: `top_ids` / `top_logits` [n, length, soft_top] (unused before the prompt's end)."""
 
     tokens: np.ndarray
     top_ids: np.ndarray
     top_logits: np.ndarray
+    prompt_lengths: np.ndarray
+
+    def generated(self) -> np.ndarray:
+        """[n, length] True where the target generated the token."""
+        return (np.arange(self.tokens.shape[1])[None, :] >= self.prompt_lengths[:, None]) & (self.tokens >= 0)
 
     def save(self, path: Path) -> None:
-        np.savez(path, tokens=self.tokens, top_ids=self.top_ids, top_logits=self.top_logits)
+        np.savez(path, tokens=self.tokens, top_ids=self.top_ids, top_logits=self.top_logits, prompt_lengths=self.prompt_lengths)
 
     @staticmethod
     def load(paths: list[Path]) -> Generations:
         parts = [np.load(p) for p in paths]
-        return Generations(*(np.concatenate([part[key] for part in parts]) for key in ("tokens", "top_ids", "top_logits")))
+        return Generations(*(np.concatenate([part[key] for part in parts]) for key in ("tokens", "top_ids", "top_logits", "prompt_lengths")))
 
 
-def prompt_starts(config: DistillConfig, corpus_length: int) -> np.ndarray:
-    return np.random.default_rng([config.seed, 1]).integers(0, corpus_length - config.prompt_tokens, config.prompts)
+SHORT_PROMPT = (8, 48)  # token range of the short prompts' lengths (at most half of prompt_tokens)
+
+
+def prompt_plan(config: DistillConfig, corpus: np.ndarray, line_start_ids: set[int]) -> list[tuple[int, int]]:
+    """(start, length) of every window the target continues: `prompts` full windows anywhere, then
+    `short_prompts` windows of 8-48 tokens that start a line (a docstring, a comment, a definition:
+    what a short prompt usually is), whose continuations are longer by as much."""
+    full = np.random.default_rng([config.seed, 1]).integers(0, len(corpus) - config.prompt_tokens, config.prompts)
+    rng = np.random.default_rng([config.seed, 2])
+    high = min(SHORT_PROMPT[1], config.prompt_tokens // 2)
+    starts = np.flatnonzero(np.isin(corpus[: -high - 1], list(line_start_ids))) + 1
+    if len(starts) == 0:
+        starts = np.arange(len(corpus) - high)
+    short = rng.choice(starts, config.short_prompts)
+    lengths = rng.integers(min(SHORT_PROMPT[0], high), high + 1, config.short_prompts)
+    return [(int(s), config.prompt_tokens) for s in full] + [(int(s), int(n)) for s, n in zip(short, lengths)]
+
+
+def line_start_ids(tokenizer) -> set[int]:
+    """Tokens that end with a newline (in SentencePiece, byte-level BPE or byte-fallback spelling)."""
+    return {i for piece, i in tokenizer.get_vocab().items() if piece.endswith(("\n", "\u010a", "<0x0A>"))}
 
 
 def generate(target, corpus: np.ndarray, config: DistillConfig, work: Path) -> Generations:
     """The target's continuations (stage 2), decoded generate_batch at a time in one batched
     forward per token and saved a batch per file, so an interrupted run loses at most one batch."""
-    starts = prompt_starts(config, len(corpus))
-    batches = [range(i, min(i + config.generate_batch, config.prompts)) for i in range(0, config.prompts, config.generate_batch)]
+    plan = prompt_plan(config, corpus, line_start_ids(target.tokenizer))
+    batches = [range(i, min(i + config.generate_batch, len(plan))) for i in range(0, len(plan), config.generate_batch)]
     files = [work / f"generations-{b:05d}.npz" for b in range(len(batches))]
     done = sum(f.exists() for f in files)
-    bar = tqdm(total=config.prompts, initial=min(config.prompts, done * config.generate_batch), desc="target generations",
+    bar = tqdm(total=len(plan), initial=min(len(plan), done * config.generate_batch), desc="target generations",
                unit="prompt", disable=not config.progress)
     for batch, file in zip(batches[done:], files[done:]):
-        prompts = [corpus[starts[i]: starts[i] + config.prompt_tokens] for i in batch]
+        prompts = [corpus[plan[i][0]: plan[i][0] + plan[i][1]] for i in batch]
         continue_batch(target, prompts, [i % 2 == 1 for i in batch], config).save(file)
         bar.update(len(batch))
     bar.close()
@@ -166,47 +194,45 @@ def generate(target, corpus: np.ndarray, config: DistillConfig, work: Path) -> G
 
 
 def continue_batch(target, prompts: list[np.ndarray], sampled: list[bool], config: DistillConfig) -> Generations:
-    """Continue each prompt by new_tokens (greedy, or sampled at the temperature), recording the
-    target's top soft_top logits at every continuation token."""
+    """Continue each prompt to prompt_tokens + new_tokens tokens (greedy, or sampled at the
+    temperature), recording the target's top soft_top logits at every generated token."""
     rng = torch.Generator().manual_seed(config.seed * 1_000_003 + int(prompts[0][0]) + len(prompts))
     params = SamplingParams(temperature=config.temperature)
-    n, new = len(prompts), config.new_tokens
-    tokens = np.full((n, config.prompt_tokens + new), -1, dtype=np.int32)
-    top_ids = np.zeros((n, new, config.soft_top), dtype=np.int32)
-    top_logits = np.full((n, new, config.soft_top), -np.inf, dtype=np.float16)
+    n, length = len(prompts), config.prompt_tokens + config.new_tokens
+    tokens = np.full((n, length), -1, dtype=np.int32)
+    top_ids = np.zeros((n, length, config.soft_top), dtype=np.int32)
+    top_logits = np.full((n, length, config.soft_top), -np.inf, dtype=np.float16)
+    lengths = np.array([len(p) for p in prompts])
     sequences = [target.sequence() for _ in prompts]
     try:
         logits = [seq.forward(p.tolist(), last=1)[0] for seq, p in zip(sequences, prompts)]
-        live = list(range(n))
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = prompt
-        for step in range(new):
-            chosen = []
+        live = list(range(n))
+        for step in range(length - int(lengths.min())):
             for row in live:
-                row_logits = logits[row].float()
+                row_logits, at = logits[row].float(), lengths[row] + step
                 values, ids = torch.topk(row_logits, config.soft_top)
-                top_ids[row, step], top_logits[row, step] = ids.numpy(), values.numpy()
-                token = sample(probs_from_logits(row_logits, params), rng) if sampled[row] else int(row_logits.argmax())
-                tokens[row, config.prompt_tokens + step] = token
-                chosen.append(token)
-            live = [row for row, token in zip(live, chosen) if token not in target.stop_token_ids]
-            if not live or step == new - 1:
+                top_ids[row, at], top_logits[row, at] = ids.numpy(), values.numpy()
+                tokens[row, at] = sample(probs_from_logits(row_logits, params), rng) if sampled[row] else int(row_logits.argmax())
+            live = [row for row in live if tokens[row, lengths[row] + step] not in target.stop_token_ids and lengths[row] + step + 1 < length]
+            if not live:
                 break
-            fed = target.forward_batch([Feed(sequences[row], [int(tokens[row, config.prompt_tokens + step])], last=1) for row in live])
+            fed = target.forward_batch([Feed(sequences[row], [int(tokens[row, lengths[row] + step])], last=1) for row in live])
             for row, row_logits in zip(live, fed):
                 logits[row] = row_logits[0]
     finally:
         for seq in sequences:
             seq.release()
-    return Generations(tokens, top_ids, top_logits)
+    return Generations(tokens, top_ids, top_logits, lengths)
 
 
 def choose_vocabulary(corpus: np.ndarray, generations: Generations, size: int, stop_ids, vocab_size: int) -> np.ndarray:
     """The `size` target ids the draft will predict: ranked by how often the target generated them
     (or ranked them in its top soft labels), then by corpus frequency; stop tokens always in."""
-    generated = generations.tokens[:, -generations.top_ids.shape[1]:]
-    counts = np.bincount(generated[generated >= 0], minlength=vocab_size).astype(np.float64) * 1e6
-    counts += np.bincount(generations.top_ids.reshape(-1), minlength=vocab_size) * 1e3
+    generated = generations.generated()
+    counts = np.bincount(generations.tokens[generated], minlength=vocab_size).astype(np.float64) * 1e6
+    counts += np.bincount(generations.top_ids[generated].reshape(-1), minlength=vocab_size) * 1e3
     counts += np.bincount(corpus, minlength=vocab_size)
     counts[list(stop_ids)] = np.inf
     ranked = np.argsort(-counts, kind="stable")
@@ -276,26 +302,20 @@ class Examples:
         return Examples(*(t[index] for t in (self.inputs, self.hard, self.top_ids, self.top_logits, self.soft)))
 
 
-def examples(generations: Generations, vocab_map: VocabMap, prompt_tokens: int) -> Examples:
-    """Predict token t+1 from tokens <= t: corpus tokens by cross-entropy (where the draft can
-    predict them), continuation tokens from the target's soft labels."""
+def examples(generations: Generations, vocab_map: VocabMap) -> Examples:
+    """Predict token t+1 from tokens <= t: prompt (corpus) tokens by cross-entropy (where the draft
+    can predict them), generated tokens from the target's soft labels."""
     to_draft = vocab_map.to_draft()
     tokens = generations.tokens.astype(np.int64)
-    n, length = tokens.shape[0], tokens.shape[1] - 1
     inputs = np.where(tokens[:, :-1] >= 0, to_draft[np.maximum(tokens[:, :-1], 0)], vocab_map.unknown)
-    hard = np.full((n, length), -100, dtype=np.int64)
-    labels = to_draft[np.maximum(tokens[:, 1: prompt_tokens], 0)]
-    hard[:, : prompt_tokens - 1] = np.where(labels == vocab_map.unknown, -100, labels)
-    k = generations.top_ids.shape[2]
-    top_ids = np.full((n, length, k), -1, dtype=np.int64)
-    top_logits = np.zeros((n, length, k), dtype=np.float32)
-    mapped = to_draft[generations.top_ids]
-    top_ids[:, prompt_tokens - 1:] = np.where(mapped == vocab_map.unknown, -1, mapped)
-    top_logits[:, prompt_tokens - 1:] = np.nan_to_num(generations.top_logits.astype(np.float32), neginf=-1e4)
-    # a continuation token is a label where it was generated (not the padding after a stop)
-    soft = np.zeros((n, length), dtype=bool)
-    soft[:, prompt_tokens - 1:] = tokens[:, prompt_tokens:] >= 0
-    soft &= (top_ids >= 0).any(-1)
+    labels = to_draft[np.maximum(tokens[:, 1:], 0)]
+    in_prompt = np.arange(1, tokens.shape[1])[None, :] < generations.prompt_lengths[:, None]  # [n, length - 1]
+    hard = np.where(in_prompt & (labels != vocab_map.unknown), labels, -100)
+    mapped = to_draft[generations.top_ids[:, 1:]]
+    top_ids = np.where(mapped == vocab_map.unknown, -1, mapped)
+    top_logits = np.nan_to_num(generations.top_logits[:, 1:].astype(np.float32), neginf=-1e4)
+    soft = generations.generated()[:, 1:] & (top_ids >= 0).any(-1)
+    top_ids[~soft] = -1
     return Examples(*(torch.from_numpy(a) for a in (inputs, hard, top_ids, top_logits, soft)))
 
 
@@ -346,9 +366,12 @@ def distill(config: DistillConfig) -> dict:
         (work / "report.json").write_text(json.dumps(asdict(report)))
         return result
 
-    options = {} if config.device == "cpu" or str(config.target).lower().endswith(".gguf") else {"device": config.device}
-    target = load_model(config.target, backend=config.backend, threads=config.threads, slots=config.generate_batch,
-                        context=(config.prompt_tokens + config.new_tokens + 8) if _is_gguf(config) else None, **options)
+    on_gpu = config.device.startswith("cuda")
+    if _is_gguf(config):  # on a GPU, every layer offloaded (where llama.cpp was built with CUDA)
+        options = dict(context=config.prompt_tokens + config.new_tokens + 8, gpu_layers=-1 if on_gpu else None)
+    else:
+        options = dict(device=config.device if on_gpu else None)
+    target = load_model(config.target, backend=config.backend, threads=config.threads, slots=config.generate_batch, **options)
     corpus = _cached(work / "corpus.npy", lambda: stage("corpus", lambda: build_corpus(config, target.tokenizer)))
     generations = stage("generate", lambda: generate(target, corpus, config, work))
     ids = choose_vocabulary(corpus, generations, config.draft_vocab, target.stop_token_ids, target.vocab_size)
@@ -392,7 +415,7 @@ def train_draft(config: DistillConfig, generations: Generations, vocab_map: Voca
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
     checkpoint = work / "checkpoint"
     state = load_checkpoint(checkpoint, model, optimizer) if (checkpoint / "state.json").exists() else TrainState()
-    data = examples(generations, vocab_map, config.prompt_tokens)
+    data = examples(generations, vocab_map)
     order = np.random.default_rng(config.seed).permutation(len(data.inputs))
     held_count = max(1, int(len(order) * config.holdout))
     held, train_rows = data.rows(torch.from_numpy(order[:held_count])), order[held_count:]
@@ -435,8 +458,7 @@ def write_outputs(config: DistillConfig, model, vocab_map: VocabMap, pieces: lis
     draft_tokenizer(pieces, model.config.eos_token_id).save_pretrained(out)
     if config.gguf:
         write_gguf(model, pieces, vocab_map, out / "draft.gguf")
-    generated = generations.tokens[:, config.prompt_tokens:]
-    inside = np.isin(generated[generated >= 0], np.asarray(vocab_map.target_ids))
+    inside = np.isin(generations.tokens[generations.generated()], np.asarray(vocab_map.target_ids))
     summary = {
         "target": str(config.target), "settings": {k: v for k, v in asdict(config).items() if k not in ("target", "output")},
         "corpus_tokens": int(len(corpus)), "continuations": int(len(generations.tokens)), "generated_tokens": int(inside.size),

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 import specdec
 from specdec import AutoDrafter, ModelDrafter, PromptLookupDrafter, SpeculativeDecoder, TreeShape
-from specdec.distill import DistillConfig, distill, draft_pieces, soft_loss
+from specdec.distill import DistillConfig, Generations, distill, draft_pieces, soft_loss
 from specdec.export import draft_tokenizer, write_gguf
 from specdec.runtime import load_draft
 from specdec.runtime.pruned import PrunedVocab, VocabMap
@@ -216,7 +216,7 @@ def test_soft_loss_is_cross_entropy_to_the_renormalised_top_k():
 @pytest.fixture(scope="module")
 def distilled(gguf_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("distilled")
-    config = DistillConfig(target=gguf_models["gguf-f16"], output=str(out), corpus_tokens=30_000, prompts=40, prompt_tokens=24,
+    config = DistillConfig(target=gguf_models["gguf-f16"], output=str(out), corpus_tokens=30_000, prompts=40, short_prompts=8, prompt_tokens=24,
                            new_tokens=16, generate_batch=8, draft_vocab=600, steps=20, threads=1, **TINY_DRAFT)
     first = distill(config)
     generated = sorted((out / "work").glob("generations-*.npz"))
@@ -235,7 +235,14 @@ def test_distilling_from_a_gguf_target_resumes_and_writes_a_usable_draft(distill
     assert report["history"][-1]["train_loss"] < report["history"][0]["train_loss"]
     assert report["vocabulary"]["draft"] == 600 and report["vocabulary"]["target"] == 8192
     assert 0.5 < report["vocabulary"]["generated_tokens_covered"] <= 1
-    assert report["continuations"] == 40 and set(report["stages"]) == {"corpus", "generate", "train"}
+    assert report["continuations"] == 48 and set(report["stages"]) == {"corpus", "generate", "train"}
+    generations = Generations.load(sorted((out / "work").glob("generations-*.npz")))
+    assert generations.tokens.shape == (48, 40) and sorted(set(generations.prompt_lengths[:40])) == [24]
+    assert all(8 <= n <= 12 for n in generations.prompt_lengths[40:]), "short prompts: 8 tokens up to half of prompt_tokens"
+    generated = generations.generated()
+    assert generated[40:].sum(1).min() > 16, "a short prompt's continuation fills the row (unless the target stopped)"
+    greedy = generations.tokens[0][generated[0]]  # row 0 is greedy: each token is its soft labels' first
+    assert (greedy == generations.top_ids[0][generated[0]][:, 0]).all()
     for name in ("config.json", "model.safetensors", "tokenizer.json", "vocab_map.json", "draft.gguf", "distill.json"):
         assert (out / name).is_file(), name
     plain = specdec.load(gguf_models["gguf-f16"], plain=True, threads=1)
@@ -252,7 +259,7 @@ def test_distilling_from_a_checkpoint_target(model_dirs, tmp_path):
         (corpus / f"t{i}.txt").write_text("abc def ghi jkl m " * 40)
     out = tmp_path / "d"
     report = distill(DistillConfig(target=model_dirs["llama-eos"], output=str(out), files=[str(corpus)], corpus_tokens=5000, prompts=24,
-                                   prompt_tokens=8, new_tokens=8, draft_vocab=10, steps=20, **TINY_DRAFT))
+                                   short_prompts=8, prompt_tokens=8, new_tokens=8, draft_vocab=10, steps=20, **TINY_DRAFT))
     assert report["vocabulary"] == {"draft": 10, "target": 16, "generated_tokens_covered": report["vocabulary"]["generated_tokens_covered"]}
     assert json.loads((out / "vocab_map.json").read_text())["target_vocab_size"] == 16
     decoder = specdec.load(model_dirs["llama-eos"], draft=str(out), gamma=3, dtype="float64")
@@ -264,7 +271,7 @@ def test_distilling_from_a_checkpoint_target(model_dirs, tmp_path):
 
 def test_the_cli_distils_and_reports_bad_input(gguf_models, tmp_path):
     command = [sys.executable, "-m", "specdec", "train", "--distill-from", gguf_models["gguf-f16"], "-o", str(tmp_path / "d"),
-               "--corpus-tokens", "20000", "--prompts", "16", "--prompt-tokens", "16", "--new-tokens", "8", "--draft-vocab", "300",
+               "--corpus-tokens", "20000", "--prompts", "16", "--short-prompts", "4", "--prompt-tokens", "16", "--new-tokens", "8", "--draft-vocab", "300",
                "--hidden-size", "32", "--heads", "2", "--kv-heads", "1", "--intermediate-size", "64", "--layers", "1", "--steps", "5",
                "--eval-every", "5", "--holdout", "0.2", "--threads", "1", "--no-gguf"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
