@@ -7,9 +7,10 @@ DIR/work, so re-running the same command resumes where it stopped:
 1. corpus: local text and code (default: the standard library's source, less the files the bench
    suites are built from, so acceptance is measured on text the draft never saw), tokenized by the
    target, capped at `corpus_tokens`;
-2. generations (self-distillation): the target continues windows of the corpus, half greedily and
-   half sampled at `temperature`; every continuation token keeps the target's `soft_top` most
-   likely tokens and their logits, the soft labels;
+2. generations (self-distillation): the target continues windows of the corpus (`prompts` of
+   `prompt_tokens`, then `short_prompts` of 8-48 tokens that start a line) to `prompt_tokens +
+   new_tokens` tokens, half greedily and half sampled at `temperature`; every generated token keeps
+   the target's `soft_top` most likely tokens and their logits, the soft labels;
 3. vocabulary: the `draft_vocab` target tokens most frequent in the generations and the corpus
    (the target's stop tokens always among them); the draft predicts only these (`runtime.pruned`:
    q = 0 elsewhere, which keeps speculative sampling exact);
@@ -370,7 +371,7 @@ def distill(config: DistillConfig) -> dict:
     if _is_gguf(config):  # on a GPU, every layer offloaded (where llama.cpp was built with CUDA)
         options = dict(context=config.prompt_tokens + config.new_tokens + 8, gpu_layers=-1 if on_gpu else None)
     else:
-        options = dict(device=config.device if on_gpu else None)
+        options = dict(device=config.device)
     target = load_model(config.target, backend=config.backend, threads=config.threads, slots=config.generate_batch, **options)
     corpus = _cached(work / "corpus.npy", lambda: stage("corpus", lambda: build_corpus(config, target.tokenizer)))
     generations = stage("generate", lambda: generate(target, corpus, config, work))
