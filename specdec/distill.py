@@ -451,14 +451,10 @@ def train_draft(config: DistillConfig, generations: Generations, vocab_map: Voca
 
 def write_outputs(config: DistillConfig, model, vocab_map: VocabMap, pieces: list[str], corpus, generations: Generations, state, report: Report) -> dict:
     """OUTPUT: the transformers checkpoint with its vocabulary map, draft.gguf, distill.json."""
-    from specdec.export import draft_tokenizer, write_gguf
+    from specdec.export import save_draft
 
     out = Path(config.output)
-    model.to(torch.float32).cpu().save_pretrained(out)
-    vocab_map.save(out)
-    draft_tokenizer(pieces, model.config.eos_token_id).save_pretrained(out)
-    if config.gguf:
-        write_gguf(model, pieces, vocab_map, out / "draft.gguf")
+    save_draft(model, vocab_map, pieces, out, gguf=config.gguf)
     inside = np.isin(generations.tokens[generations.generated()], np.asarray(vocab_map.target_ids))
     summary = {
         "target": str(config.target), "settings": {k: v for k, v in asdict(config).items() if k not in ("target", "output")},

@@ -13,8 +13,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from specdec.runtime.pruned import GGUF_KEYS, VocabMap
+
+
+def save_draft(model, vocab_map: VocabMap, pieces: list[str], directory: str | Path, gguf: bool = True) -> None:
+    """A pruned draft's files in `directory`: the transformers checkpoint (float32), vocab_map.json,
+    the tokenizer over its pieces and, with `gguf`, draft.gguf for llama.cpp."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.to(torch.float32).cpu().save_pretrained(directory)
+    vocab_map.save(directory)
+    draft_tokenizer(pieces, model.config.eos_token_id).save_pretrained(directory)
+    if gguf:
+        write_gguf(model, pieces, vocab_map, directory / "draft.gguf")
 
 
 def draft_tokenizer(pieces: list[str], eos_id: int | None):

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 import specdec
 from specdec import AutoDrafter, ModelDrafter, PromptLookupDrafter, SpeculativeDecoder, TreeShape
 from specdec.distill import DistillConfig, Generations, distill, draft_pieces, soft_loss
-from specdec.export import draft_tokenizer, write_gguf
+from specdec.export import save_draft
 from specdec.runtime import load_draft
 from specdec.runtime.pruned import PrunedVocab, VocabMap
 from specdec.runtime.vocab import tokenizer_fingerprint
@@ -58,13 +58,7 @@ def prune(source: str, keep: list[int], target, out: Path, noise: float = 0.0, g
         state[name] = weight + noise * torch.randn(weight.shape, generator=generator)
     pruned.load_state_dict(state, strict=False)
     pruned.tie_weights()
-    out.mkdir(parents=True, exist_ok=True)
-    pruned.save_pretrained(out)
-    vocab_map.save(out)
-    pieces = draft_pieces(target.tokenizer, vocab_map)
-    draft_tokenizer(pieces, config.eos_token_id).save_pretrained(out)
-    if gguf:
-        write_gguf(pruned, pieces, vocab_map, out / "draft.gguf")
+    save_draft(pruned, vocab_map, draft_pieces(target.tokenizer, vocab_map), out, gguf=gguf)
     return out
 
 

@@ -22,6 +22,7 @@ disagree beyond rounding (an architecture that does more after the final norm th
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -32,7 +33,7 @@ import torch
 
 NORM_TENSOR = b"result_norm"  # llama.cpp's name for the final norm's output, the rows the output matrix multiplies
 KINDS = {8: (32, 34), 14: (256, 210)}  # ggml type (Q8_0, Q6_K) -> weights and bytes per block; the kernel's kind is the index
-GGUF_FLOAT32 = 6  # enum gguf_type
+GGUF_UINT32, GGUF_INT32, GGUF_FLOAT32 = 4, 5, 6  # enum gguf_type
 
 
 class Capture(ctypes.Structure):
@@ -72,7 +73,9 @@ def _ggml_base(llama_cpp_module) -> ctypes.CDLL:
                                     ("gguf_get_tensor_size", ctypes.c_size_t, [ctypes.c_int64]),
                                     ("gguf_get_tensor_type", ctypes.c_int, [ctypes.c_int64]), ("gguf_get_data_offset", ctypes.c_size_t, []),
                                     ("gguf_get_kv_type", ctypes.c_int, [ctypes.c_int64]), ("gguf_get_val_f32", ctypes.c_float, [ctypes.c_int64]),
-                                    ("gguf_get_val_str", ctypes.c_char_p, [ctypes.c_int64]), ("gguf_free", None, [])):
+                                    ("gguf_get_val_str", ctypes.c_char_p, [ctypes.c_int64]), ("gguf_get_val_u32", ctypes.c_uint32, [ctypes.c_int64]),
+                                    ("gguf_get_arr_type", ctypes.c_int, [ctypes.c_int64]), ("gguf_get_arr_n", ctypes.c_size_t, [ctypes.c_int64]),
+                                    ("gguf_get_arr_data", ctypes.c_void_p, [ctypes.c_int64]), ("gguf_free", None, [])):
         function = getattr(library, name)
         function.restype, function.argtypes = result, [ctypes.c_void_p, *arguments]
     return library
@@ -80,6 +83,19 @@ def _ggml_base(llama_cpp_module) -> ctypes.CDLL:
 
 class _GgufInit(ctypes.Structure):
     _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]  # struct gguf_init_params
+
+
+@contextlib.contextmanager
+def open_gguf(library: ctypes.CDLL, path: Path):
+    """llama.cpp's reader of a GGUF file's metadata and tensor index (no tensor data is read: fast
+    on any size of file), freed on exit. Raises ValueError when it cannot open the file."""
+    gguf = library.gguf_init_from_file(os.fsencode(path), _GgufInit(True, None))
+    if not gguf:
+        raise ValueError("llama.cpp's GGUF reader could not open the file")
+    try:
+        yield gguf
+    finally:
+        library.gguf_free(gguf)
 
 
 def _ggml_functions(library: ctypes.CDLL) -> tuple[int, int, int]:
@@ -138,10 +154,7 @@ def _output_matrix(library: ctypes.CDLL, path: Path, width: int, vocab_size: int
     """The output matrix's bytes, mapped from the file (the tied embedding matrix when there is no
     output matrix), its ggml type and the final logit softcap (0: none). Raises ValueError when it
     is not a Q8_0 or Q6_K matrix of the model's shape."""
-    gguf = library.gguf_init_from_file(os.fsencode(path), _GgufInit(True, None))
-    if not gguf:
-        raise ValueError("llama.cpp's GGUF reader could not open the file")
-    try:
+    with open_gguf(library, path) as gguf:
         if library.gguf_find_tensor(gguf, b"output.scale") >= 0:
             raise ValueError("its output layer has a scale tensor")
         tensor = library.gguf_find_tensor(gguf, b"output.weight")
@@ -158,6 +171,4 @@ def _output_matrix(library: ctypes.CDLL, path: Path, width: int, vocab_size: int
         architecture = library.gguf_get_val_str(gguf, library.gguf_find_key(gguf, b"general.architecture")).decode()
         key = library.gguf_find_key(gguf, f"{architecture}.final_logit_softcapping".encode())
         softcap = float(library.gguf_get_val_f32(gguf, key)) if key >= 0 and library.gguf_get_kv_type(gguf, key) == GGUF_FLOAT32 else 0.0
-    finally:
-        library.gguf_free(gguf)
     return np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(size,)), kind, softcap

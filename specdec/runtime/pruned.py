@@ -14,6 +14,7 @@ refused beside a target whose string -> id map differs from the one it was disti
 
 from __future__ import annotations
 
+import ctypes
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,14 +77,26 @@ class VocabMap:
 
 
 def _gguf_map(path: Path) -> VocabMap | None:
-    from gguf import GGUFReader
+    """The map in a GGUF file's metadata, read by llama.cpp's own GGUF reader (metadata only: a
+    multi-GB draft without a map costs milliseconds here)."""
+    import llama_cpp
 
-    fields = GGUFReader(str(path)).fields
-    if GGUF_KEYS[0] not in fields:
-        return None
-    ids, fingerprint, size = (fields[key] for key in GGUF_KEYS)
-    return VocabMap(tuple(int(ids.parts[i][0]) for i in ids.data), int(size.parts[size.data[0]][0]),
-                    bytes(fingerprint.parts[fingerprint.data[0]]).decode())
+    from specdec.runtime.cpu_head import GGUF_INT32, GGUF_UINT32, _ggml_base, open_gguf
+
+    library = _ggml_base(llama_cpp)
+    try:
+        with open_gguf(library, path) as gguf:
+            ids_key, fingerprint_key, size_key = (library.gguf_find_key(gguf, key.encode()) for key in GGUF_KEYS)
+            if ids_key < 0:
+                return None
+            if min(fingerprint_key, size_key) < 0 or library.gguf_get_arr_type(gguf, ids_key) not in (GGUF_INT32, GGUF_UINT32):
+                raise SpecDecError(f"{path}: its specdec.vocab_map metadata is incomplete")
+            count = library.gguf_get_arr_n(gguf, ids_key)
+            ids = np.ctypeslib.as_array((ctypes.c_int32 * count).from_address(library.gguf_get_arr_data(gguf, ids_key)))
+            return VocabMap(tuple(int(i) for i in ids), int(library.gguf_get_val_u32(gguf, size_key)),
+                            library.gguf_get_val_str(gguf, fingerprint_key).decode())
+    except ValueError as error:
+        raise SpecDecError(f"{path}: {error}") from error
 
 
 class PrunedVocab:
