@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Hashable, Iterator, Sequence
 
 from specdec import costs
 from specdec.drafters import AutoDrafter, Drafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
@@ -18,8 +18,9 @@ from specdec.runtime import CausalLM, check_same_vocabulary, choose_backend, loa
 from specdec.runtime.prefix import DEFAULT_TOKENS as PREFIX_TOKENS, PrefixCache
 from specdec.policy import AUTO_MAX_DEPTH, MAX_DEPTH, BatchDepth, CostAwareDepth, CostAwarePolicy, FixedGamma, SharedAcceptance
 from specdec.sampling import RandomStreams
+from specdec.scopes import PerScope, Scope, check_scope
 from specdec.stops import StopStrings
-from specdec.text import continuation_decoder
+from specdec.text import check_text, continuation_decoder
 from specdec.types import GenerationStats, SamplingParams
 
 
@@ -95,7 +96,7 @@ class SpeculativeDecoder:
         if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
             prefix_cache = PrefixCache.of(target, prefix_cache) if prefix_cache else None
         self.prefixes = prefix_cache if prefix_cache is not None and prefix_cache.budget else None
-        self.shared_acceptance: SharedAcceptance | None = None  # a server's: what earlier requests saw, for new ones
+        self.shared_acceptance: PerScope[SharedAcceptance] | None = None  # a server's: what each scope's earlier requests saw, for its new ones
         self._busy = False  # one generation at a time: the caches belong to it
         self._profile: costs.LiveCosts | None = None
 
@@ -116,13 +117,14 @@ class SpeculativeDecoder:
             self._profile = costs.LiveCosts.of(costs.profile(self.target, self.draft_model))
         return self._profile
 
-    def policy(self):
-        """A fresh draft policy for one generation."""
+    def policy(self, scope: Scope = None):
+        """A fresh draft policy for one generation of `scope` (it starts from what that scope's
+        earlier generations saw, on a server)."""
         if self.drafter is None:
             return FixedGamma(0)
         if isinstance(self.drafter, AutoDrafter):
-            return CostAwarePolicy(self.profile(), AUTO_MAX_DEPTH if self.gamma == "auto" else self.gamma, explore=self.explore,
-                                   shared=self.shared_acceptance)
+            shared = self.shared_acceptance[scope] if self.shared_acceptance is not None else None
+            return CostAwarePolicy(self.profile(), AUTO_MAX_DEPTH if self.gamma == "auto" else self.gamma, explore=self.explore, shared=shared)
         limit = MAX_DEPTH if self.gamma == "auto" else self.gamma
         if self.gamma == "auto":
             return self.depth_policy(CostAwareDepth, limit)
@@ -139,7 +141,11 @@ class SpeculativeDecoder:
 
     def generate(self, prompt: str | Sequence[int], **options) -> GenerationResult:
         """Options as for `stream`. Returns text, tokens and stats."""
-        stream = self.stream(prompt, **options)
+        return self.run(self.request(prompt, **options))
+
+    def run(self, generation: Generation) -> GenerationResult:
+        """Run a generation made by `request` to its end."""
+        stream = Stream(self._deltas(generation))
         for _ in stream:
             pass
         return stream.result
@@ -159,16 +165,31 @@ class SpeculativeDecoder:
         stop: Sequence[str] = (),
         logprobs: int | None = None,
         prediction: str | None = None,
-        tenant: object = None,
+        tenant: Hashable = None,
+        scope: Scope = None,
     ) -> Generation:
         """A checked generation, not started: run it with `stream`, or in a batch with an `Engine`.
-        Temperature 0 is greedy; a seed makes sampling repeatable. logprobs: the result also holds
-        each token's log-probability under the target (its raw distribution) and this many most
-        likely alternatives. prediction: the text the output is expected to be (OpenAI's Predicted
-        Outputs), drafted from by the default drafter; it changes the speed, never the output.
-        tenant: whose history the generation drafts from and joins (any hashable; see `History`)."""
+        Temperature 0 is greedy. logprobs: the result also holds each token's log-probability under
+        the target (its raw distribution) and this many most likely alternatives. prediction: the
+        text the output is expected to be (OpenAI's Predicted Outputs), drafted from by the default
+        drafter; it changes the speed, never the output. scope: who may reuse what this generation
+        leaves (its kept cache, its history; `specdec.scopes`), and whose it may reuse; tenant:
+        whose history, within the scope, it drafts from and joins (see `History`). Both any hashable.
+
+        seed: sampling is repeatable. Under the default drafter, or with none, a seeded sampled
+        generation draws its i-th token from the target at a quantile fixed by (seed, i) and drafts
+        point masses only, verified by that draw (`verify.verify_tree_coupled`): its text is plain
+        decoding's with the same seed, whatever was drafted, so neither what the decoder learnt
+        before (its history, the costs its steps paid) nor the batch it runs in changes it, except
+        where a runtime's numerics move with the batch (llama.cpp; bfloat16 on a GPU: see the
+        README) and nudge a draw that lay on a token's boundary. A draft model then proposes its
+        most likely tokens, not draws from its distribution. A fixed drafter (a draft model's
+        chain or tree, an n-gram) keeps Chen's rejection sampling of drawn drafts: its seeded text
+        repeats when its drafting does, i.e. with a numeric gamma."""
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         prompt_ids = self.prompt_ids(prompt)
+        check_scope(tenant, "tenant")
+        check_scope(scope, "scope")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise SpecDecError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
@@ -183,11 +204,15 @@ class SpeculativeDecoder:
                 raise SpecDecError(f"a prediction must be text, got {type(prediction).__name__}")
             if not isinstance(self.drafter, AutoDrafter):
                 raise SpecDecError("a prediction is drafted by the default (auto) drafter; this decoder has " + _drafter_name(self.drafter))
-        chains = (Prediction(prediction, self.tokenizer, prompt_ids),) if prediction else ()
+        try:
+            chains = (Prediction(prediction, self.tokenizer, prompt_ids),) if prediction else ()
+        except SpecDecError as error:
+            raise SpecDecError(str(error), param="prediction") from None
         if self.history is not None:
-            chains += (self.history.view(tenant),)
-        state = DecodeState(prompt_ids, sampling, max_new_tokens, self.policy(), RandomStreams(seed),
-                            GenerationStats(prompt_tokens=len(prompt_ids)), self.stop_token_ids, logprobs=logprobs, chains=chains)
+            chains += (self.history.view(tenant, scope),)
+        keyed = seed is not None and not sampling.greedy and (self.drafter is None or isinstance(self.drafter, AutoDrafter))
+        state = DecodeState(prompt_ids, sampling, max_new_tokens, self.policy(scope), RandomStreams(seed, keyed),
+                            GenerationStats(prompt_tokens=len(prompt_ids)), self.stop_token_ids, logprobs=logprobs, chains=chains, scope=scope)
         return Generation(state, TextAssembler(self.tokenizer, prompt_ids, stop))
 
     def engine(self) -> Engine:
@@ -198,6 +223,7 @@ class SpeculativeDecoder:
         if isinstance(prompt, str):
             if not prompt:
                 raise SpecDecError("the prompt is empty")
+            check_text(prompt, "prompt")
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             ids = [int(i) for i in prompt]

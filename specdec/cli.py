@@ -248,8 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "(--gamma auto, the default, sizes every row's draft for the batch itself.)")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                        help="on SIGTERM/SIGINT, how long running generations may finish before they end with an error (default 10)")
-    serve.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
-                       help="require `Authorization: Bearer KEY` on /v1 routes (default: $SPECDEC_API_KEY, else none)")
+    serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                       help="require `Authorization: Bearer KEY` on /v1 routes and /metrics; repeat for several tenants, each "
+                            "with caches and histories of its own (also $SPECDEC_API_KEY; default: none, one tenant)")
+    serve.add_argument("--api-key-file", metavar="FILE", help="API keys, one per line (# comments and blank lines ignored), as --api-key")
+    serve.add_argument("--keys-share-caches", action="store_true",
+                       help="all API keys share one scope: a request may reuse the prefix cache and history of any key's requests "
+                            "(faster where tenants send the same prompts, but cached_tokens and timing then tell one key what another sent)")
+    serve.add_argument("--public-metrics", action="store_true", help="/metrics needs no API key")
     serve.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                        help="browser origins allowed by CORS, e.g. http://localhost:3000 (default: none)")
     serve.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for models without one (or to replace theirs)")
@@ -520,8 +526,26 @@ def server_service(args, measure: bool = True):
     name = args.model_name or os.path.basename(os.path.normpath(decoder.target.path))
     loopback = args.host in ("127.0.0.1", "localhost", "::1")  # then only loopback Host headers: no DNS rebinding
     service = Service(decoder, name, max_queue=args.max_queue, max_batch=max_batch, depth="measure" if args.batch_depth == "measured" else None)
-    return service, dict(api_key=args.api_key, allowed_origins=args.allowed_origins,
-                         allowed_hosts=["127.0.0.1", "localhost", "::1"] if loopback else None)
+    return service, dict(api_keys=api_keys(args), allowed_origins=args.allowed_origins, keys_share_caches=args.keys_share_caches,
+                         public_metrics=args.public_metrics, allowed_hosts=["127.0.0.1", "localhost", "::1"] if loopback else None)
+
+
+def api_keys(args) -> list[str]:
+    """The server's API keys: --api-key, the lines of --api-key-file, $SPECDEC_API_KEY; each a tenant."""
+    keys = list(args.api_key)
+    if os.environ.get("SPECDEC_API_KEY"):
+        keys.append(os.environ["SPECDEC_API_KEY"])
+    if args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).expanduser().read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            raise SpecDecError(f"cannot read the API key file {args.api_key_file}: {error}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not keys:
+            raise SpecDecError(f"the API key file {args.api_key_file} holds no key")
+    if any(not key.isprintable() or " " in key for key in keys):
+        raise SpecDecError("an API key must be printable text without spaces (it is sent as `Authorization: Bearer KEY`)")
+    return list(dict.fromkeys(keys))
 
 
 def _server_history(decoder, tokens: int | None, shared: bool):

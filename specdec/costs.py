@@ -294,7 +294,9 @@ def _draft_level(draft: CausalLM) -> float:
         try:
             drafter.prefill(slot)  # the prompt is not part of a draft level
             started = time.perf_counter()
-            drafter.propose([DraftRequest(slot, prompt, depth, SamplingParams(temperature=1.0), generator)])
+            draft, = drafter.propose([DraftRequest(slot, prompt, depth, SamplingParams(temperature=1.0), generator)])
+            if isinstance(draft, Exception):
+                raise draft
             times.append((time.perf_counter() - started) / depth)
         finally:
             drafter.close(slot)

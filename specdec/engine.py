@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence as Seq
+from typing import Hashable, Iterator, Sequence as Seq
 
 import torch
 
 from specdec import tree
 from specdec.costs import LiveCosts
-from specdec.drafters.base import ChainSource, Drafter, DraftRequest, DraftSlot, empty_draft
+from specdec.drafters.base import ChainSource, Drafter, DraftRequest, DraftSlot, attempt, empty_draft
 from specdec.policy import CostAwareDepth, CostAwarePolicy, FixedGamma
 from specdec.runtime import CausalLM, Sequence
 from specdec.runtime.base import Feed
 from specdec.runtime.prefix import PrefixCache
 from specdec.sampling import RandomStreams, probs_from_logits
 from specdec.types import Draft, GenerationStats, SamplingParams
-from specdec.verify import verify_tree, verify_tree_greedy
+from specdec.verify import verify_tree, verify_tree_coupled, verify_tree_greedy
 
 # prompt tokens per prefill forward, on every path (a server feeds one such chunk per job and round
 # between batch steps; a lone generation feeds them back to back): a prompt is cut in the same places
@@ -30,13 +30,19 @@ class StepResult:
     """The tokens one iteration committed, and why generation ended there (None: it goes on).
     drafted / accepted: the draft's depth and how many of its tokens were kept. logprobs (when the
     state asks for them): per token, its log-probability under the target and the most likely
-    alternatives, as `TokenLogprob`s."""
+    alternatives, as `TokenLogprob`s. error: what ended this row alone (its drafting or its
+    verification failed; finish_reason "error"), the other rows of the step going on."""
 
     tokens: list[int]
     finish_reason: str | None = None
     drafted: int = 0
     accepted: int = 0
     logprobs: list[TokenLogprob] | None = None
+    error: Exception | None = None
+
+    @classmethod
+    def failed(cls, error: Exception) -> StepResult:
+        return cls([], "error", error=error)
 
 
 @dataclass
@@ -73,6 +79,7 @@ class DecodeState:
     draft_slot: DraftSlot | None = None
     logprobs: int | None = None  # report each token's log-probability and this many alternatives (None: no)
     chains: tuple[ChainSource, ...] = ()  # the request's own chain sources (a prediction, its history), for the default drafter
+    scope: Hashable = None  # who may reuse the cache it leaves (`specdec.scopes`)
 
 
 class Engine:
@@ -99,7 +106,7 @@ class Engine:
         """Take the generation's slots; its prompt is not fed yet (`prefill`)."""
         state.context = list(state.prompt)
         state.room = min(state.max_new_tokens, self.target.max_length - len(state.context))
-        state.sequence = self.prefixes.take(state.context) if self.prefixes is not None else self.target.sequence()
+        state.sequence = self.prefixes.take(state.context, state.scope) if self.prefixes is not None else self.target.sequence()
         state.stats.cached_tokens = state.sequence.cache_len
         try:
             if self.drafter is not None:
@@ -131,29 +138,34 @@ class Engine:
         """One generation alone (a batch of one), opened here; the slots are given back however the
         iteration ends. The last result carries a finish reason."""
         self.open(state)
+        failed = False
         try:
             if state.finish_reason:
                 yield StepResult([], state.finish_reason)
             while state.finish_reason is None:
-                yield self.step([state])[0]
+                result = self.step([state])[0]
+                if result.error is not None:
+                    failed = True
+                    raise result.error
+                yield result
         finally:
-            self.close(state)
+            self.close(state, failed)
 
-    def close(self, state: DecodeState) -> None:
-        """Give the slots back (llama.cpp's cells are shared by all sequences; the target's
-        committed text is kept where there is a prefix cache) and tell the chain sources what the
-        generation committed; safe to repeat."""
+    def close(self, state: DecodeState, failed: bool = False) -> None:
+        """Give the slots back (llama.cpp's cells are shared by all sequences) and, unless the
+        generation failed, keep the target's committed text where there is a prefix cache and tell
+        the chain sources what the generation committed; safe to repeat."""
         sequence, slot = state.sequence, state.draft_slot
         state.sequence = state.draft_slot = None
         try:
             if sequence is not None:
-                if self.prefixes is not None:
+                if self.prefixes is not None and not failed:
                     # the cache holds context[:-1] (a prompt being prefilled: its first cache_len
                     # tokens), and nodes past a stop token that cut the last step's tokens
-                    self.prefixes.put(sequence, state.context[: min(sequence.cache_len, len(state.context) - 1)])
+                    self.prefixes.put(sequence, state.context[: min(sequence.cache_len, len(state.context) - 1)], state.scope)
                 else:
                     sequence.release()
-                for chain in state.chains:
+                for chain in state.chains if not failed else ():
                     chain.end(state.context)
         finally:
             if slot is not None:
@@ -161,16 +173,25 @@ class Engine:
 
     def step(self, states: list[DecodeState], gamma_cap: int | None = None) -> list[StepResult]:
         """One iteration for every state (each open and unfinished). gamma_cap bounds every row's
-        draft depth (a batch-wide policy's choice; 0 = plain decoding this step)."""
-        gammas = [self._gamma(state, gamma_cap, len(states)) for state in states]
+        draft depth (a batch-wide policy's choice; 0 = plain decoding this step).
+
+        A failure of one row's own work (choosing its depth, drafting, verifying) ends that row
+        alone: its result carries the error and it is not fed; the others go on. A failed shared
+        forward (the target's, or a draft model's for several rows) raises: every row's cache is
+        then unknown."""
+        gammas = [attempt(lambda: self._gamma(state, gamma_cap, len(states))) for state in states]
         tick = time.perf_counter()
         drafts = self._drafts(states, gammas)
         tock = time.perf_counter()
+        results: list[StepResult | None] = [StepResult.failed(d) if isinstance(d, Exception) else None for d in drafts]
+        live = [i for i, result in enumerate(results) if result is None]
         # one target forward scores every row's last committed token and draft nodes
-        rows = self.target.forward_batch([_feed(state.sequence, state.context[-1], draft) for state, draft in zip(states, drafts)])
-        results = [self._advance(state, gamma, draft, logits) for state, gamma, draft, logits in zip(states, gammas, drafts, rows)]
+        rows = self.target.forward_batch([_feed(states[i].sequence, states[i].context[-1], drafts[i]) for i in live]) if live else []
+        for i, logits in zip(live, rows):
+            outcome = attempt(lambda: self._advance(states[i], gammas[i], drafts[i], logits))
+            results[i] = StepResult.failed(outcome) if isinstance(outcome, Exception) else outcome
         done = time.perf_counter()
-        fed = sum(len(draft) + 1 for draft in drafts)
+        fed = sum(len(drafts[i]) + 1 for i in live)
         for costs in {id(p): p for p in (state.gamma_policy.profile for state in states) if isinstance(p, LiveCosts)}.values():
             costs.observe(fed, done - tock)  # what this verify paid, for the policies' next choices
         for state in states:  # every row waited for the whole batch
@@ -186,21 +207,23 @@ class Engine:
         gamma = min(state.gamma_policy.depth(batch), state.room - state.generated - 1, self.target.verify_room(len(state.context) - 1))
         return max(0, gamma if cap is None else min(gamma, cap))
 
-    def _drafts(self, states: list[DecodeState], gammas: list[int]) -> list[Draft]:
-        drafts = [empty_draft() for _ in states]
-        asked = [i for i, gamma in enumerate(gammas) if gamma > 0]
+    def _drafts(self, states: list[DecodeState], gammas: list[int | Exception]) -> list[Draft | Exception]:
+        """Each row's checked draft, or the exception its own drafting raised."""
+        drafts: list[Draft | Exception] = [gamma if isinstance(gamma, Exception) else empty_draft() for gamma in gammas]
+        asked = [i for i, gamma in enumerate(gammas) if not isinstance(gamma, Exception) and gamma > 0]
         if asked:
             requests = [DraftRequest(states[i].draft_slot, states[i].context, gammas[i], states[i].sampling, states[i].streams.draft,
-                                     states[i].gamma_policy, states[i].chains) for i in asked]
+                                     states[i].gamma_policy, states[i].chains, point_masses=states[i].streams.keyed) for i in asked]
             for i, draft in zip(asked, self.drafter.propose(requests)):
                 state = states[i]
-                draft = draft.first(self.target.max_length - len(state.context))  # a tree's nodes take cache slots too
-                _check_draft(draft, gammas[i], self.target.vocab_size, state.sampling)
+                if not isinstance(draft, Exception):  # a tree's nodes take cache slots too
+                    draft = attempt(lambda: _checked(draft.first(self.target.max_length - len(state.context)), gammas[i],
+                                                  self.target.vocab_size, state.sampling))
                 drafts[i] = draft
         return drafts
 
     def _advance(self, state: DecodeState, gamma: int, draft: Draft, logits: torch.Tensor) -> StepResult:
-        result = _verify(draft, logits, state.sampling, state.streams)
+        result = _verify(draft, logits, state.sampling, state.streams, state.generated)
         # drop the rejected nodes: the cache keeps context[:-1] + last + the accepted path, contiguous
         if len(draft):
             kept = state.sequence.cache_len - len(draft)
@@ -245,16 +268,14 @@ def decode(
     return Engine(target, drafter).run(state)
 
 
-def _check_draft(draft: Draft, gamma: int, vocab_size: int, sampling: SamplingParams) -> int:
-    """A drafter's contract, checked because a broken drafter would silently break losslessness.
-    Returns the draft's depth."""
+def _checked(draft: Draft, gamma: int, vocab_size: int, sampling: SamplingParams) -> Draft:
+    """The draft, its drafter's contract checked: a broken drafter would silently break losslessness."""
     tree.check_parents(draft.parents)
-    depth = draft.depth
-    if depth > gamma:
-        raise ValueError(f"the drafter proposed {depth} tokens deep; at most {gamma} were asked for")
+    if draft.depth > gamma:
+        raise ValueError(f"the drafter proposed {draft.depth} tokens deep; at most {gamma} were asked for")
     if draft.probs is not None and not sampling.greedy and tuple(draft.probs.shape) != (len(draft), vocab_size):
         raise ValueError(f"draft probs must be [{len(draft)}, {vocab_size}], got {list(draft.probs.shape)}")
-    return depth
+    return draft
 
 
 def _feed(sequence: Sequence, last: int, draft: Draft) -> Feed:
@@ -266,10 +287,15 @@ def _feed(sequence: Sequence, last: int, draft: Draft) -> Feed:
     return Feed(sequence, [last] + draft.tokens.tolist(), parents)
 
 
-def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, streams: RandomStreams):
+def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, streams: RandomStreams, generated: int):
+    """generated: output tokens before this step (where keyed draws are keyed)."""
     if sampling.greedy:
         return verify_tree_greedy(draft.tokens, draft.parents, logits)
     target_probs = probs_from_logits(logits, sampling)  # [len(draft) + 1, vocab]
+    if streams.keyed:
+        if draft.probs is not None:
+            raise ValueError("a generation with keyed draws verifies point-mass drafts only; the drafter drew from a distribution")
+        return verify_tree_coupled(draft.tokens, draft.parents, target_probs, lambda j: streams.at(generated + j))
     return verify_tree(draft.tokens, draft.parents, draft.probs, target_probs, streams.accept, streams.recover)
 
 

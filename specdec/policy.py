@@ -237,7 +237,7 @@ class CostAwarePolicy:
     alone would never draft."""
 
     def __init__(self, profile: Profile, max_depth: int = AUTO_MAX_DEPTH, explore: bool = True, shared: SharedAcceptance | None = None):
-        self.profile, self.max_depth, self.explore = profile, max_depth, explore
+        self.profile, self.max_depth, self.explore, self.shared = profile, max_depth, explore, shared
         self.acceptance: dict[tuple, Acceptance] = {}
         self.batch = 1
         self.probes = {"model": Probe(PROBE_MODEL_EVERY), **{kind: Probe(PROBE_CHAIN_EVERY) for kind in CHAIN_PRIORS}}

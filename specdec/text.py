@@ -7,6 +7,8 @@ on the prompt's last tokens.
 
 from __future__ import annotations
 
+from specdec.errors import SpecDecError
+
 
 def continuation_decoder(tokenizer, prompt_ids: list[int]):
     """Text of generated ids as it reads after the prompt.
@@ -36,3 +38,15 @@ def continuation_ids(tokenizer, anchor: list[int], text: str) -> list[int]:
         if tokenizer.decode(ids[:start], skip_special_tokens=True) == anchor_text:
             return ids[start:]
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuse text no tokenizer can take: a lone UTF-16 surrogate (JSON's "\\ud800", or a byte that
+    was not UTF-8, which Python keeps in a command line's text as one of U+DC80..U+DCFF)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = ord(text[error.start])
+        if 0xDC80 <= bad <= 0xDCFF:
+            raise SpecDecError(f"the {what} is not valid UTF-8: byte 0x{bad - 0xDC00:02x} at character {error.start}") from None
+        raise SpecDecError(f"the {what} is not valid Unicode text: a lone surrogate U+{bad:04X} at character {error.start}") from None

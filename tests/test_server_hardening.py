@@ -195,7 +195,7 @@ def test_connections_beyond_the_cap_get_503(decoder):
 
 
 def test_api_key_cors_and_host_checks(decoder):
-    live = LiveServer(create_app(decoder, MODEL, depth=None, api_key="s3cret", allowed_origins=["http://app.example"],
+    live = LiveServer(create_app(decoder, MODEL, depth=None, api_keys=["s3cret"], allowed_origins=["http://app.example"],
                                  allowed_hosts=["127.0.0.1", "localhost"]))
     body = {"model": MODEL, "prompt": "ab", "max_tokens": 2}
     try:
@@ -588,7 +588,7 @@ def test_new_requests_start_from_what_earlier_ones_saw(model_dirs):
             reply = httpx.post(live.url + "/v1/completions", timeout=60,
                                json={"model": MODEL, "prompt": "ab cd ef ab cd ef ab cd ef ab cd", "max_tokens": 30, "temperature": 0})
             assert reply.status_code == 200
-        learnt = decoder.shared_acceptance.rates()
+        learnt = decoder.shared_acceptance[None].rates()
     finally:
         live.stop()
     assert ("lookup", 0) in learnt

@@ -19,7 +19,7 @@ from scipy.stats import chisquare
 import specdec
 import specdec.api
 from specdec.ngram import KatzTrigram
-from specdec.sampling import probs_from_logits
+from specdec.sampling import RandomStreams, probs_from_logits
 from specdec.types import SamplingParams
 
 ALPHA = 1e-4
@@ -65,10 +65,16 @@ def chi_square_pvalue(counts: Counter, joint: dict[tuple, float], samples: int) 
     return float(chisquare(observed, [e * scale for e in expected]).pvalue)
 
 
-def sample_joint(decoder: specdec.SpeculativeDecoder, sampling: dict, base_seed: int):
+def sample_joint(decoder: specdec.SpeculativeDecoder, sampling: dict, base_seed: int, keyed: bool = True):
+    """keyed False: the default drafter's seeded requests, which draw by position from point-mass
+    drafts, instead draw from sequential streams and verify drawn drafts by rejection sampling (as
+    its unseeded requests do)."""
     counts, drafted, accepted = Counter(), 0, 0
     for i in range(SAMPLES):
-        result = decoder.generate(PROMPT, max_new_tokens=LENGTH, seed=base_seed + i, **sampling)
+        generation = decoder.request(PROMPT, max_new_tokens=LENGTH, seed=base_seed + i, **sampling)
+        if not keyed:
+            generation.state.streams = RandomStreams(base_seed + i)
+        result = decoder.run(generation)
         counts[tuple(result.tokens)] += 1
         drafted += result.stats.drafted
         accepted += result.stats.accepted
@@ -95,15 +101,17 @@ def drafters(model_dirs):
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("drafter_name", ["draft-model", "ngram", "prompt-lookup", "auto"])
+@pytest.mark.parametrize("drafter_name", ["draft-model", "ngram", "prompt-lookup", "auto", "auto/drawn"])
 def test_first_tokens_follow_target_joint(target, drafters, drafter_name, setting):
-    decoder = specdec.SpeculativeDecoder(target, drafters[drafter_name], gamma="auto" if drafter_name == "auto" else 2)
-    assert_follows_target(decoder, SETTINGS[setting], seed_key=f"{drafter_name}/{setting}")
+    """auto: seeded, so keyed draws and point-mass drafts; auto/drawn: its drawn drafts and rejection sampling."""
+    auto = drafter_name.startswith("auto")
+    decoder = specdec.SpeculativeDecoder(target, drafters["auto" if auto else drafter_name], gamma="auto" if auto else 2)
+    assert_follows_target(decoder, SETTINGS[setting], seed_key=f"{drafter_name}/{setting}", keyed=drafter_name != "auto/drawn")
 
 
-def assert_follows_target(decoder: specdec.SpeculativeDecoder, sampling: dict, seed_key: str) -> None:
+def assert_follows_target(decoder: specdec.SpeculativeDecoder, sampling: dict, seed_key: str, keyed: bool = True) -> None:
     """SAMPLES generations of LENGTH tokens, seeded by seed_key, must follow the target's exact joint."""
-    counts, drafted, accepted = sample_joint(decoder, sampling, base_seed=zlib.crc32(seed_key.encode()))
+    counts, drafted, accepted = sample_joint(decoder, sampling, base_seed=zlib.crc32(seed_key.encode()), keyed=keyed)
     assert 0 < accepted < drafted, "both acceptance and rejection must be exercised"
     pvalue = chi_square_pvalue(counts, exact_joint(decoder.target, SamplingParams(**sampling)), SAMPLES)
     assert pvalue > ALPHA, f"p-value {pvalue:.3g}: speculative output does not follow the target"
@@ -114,7 +122,7 @@ def test_chi_square_catches_an_accept_everything_verifier(target, drafters, monk
     from specdec import engine
     from specdec.types import VerifyResult
 
-    def accept_all(draft, logits, sampling, streams):
+    def accept_all(draft, logits, sampling, streams, generated):
         target_probs = probs_from_logits(logits, sampling)
         bonus = int(torch.multinomial(target_probs[-1], 1, generator=streams.recover))
         return VerifyResult(len(draft), draft.tokens.tolist() + [bonus])

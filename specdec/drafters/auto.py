@@ -63,7 +63,7 @@ class AutoDrafter:
         if self.model:
             self.model.close(slot)
 
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+    def propose(self, requests: list[DraftRequest]) -> list[Draft | Exception]:
         return forward_together(self.model.model if self.model else None, [self._grow(request) for request in requests])
 
     def _grow(self, request: DraftRequest):
@@ -107,7 +107,7 @@ class AutoDrafter:
         context = request.context
         depth = min(request.max_tokens, MAX_DEPTH, model.model.verify_room(len(context) - 1))
         room = model.model.max_length - len(context)  # draft cache entries free once the context is in
-        width = self.width if self.trees and sampling.greedy and (depth - 1) * self.width <= room else 1
+        width = self.width if self.trees and request.deterministic and (depth - 1) * self.width <= room else 1
         frontier, probe = [-1], policy.probe_model
         if depth <= 0 or not (budget.take_level(policy.model_rate(), 1) or probe):
             return
@@ -127,10 +127,9 @@ class AutoDrafter:
         """The model's children of the frontier that pay, best first (with `force`, the best one
         whether it pays or not); returns the level's nodes (lookup nodes the model also proposes
         included, at no cost)."""
-        greedy = request.sampling.greedy
         candidates = []  # (value, parent, token or None for a draw, q, source)
         for parent, q in zip(frontier, rows):
-            if greedy:
+            if request.deterministic:
                 top = torch.topk(q, min(width, q.numel()))
                 for p, token in zip(top.values.tolist(), top.indices.tolist()):
                     source = ("model", confidence_bin(p))

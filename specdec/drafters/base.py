@@ -21,7 +21,9 @@ class DraftSlot:
 class DraftRequest:
     """One row of a batched proposal: up to `max_tokens` deep after `context` (the whole committed text).
     policy: the row's draft policy, for drafters it shapes (`AutoDrafter`); chains: the request's own
-    chain sources (a `Prediction`, a `HistoryView`: see `ChainSource`), for drafters that use them."""
+    chain sources (a `Prediction`, a `HistoryView`: see `ChainSource`), for drafters that use them.
+    point_masses: the draft must hold point masses only (the generation verifies by keyed draws,
+    `verify.verify_tree_coupled`): a draft model proposes its most likely tokens, as in greedy mode."""
 
     slot: DraftSlot
     context: Sequence[int]
@@ -30,6 +32,12 @@ class DraftRequest:
     rng: torch.Generator
     policy: object = None
     chains: tuple[ChainSource, ...] = ()
+    point_masses: bool = False
+
+    @property
+    def deterministic(self) -> bool:
+        """Children are the draft's most likely tokens, not draws."""
+        return self.sampling.greedy or self.point_masses
 
 
 class ChainSource(Protocol):
@@ -67,8 +75,9 @@ class Drafter(Protocol):
         """Take in up to `budget` more tokens of the prompt (None: all); True when it is all in."""
         ...
 
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        """One draft per request (rows of different slots); model forwards are shared across rows."""
+    def propose(self, requests: list[DraftRequest]) -> list[Draft | Exception]:
+        """One draft per request (rows of different slots), or the exception that row's own drafting
+        raised (the other rows go on); model forwards are shared across rows, and a failed one raises."""
         ...
 
     def accept(self, slot: DraftSlot, tokens: list[int]) -> None:
@@ -92,8 +101,8 @@ class ContextDrafter:
     def prefill(self, slot: DraftSlot, budget: int | None = None) -> bool:
         return True
 
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        return [self.propose_one(r.context, r.max_tokens, r.sampling, r.rng) for r in requests]
+    def propose(self, requests: list[DraftRequest]) -> list[Draft | Exception]:
+        return [attempt(lambda: self.propose_one(r.context, r.max_tokens, r.sampling, r.rng)) for r in requests]
 
     def propose_one(self, context: Sequence[int], max_tokens: int, sampling: SamplingParams, rng: torch.Generator) -> Draft:
         raise NotImplementedError
@@ -162,6 +171,14 @@ class DraftTree:
                     probs[row] = self.drawn_from[i]
         sources = [self.sources[i] for i in keep] if any(self.sources) else None
         return Draft(tokens, probs, parents, sources)
+
+
+def attempt(work):
+    """work(), or the exception it raised: a failure that belongs to one row of a batch."""
+    try:
+        return work()
+    except Exception as error:
+        return error
 
 
 def empty_draft() -> Draft:

@@ -10,10 +10,14 @@ followed, the view follows the same place (no search: a long copied passage cost
 iteration); elsewhere it searches again, in C.
 
 Proposals are point masses, verified like prompt lookup's: whatever the history holds, the output
-is the target's. What it holds changes only the speed, and speed is a timing side channel, so
-tenants (an API key, a `user`) draft only from their own requests unless sharing is asked for.
-The store is thread-safe: a view reads the immutable bytes it was given when its request was made
-(a server makes requests on the event loop, drafts and records on the batch thread).
+is the target's. What it holds changes only the speed, and speed is a timing side channel, so a
+generation drafts only from its own scope (`specdec.scopes`: a server's API key and `cache_salt`)
+and, within it, its own tenant's requests (a `user`; `shared`: every tenant of the scope's). A
+tenant narrows a scope, never widens one. When more than `tenants` are kept, the least recently
+used tenant of the scope keeping the most tenants goes: a scope cannot push out another's
+history while it keeps fewer tenants than that one. The store is thread-safe: a view reads the
+immutable bytes it was given when its request was made (a server makes requests on the event
+loop, drafts and records on the batch thread).
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ from collections import OrderedDict, deque
 from typing import Hashable, Sequence
 
 from specdec.drafters.prompt_lookup import SEPARATOR, continuation_in, packed
+from specdec.scopes import Scope, evictee
 
 HISTORY_NGRAMS = (8, 5, 3)  # suffix lengths looked up in the history, longest first: short matches in a big corpus are noise
 DEFAULT_TOKENS = 200_000  # tokens kept per tenant by default: ~0.8 MB, a search of a few hundred microseconds at worst
-DEFAULT_TENANTS = 64  # tenants kept; the one unused longest goes first
+DEFAULT_TENANTS = 64  # tenants kept in all (see the module docstring for which goes first)
 
 
 class _Documents:
@@ -47,9 +52,9 @@ class _Documents:
 
 
 class History:
-    """Earlier generations' prompts and outputs, per tenant (see the module docstring). tokens:
-    ids kept per tenant; tenants: tenants kept; shared: every request drafts from every request
-    (one tenant for all)."""
+    """Earlier generations' prompts and outputs, per scope and tenant (see the module docstring).
+    tokens: ids kept per tenant; tenants: tenants kept in all; shared: every request of a scope
+    drafts from every request of that scope (one tenant per scope)."""
 
     def __init__(self, tokens: int = DEFAULT_TOKENS, tenants: int = DEFAULT_TENANTS, shared: bool = False):
         if tokens < 1 or tenants < 1:
@@ -58,38 +63,40 @@ class History:
         self._documents: OrderedDict[Hashable, _Documents] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _key(self, tenant: Hashable) -> Hashable:
-        return None if self.shared else tenant
+    def _key(self, tenant: Hashable, scope: Scope) -> tuple:
+        return scope, None if self.shared else tenant
 
-    def view(self, tenant: Hashable = None) -> HistoryView:
-        """A generation's source of drafts: its tenant's history as it is now."""
-        key = self._key(tenant)
+    def view(self, tenant: Hashable = None, scope: Scope = None) -> HistoryView:
+        """A generation's source of drafts: its tenant's history, in its scope, as it is now."""
+        key = self._key(tenant, scope)
         with self._lock:
             documents = self._documents.get(key)
             if documents is not None:
                 self._documents.move_to_end(key)
             return HistoryView(self, key, documents.corpus if documents else b"")
 
-    def record(self, tenant: Hashable, ids: Sequence[int]) -> None:
+    def record(self, tenant: Hashable, ids: Sequence[int], scope: Scope = None) -> None:
         """A finished generation's context (prompt and output) joins its tenant's history."""
+        self._record(self._key(tenant, scope), ids)
+
+    def _record(self, key: tuple, ids: Sequence[int]) -> None:
         if not ids:
             return
-        key = self._key(tenant)
         with self._lock:
             documents = self._documents.setdefault(key, _Documents())
             self._documents.move_to_end(key)
             documents.add(ids, self.tokens)
             while len(self._documents) > self.tenants:
-                self._documents.popitem(last=False)
+                del self._documents[evictee(list(self._documents), scope_of=lambda key: key[0])]
 
     def clear(self) -> None:
         with self._lock:
             self._documents.clear()
 
-    def size(self, tenant: Hashable = None) -> int:
-        """Tokens held for a tenant."""
+    def size(self, tenant: Hashable = None, scope: Scope = None) -> int:
+        """Tokens held for a tenant of a scope."""
         with self._lock:
-            documents = self._documents.get(self._key(tenant))
+            documents = self._documents.get(self._key(tenant, scope))
             return 0 if documents is None else len(documents.corpus) // 4 - len(documents.sizes)
 
 
@@ -99,8 +106,8 @@ class HistoryView:
 
     kind = "history"
 
-    def __init__(self, history: History, tenant: Hashable, corpus: bytes):
-        self.history, self.tenant, self.corpus = history, tenant, corpus
+    def __init__(self, history: History, key: tuple, corpus: bytes):
+        self.history, self.key, self.corpus = history, key, corpus  # key: (scope, tenant)
         self._ids = memoryview(corpus).cast("I")
         self._follow: int | None = None  # where in the corpus the context's next token was proposed from
         self._followed = 0  # the context's length when it was
@@ -132,4 +139,4 @@ class HistoryView:
 
     def end(self, context: Sequence[int]) -> None:
         """The generation has finished with this context: it joins the history."""
-        self.history.record(self.tenant, context)
+        self.history._record(self.key, context)

@@ -157,7 +157,7 @@ class ModelDrafter:
             self.prefill(slot)
             slot.forwards += 1
 
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+    def propose(self, requests: list[DraftRequest]) -> list[Draft | Exception]:
         return forward_together(self.model, [self._grow(request) for request in requests])
 
     def _grow(self, request: DraftRequest):

@@ -133,7 +133,8 @@ def forward_each(feeds: Seq[Feed]) -> list[torch.Tensor]:
 def forward_together(model: CausalLM, growers: list) -> list:
     """Run generators side by side, batching their forwards: each yields Feeds of `model` (one at a
     time) and is sent back the logits; whatever is waiting goes into one `forward_batch`. Returns
-    what each generator returns."""
+    what each generator returns, or the exception it raised (its row ends there, the others go on);
+    a failed forward raises."""
     results, waiting = [None] * len(growers), {}
 
     def advance(i: int, logits) -> None:
@@ -141,6 +142,9 @@ def forward_together(model: CausalLM, growers: list) -> list:
             waiting[i] = growers[i].send(logits)
         except StopIteration as done:
             results[i] = done.value
+            waiting.pop(i, None)
+        except Exception as error:
+            results[i] = error
             waiting.pop(i, None)
 
     for i in range(len(growers)):

@@ -2,6 +2,12 @@
 shares with one of them (a conversation's earlier turn, a shared system prompt), so its prompt's
 cached part is not computed again.
 
+Scoped (`specdec.scopes`): a sequence kept for one scope is reused only by requests of the same
+scope, so what another scope sent shows neither in `cached_tokens` nor in the time to the first
+token. The budget is shared, shed fairly: the scope keeping the most tokens (or, for sequence ids,
+the most sequences) loses its least recently used sequence first, so a scope keeping at most half
+of either is never evicted for another's sake while two scopes share the cache.
+
 Exact: a reused entry is the one this model computed for the same token at the same position
 after the same tokens. Where a runtime's numerics move with the batch shape (llama.cpp), it may
 differ in the last bits from what a fresh prefill would compute, as a verify's entries already do.
@@ -16,6 +22,7 @@ from typing import Sequence as Seq
 
 from specdec.errors import SpecDecError
 from specdec.runtime.base import CausalLM, Sequence
+from specdec.scopes import Scope, evictee
 from specdec.stops import common_prefix
 
 DEFAULT_TOKENS = 4096  # kept tokens by default: a long conversation, or a few shorter ones
@@ -25,20 +32,21 @@ MAX_KEPT = 16  # sequences kept at most (on llama.cpp each holds a sequence id, 
 
 @dataclass
 class _Kept:
-    sequence: Sequence
-    tokens: list[int]  # what its cache holds, entry by entry
+    sequence: Sequence | None  # None: one about to be kept, while room is made for it
+    tokens: Seq[int]  # what its cache holds, entry by entry
+    scope: Scope = None  # the requests that may reuse it
 
 
 class PrefixCache:
-    """Finished sequences of one model, kept with the tokens their caches hold, up to `budget`
-    entries in all; the least recently used go first. Its list is guarded by a lock (metrics read
+    """Finished sequences of one model, kept with the tokens their caches hold and the scope that
+    may reuse them, up to `budget` entries in all (shed as the module docstring says). Its list is guarded by a lock (metrics read
     `tokens` from other threads); the model's own calls (fork, release) are the engine's, made on
     its thread like every other call into the model.
 
     Invariant: every kept sequence's cache holds exactly its `tokens`, as a chain (committed text),
-    and the kept tokens add up to at most `budget`. On llama.cpp the budget is also capped by the
-    KV cells the model spares beyond its slots (`spare_cells`), so kept prefixes never crowd out
-    a running generation."""
+    the kept tokens add up to at most `budget` and the kept sequences to at most MAX_KEPT. On
+    llama.cpp the budget is also capped by the KV cells the model spares beyond its slots
+    (`spare_cells`), so kept prefixes never crowd out a running generation."""
 
     def __init__(self, model: CausalLM, budget: int, min_shared: int = MIN_SHARED):
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
@@ -71,14 +79,14 @@ class PrefixCache:
         with self._lock:
             return sum(len(kept.tokens) for kept in self._kept)
 
-    def take(self, prompt: Seq[int]) -> Sequence:
-        """A new sequence of the model holding the longest prefix of prompt[:-1] a kept sequence
-        shares (the last prompt token is always left to feed), or an empty one."""
+    def take(self, prompt: Seq[int], scope: Scope = None) -> Sequence:
+        """A new sequence of the model holding the longest prefix of prompt[:-1] a sequence kept for
+        the same scope shares (the last prompt token is always left to feed), or an empty one."""
         head = list(prompt[:-1])
         with self._lock:
             best, length = None, 0
             for kept in self._kept:
-                shared = common_prefix(kept.tokens, head)
+                shared = common_prefix(kept.tokens, head) if kept.scope == scope else 0
                 if shared > length:
                     best, length = kept, shared
             if best is not None and length >= self.min_shared:
@@ -90,35 +98,47 @@ class PrefixCache:
                     return sequence
         return self.model.sequence()
 
-    def put(self, sequence: Sequence, tokens: Seq[int]) -> None:
+    def put(self, sequence: Sequence, tokens: Seq[int], scope: Scope = None) -> None:
         """Keep the first entries of a finished sequence, whose cache begins with `tokens` (up to
-        the budget's worth of them), and release the sequence. What is kept is a fork: on
-        transformers rows of its own, not views of a batch's tensors; on llama.cpp the same cells.
-        It replaces kept sequences that hold a prefix of it."""
+        the budget's worth of them), for requests of `scope`, and release the sequence. What is kept
+        is a fork: on transformers rows of its own, not views of a batch's tensors; on llama.cpp the
+        same cells. It replaces the scope's kept sequences that hold a prefix of it."""
         tokens = list(tokens)[: self.budget]
         kept = None
         try:
-            if self.min_shared <= len(tokens) <= sequence.cache_len:
-                with self._lock:  # room for the fork's sequence id
-                    while len(self._kept) >= MAX_KEPT:
-                        self._drop(self._kept[0])
+            if self.min_shared <= len(tokens) <= sequence.cache_len and self._admit(tokens, scope):
                 sequence.truncate(len(tokens))
                 kept = sequence.fork(len(tokens))
         except SpecDecError:  # no sequence id to spare: nothing is kept
             kept = None
         finally:
             sequence.release()
-        if kept is None:
-            return
+        if kept is not None:
+            with self._lock:
+                self._kept.append(_Kept(kept, tokens, scope))
+
+    def _admit(self, tokens: list[int], scope: Scope) -> bool:
+        """Whether to keep `tokens` for `scope`: not when one of its kept sequences holds them all
+        already. Those of its sequences that they extend go, then room is made for them."""
         with self._lock:
-            if any(common_prefix(other.tokens, tokens) == len(tokens) for other in self._kept):
-                kept.release()  # a kept sequence holds all of it already
-                return
-            for other in [k for k in self._kept if common_prefix(k.tokens, tokens) == len(k.tokens)]:
-                self._drop(other)
-            self._kept.append(_Kept(kept, tokens))
-            while self.tokens > self.budget or len(self._kept) > MAX_KEPT:
-                self._drop(self._kept[0])
+            mine = [kept for kept in self._kept if kept.scope == scope]
+            if any(common_prefix(kept.tokens, tokens) == len(tokens) for kept in mine):
+                return False
+            for kept in mine:
+                if common_prefix(kept.tokens, tokens) == len(kept.tokens):
+                    self._drop(kept)
+            return self._make_room(_Kept(None, tokens, scope))
+
+    def _make_room(self, newcomer: _Kept) -> bool:
+        """Evict, fairly (`scopes.evictee`), until the newcomer's sequence and tokens fit; False (and
+        nothing more evicted) when its own scope would have to shed it first."""
+        while len(self._kept) + 1 > MAX_KEPT or self.tokens + len(newcomer.tokens) > self.budget:
+            weight = (lambda kept: 1) if len(self._kept) + 1 > MAX_KEPT else (lambda kept: len(kept.tokens))
+            victim = evictee(self._kept + [newcomer], lambda kept: kept.scope, weight)
+            if victim is newcomer:
+                return False
+            self._drop(victim)
+        return True
 
     def clear(self) -> None:
         with self._lock:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
+from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,11 +38,16 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
     return routes(Service(decoder, model_name, max_queue, max_batch, depth), **http)
 
 
-def routes(service: Service, max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None, allowed_origins: list[str] = (),
-           allowed_hosts: list[str] | None = None, body_timeout: float = 30.0) -> FastAPI:
-    """The OpenAI routes, /health and /metrics over a service. api_key: /v1 routes need
-    `Authorization: Bearer <key>`. allowed_origins: browser origins allowed by CORS. allowed_hosts:
-    accepted Host header names (None: any). body_timeout: seconds a request body may take to arrive."""
+def routes(service: Service, max_body_bytes: int = MAX_BODY_BYTES, api_keys: Sequence[str] = (), allowed_origins: Sequence[str] = (),
+           allowed_hosts: Sequence[str] | None = None, body_timeout: float = 30.0, keys_share_caches: bool = False,
+           public_metrics: bool = False) -> FastAPI:
+    """The OpenAI routes, /health and /metrics over a service.
+
+    api_keys: /v1 routes (and /metrics, unless `public_metrics`) need `Authorization: Bearer <key>`
+    with one of them; each key is a tenant, with a scope of its own for kept caches, histories and
+    learnt acceptance (`specdec.scopes`), unless `keys_share_caches`. No keys: one tenant.
+    allowed_origins: browser origins allowed by CORS. allowed_hosts: accepted Host header names
+    (None: any). body_timeout: seconds a request body may take to arrive."""
     app = FastAPI(title="specdec", description="OpenAI-compatible lossless speculative decoding", version="1")
     decoder, model_name, metrics, batcher = service.decoder, service.model_name, service.metrics, service.batcher
     app.state.service, app.state.batcher = service, batcher
@@ -66,15 +73,25 @@ def routes(service: Service, max_body_bytes: int = MAX_BODY_BYTES, api_key: str 
     async def bad_request(request: Request, error: BadRequest):
         return error_response(str(error), error.status, error.code, error.param)
 
+    expected = [f"Bearer {key}".encode() for key in api_keys]
+
+    def key_index(given: str) -> int | None:
+        """Which key the Authorization header holds (compared with every key, in constant time each)."""
+        matches = [i for i, key in enumerate(expected) if hmac.compare_digest(given.encode(), key)]
+        return matches[0] if matches else None
+
     def refusal(request: Request):
-        """An error response for a request refused before routing, or None."""
-        if allowed_hosts is not None and request.url.hostname not in allowed_hosts:
+        """An error response for a request refused before routing, or None. An accepted request's
+        API key (its index) is left in its scope's state for the routes."""
+        if allowed_hosts is not None and not host_allowed(request, allowed_hosts):
             return error_response(f"the Host header {request.headers.get('host')!r} is not one this server answers to", 400)
-        if api_key and request.url.path.startswith("/v1/") and request.method != "OPTIONS":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        guarded = request.url.path.startswith("/v1/") or (request.url.path == "/metrics" and not public_metrics)
+        if expected and guarded and request.method != "OPTIONS":
+            key = key_index(request.headers.get("authorization", ""))
+            if key is None:
                 return error_response("a valid API key is needed: Authorization: Bearer <key>", 401, "invalid_api_key",
                                       headers={"WWW-Authenticate": "Bearer"})
+            request.scope.setdefault("state", {})[KEY_STATE] = None if keys_share_caches else key
         length = request.headers.get("content-length")
         if request.method == "POST" and length is None:  # a chunked body could be any size
             return error_response("a request body needs a Content-Length header", 411)
@@ -101,7 +118,7 @@ def routes(service: Service, max_body_bytes: int = MAX_BODY_BYTES, api_key: str 
     async def completions(body: CompletionRequest, request: Request):
         prompt = body.prompt_input()
         size = len(prompt) if isinstance(prompt, str) else 0
-        generation = await _checked_request(body, size, lambda: decoder.prompt_ids(prompt), "prompt")
+        generation = await _checked_request(request, body, size, lambda: decoder.prompt_ids(prompt), "prompt")
         echo = "" if not body.echo else prompt if isinstance(prompt, str) else decoder.tokenizer.decode(prompt, skip_special_tokens=True)
         return await _serve(request, body, generation, Reply("text_completion", model_name, len(generation.state.prompt), decoder.tokenizer, echo))
 
@@ -110,18 +127,20 @@ def routes(service: Service, max_body_bytes: int = MAX_BODY_BYTES, api_key: str 
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         size = sum(len(m.for_template()["content"]) for m in body.messages)
-        generation = await _checked_request(body, size, lambda: chat_prompt(decoder, body.messages), "messages")
+        generation = await _checked_request(request, body, size, lambda: chat_prompt(decoder, body.messages), "messages")
         return await _serve(request, body, generation, Reply("chat.completion", model_name, len(generation.state.prompt), decoder.tokenizer))
 
-    async def _checked_request(body: SamplingFields, size: int, encode, param: str) -> Generation:
+    async def _checked_request(request: Request, body: SamplingFields, size: int, encode, param: str) -> Generation:
         """Check everything before the request may wait for the model; a full queue is refused
-        before the prompt is tokenized. Long texts are tokenized off the event loop; short ones
-        inline (a thread hop costs more than they do)."""
+        before the prompt is tokenized. Long texts (a prompt, a prediction) are tokenized off the
+        event loop; short ones inline (a thread hop costs more than they do)."""
         if body.model != model_name:
             raise BadRequest(f"the model {body.model!r} does not exist; this server has {model_name!r}", 404, "model_not_found", "model")
         body.refuse_unsupported()
         batcher.check_room()
-        check = lambda: service.generation(body, encode, param)
+        key = request.scope.get("state", {}).get(KEY_STATE)
+        check = lambda: service.generation(body, encode, param, key)
+        size += len(body.predicted_text() or "")
         return await run_in_threadpool(check) if size > LONG_PROMPT_CHARS else check()
 
     async def _serve(request: Request, body: SamplingFields, generation: Generation, reply: Reply):
@@ -138,9 +157,12 @@ def routes(service: Service, max_body_bytes: int = MAX_BODY_BYTES, api_key: str 
         if isinstance(result, tuple):
             kind, message = result
             return error_response(message, 503) if kind == "unavailable" else error_response(f"generation failed: {message}", 500)
-        if result.logprobs or result.prediction:  # a decode per token and alternative, an alignment: not on the event loop
-            return await run_in_threadpool(reply.whole, result)
-        return reply.whole(result)
+        try:
+            if result.logprobs or result.prediction:  # a decode per token and alternative, an alignment: not on the event loop
+                return await run_in_threadpool(reply.whole, result)
+            return reply.whole(result)
+        except Exception as error:  # the reply could not be made: still an answer in the API's shape
+            return error_response(f"generation failed: the reply could not be made: {type(error).__name__}", 500)
 
     async def _result(request: Request, job: Job):
         """The finished GenerationResult; None as soon as the client leaves; (kind, message) if it failed."""
@@ -162,28 +184,38 @@ def routes(service: Service, max_body_bytes: int = MAX_BODY_BYTES, api_key: str 
                 event.cancel()
 
     async def _sse(job: Job, reply: Reply, include_usage: bool):
+        """The events of a stream; however the generation or the making of an event fails, the
+        stream ends with an error event and `[DONE]`."""
         try:
             first = reply.chunk("", None, first=True)
             if first is not None:
                 yield _event(first)
-            while True:
-                kind, value = await job.events.get()
-                if kind == "delta":
-                    text, logprobs = value
-                    yield _event(reply.chunk(text, None, logprobs))
-                elif kind in ("error", "unavailable"):
-                    message = value if kind == "unavailable" else f"generation failed: {value}"
-                    yield _event({"error": {"message": message, "type": "server_error", "param": None, "code": kind}})
-                    break
-                else:
-                    rest = value.logprobs[job.logprobs_sent:] if value.logprobs is not None else None
-                    yield _event(reply.chunk("", value.finish_reason, rest))
-                    if include_usage:
-                        yield _event(await run_in_threadpool(reply.usage_chunk, value))
-                    break
+            async for event in _events(job, reply, include_usage):
+                yield event
             yield "data: [DONE]\n\n"
         finally:  # a client that left (the response is cancelled) stops its generation
             batcher.cancel(job)
+
+    async def _events(job: Job, reply: Reply, include_usage: bool):
+        while True:
+            kind, value = await job.events.get()
+            try:
+                if kind == "delta":
+                    text, logprobs = value
+                    yield _event(reply.chunk(text, None, logprobs))
+                    continue
+                if kind in ("error", "unavailable"):
+                    yield _error_event(value if kind == "unavailable" else f"generation failed: {value}", kind)
+                    return
+                rest = value.logprobs[job.logprobs_sent:] if value.logprobs is not None else None
+                yield _event(reply.chunk("", value.finish_reason, rest))
+                if include_usage:
+                    yield _event(await run_in_threadpool(reply.usage_chunk, value))
+                return
+            except Exception as error:  # an event could not be made: the client is told, the generation stops
+                batcher.cancel(job)
+                yield _error_event(f"generation failed: the reply could not be made: {type(error).__name__}", "error")
+                return
 
     def openapi():
         """The schema without FastAPI's 422 (validation errors are answered with 400, documented per route)."""
@@ -297,3 +329,27 @@ class CancellingStream(StreamingResponse):
 
 def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
+
+
+def _error_event(message: str, code: str) -> str:
+    return _event({"error": {"message": message, "type": "server_error", "param": None, "code": code}})
+
+
+KEY_STATE = "specdec_api_key"  # where `Guard` leaves an accepted request's API key (its index; None: no scope of its own)
+HOST_HEADER = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9.-]+))(?::[0-9]{1,5})?")
+
+
+def host_name(header: str) -> str | None:
+    """The host a Host header names ("name", "name:port", "[v6]:port"), in lower case; None when
+    the header is not of that form (empty, or with userinfo, a path, a query or a fragment)."""
+    match = HOST_HEADER.fullmatch(header)
+    return None if match is None else (match["v6"] or match["name"]).lower()
+
+
+def host_allowed(request: Request, allowed: Sequence[str]) -> bool:
+    """The Host header names an allowed host. An HTTP/1.0 request may come without one (it then
+    means this server's own address; a browser always sends one)."""
+    header = request.headers.get("host")
+    if header is None:
+        return request.scope.get("http_version") == "1.0"
+    return host_name(header) in allowed

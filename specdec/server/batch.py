@@ -47,7 +47,6 @@ class Batcher:
     def __init__(self, decoder: SpeculativeDecoder, max_batch: int, max_queue: int, metrics: "Metrics", depth: BatchDepth | None):
         self.metrics, self.max_batch, self.max_queue, self.depth = metrics, max_batch, max_queue, depth
         self.engine = decoder.engine()
-        self.shared = decoder.shared_acceptance
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
         self.prefilling: deque[Job] = deque()  # running jobs whose prompt is not all in, in turn
@@ -116,7 +115,7 @@ class Batcher:
                     return
             except Exception as error:  # never let the batch thread die: end what is running, go on serving
                 for job in list(self.running):
-                    self._abandon(job, f"{type(error).__name__}: {error}")
+                    self._abandon(job, _describe(error))
 
     def _abandon(self, job: Job, message: str) -> None:
         """End a job after an unexpected failure, whatever state its slots are in."""
@@ -125,9 +124,10 @@ class Batcher:
         if job in self.prefilling:
             self.prefilling.remove(job)
         try:
-            self.engine.close(job.generation.state)
+            self.engine.close(job.generation.state, failed=True)
         except Exception:
             pass  # its slots are lost; the other jobs go on
+        self.metrics.failed.inc()
         job.emit("error", message)
 
     def _round(self) -> bool:
@@ -155,7 +155,7 @@ class Batcher:
         try:
             job.generation.open(self.engine, prefill=False)
         except Exception as error:  # never let one request take the batch down
-            self._abandon(job, f"{type(error).__name__}: {error}")
+            self._abandon(job, _describe(error))
             return
         if job.generation.done:  # nothing to generate (max_tokens 0)
             self._retire(job, "done", None)
@@ -171,7 +171,7 @@ class Batcher:
             if not self.engine.prefill(job.generation.state):
                 self.prefilling.append(job)
         except Exception as error:  # its slots are closed; the others go on
-            self._abandon(job, f"{type(error).__name__}: {error}")
+            self._abandon(job, _describe(error))
 
     def _step(self, jobs: list[Job]) -> None:
         states = [job.generation.state for job in jobs]
@@ -179,18 +179,26 @@ class Batcher:
         self.metrics.step(len(states), cap)
         try:
             results = self.engine.step(states, cap)
-        except Exception as error:  # a failed forward leaves the rows' caches unknown: end them all
+        except Exception as error:  # a failed shared forward leaves every row's cache unknown: end them all
             for job in jobs:
-                self._retire(job, "error", f"{type(error).__name__}: {error}")
+                self._abandon(job, _describe(error))
             return
         now = time.perf_counter()
         for job, result in zip(jobs, results):
+            if result.error is not None:  # this row's own drafting or verification failed
+                self._abandon(job, _describe(result.error))
+                continue
             if self.depth is not None:
                 self.depth.observe(result.drafted, result.accepted)
-            delta = job.generation.add(result)
+            try:
+                delta = job.generation.add(result)
+                logprobs = self._new_logprobs(job) if delta else None
+            except Exception as error:  # its text could not be made
+                self._abandon(job, _describe(error))
+                continue
             if delta:
                 self.metrics.token_latency(job, now, len(result.tokens))
-                job.emit("delta", (delta, self._new_logprobs(job)))
+                job.emit("delta", (delta, logprobs))
             if job.generation.done:
                 self._retire(job, "done", None)
 
@@ -209,19 +217,24 @@ class Batcher:
         """The job leaves the batch; its slots go back, and what its policy learnt goes to the
         next requests. kind: what the client is told (None: it left)."""
         self.engine.close(job.generation.state)
-        if self.shared is not None and isinstance(job.generation.state.gamma_policy, CostAwarePolicy):
-            self.shared.absorb(job.generation.state.gamma_policy)
+        policy = job.generation.state.gamma_policy
+        if isinstance(policy, CostAwarePolicy) and policy.shared is not None:
+            policy.shared.absorb(policy)
         self.running.remove(job)
         if job in self.prefilling:
             self.prefilling.remove(job)
         if kind is None:
             self.metrics.cancelled.inc()
-        elif kind in ("error", "unavailable"):
+        elif kind == "unavailable":
             job.emit(kind, message)
         else:
             result = job.generation.result()
             self.metrics.record(result.stats, time.perf_counter() - job.arrived)
             job.emit("done", result)
+
+
+def _describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 class Metrics:
@@ -236,6 +249,7 @@ class Metrics:
         self.cached = Counter("specdec_cached_prompt_tokens", "prompt tokens whose cache an earlier request had computed (prefix reuse)", registry=registry)
         self.kept = Gauge("specdec_prefix_cache_tokens", "tokens of finished requests kept for prefix reuse", registry=registry)
         self.cancelled = Counter("specdec_cancelled", "generations cancelled because the client left", registry=registry)
+        self.failed = Counter("specdec_failed", "generations ended by an error of their own or of the batch's forward", registry=registry)
         self.queue_depth = Gauge("specdec_queue_depth", "requests waiting for the model", registry=registry)
         self.batch_size = Gauge("specdec_batch_size", "generations running in the batch", registry=registry)
         self.acceptance = Gauge("specdec_acceptance_rate", "accepted / drafted over all generations", registry=registry)

@@ -93,7 +93,9 @@ class PredictionContent(BaseModel):
 class SamplingFields(BaseModel):
     """What both endpoints accept; top_k is an extension (above the vocabulary's size it limits
     nothing). `user` names the tenant whose history of earlier requests drafts for this one (a
-    `History`). Other unknown fields are ignored. Types are strict, as in OpenAI's schema:
+    `History`), within the request's scope; `cache_salt` (as vLLM has it) narrows the scope: kept
+    caches and histories are shared only by requests with the same API key and salt. Other
+    unknown fields are ignored. Types are strict, as in OpenAI's schema:
     an integer is a valid float, nothing else is coerced."""
 
     model_config = STRICT
@@ -113,6 +115,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     prediction: PredictionContent | None = None
     user: str | None = Field(None, max_length=256)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     def predicted_text(self) -> str | None:
         return text_of(self.prediction.content) or None if self.prediction is not None else None

@@ -11,6 +11,7 @@ from specdec.api import Generation, SpeculativeDecoder
 from specdec.drafters import AutoDrafter
 from specdec.errors import SpecDecError
 from specdec.policy import BatchDepth, SharedAcceptance
+from specdec.scopes import PerScope
 from specdec.server.batch import Batcher, Job, Metrics
 from specdec.server.openai import BadRequest, CompletionRequest, SamplingFields
 
@@ -40,14 +41,16 @@ class Service:
         self.metrics = Metrics()
         if decoder.uses_profile:
             decoder.profile()
-        if isinstance(decoder.drafter, AutoDrafter):  # new requests start from what earlier ones saw
-            decoder.shared_acceptance = SharedAcceptance()
+        if isinstance(decoder.drafter, AutoDrafter):  # new requests start from what their scope's earlier ones saw
+            decoder.shared_acceptance = PerScope(SharedAcceptance)
         self.batcher = Batcher(decoder, max_batch, max_queue, self.metrics, batch_depth(decoder) if depth == "measure" else depth)
 
     # ------------------------------------------------------------------ requests
-    def generation(self, body: SamplingFields, encode, param: str) -> Generation:
+    def generation(self, body: SamplingFields, encode, param: str, key: int | None = None) -> Generation:
         """The request's generation, everything checked (a BadRequest otherwise); `encode()` gives
-        its prompt's token ids, `param` names the field they came from."""
+        its prompt's token ids, `param` names the field they came from. key: which of the server's
+        API keys the request came with (None: no keys, or one scope for all keys): with the body's
+        `cache_salt`, its scope (`specdec.scopes`); `user` narrows its history within that."""
         decoder = self.decoder
         try:
             ids = encode()
@@ -63,12 +66,13 @@ class Service:
                              param="max_tokens")
         if body.prediction is not None and not isinstance(decoder.drafter, AutoDrafter):
             raise BadRequest("prediction is drafted by the default drafter; this server runs a fixed strategy", param="prediction")
+        scope = None if key is None and body.cache_salt is None else (key, body.cache_salt)
         try:
             return decoder.request(ids, max_new_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                                    seed=body.seed, stop=body.stops(), logprobs=body.top_logprobs_wanted(), prediction=body.predicted_text(),
-                                   tenant=body.user)
+                                   tenant=body.user, scope=scope)
         except SpecDecError as error:
-            raise BadRequest(str(error)) from None
+            raise BadRequest(str(error), param=error.param) from None
 
     def submit(self, generation: Generation) -> Job:
         """Queue a generation; its events arrive on the running event loop."""

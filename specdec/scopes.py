@@ -1,0 +1,63 @@
+"""Scopes: who may see what a generation leaves behind.
+
+A generation leaves state that later ones use: its cache is kept for prefix reuse, its text joins
+a history, its acceptance teaches the draft policy. Each changes what a later request is told
+(`cached_tokens`) or how fast it runs, so each is kept per *scope*, and a request sees only its
+own scope's. A server makes one scope per API key (and per `cache_salt` within it); the library's
+requests share the scope None unless they name one.
+
+Bounded stores shed state fairly: they evict from the scope that holds the most (its least
+recently used entry first), so a scope holding at most 1/n of a store is never evicted for
+another's sake while n scopes or fewer hold anything (`evictee`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Callable, Generic, Hashable, Sequence, TypeVar
+
+from specdec.errors import SpecDecError
+
+Scope = Hashable  # any hashable value; None is the default scope
+T = TypeVar("T")
+
+
+def check_scope(value, what: str) -> None:
+    """A scope or tenant must be hashable: it keys the stores."""
+    try:
+        hash(value)
+    except TypeError:
+        raise SpecDecError(f"{what} must be hashable (a string, a number, a tuple), got {type(value).__name__}") from None
+
+
+def evictee(entries: Sequence[T], scope_of: Callable[[T], Scope], weight: Callable[[T], int] = lambda entry: 1) -> T:
+    """The entry to evict: the least recently used one (entries come least recently used first)
+    of the scope whose entries weigh the most in all. Ties go to the scope whose oldest entry is
+    the oldest."""
+    totals: dict[Scope, int] = {}
+    for entry in entries:
+        scope = scope_of(entry)
+        totals[scope] = totals.get(scope, 0) + weight(entry)
+    heaviest = max(totals.values())
+    return next(entry for entry in entries if totals[scope_of(entry)] == heaviest)
+
+
+class PerScope(Generic[T]):
+    """One value per scope, made on first use by `make`; at most `limit` scopes are remembered (the
+    least recently used forgotten)."""
+
+    def __init__(self, make: Callable[[], T], limit: int = 256):
+        self.make, self.limit = make, limit
+        self._values: OrderedDict[Scope, T] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __getitem__(self, scope: Scope) -> T:
+        with self._lock:
+            value = self._values.get(scope)
+            if value is None:
+                value = self._values[scope] = self.make()
+                while len(self._values) > self.limit:
+                    self._values.popitem(last=False)
+            self._values.move_to_end(scope)
+            return value
