@@ -13,7 +13,14 @@ authentication, limits and streaming are the single-process server's. Ray sends 
 Faults: a request whose replica dies before the client got a byte of its reply is sent to another
 (up to RESUBMITS times; its generation starts again there): a non-streamed reply is one message, so
 it always is; a stream cut later ends with an SSE error event and `[DONE]`. Ray's health checks
-call the service's liveness (`Service.health`); graceful shutdown drains the batch.
+call the service's liveness (`Service.health`).
+
+Shutting down (`specdec serve --replicas`, on SIGTERM or Ctrl-C): the ingress drains first
+(`Ingress.drain`): new requests get 503, those in flight have `--shutdown-timeout` seconds to
+finish, then a stream still running ends with an error event and `[DONE]`, a reply not begun with
+a 503; only then does Ray stop. Under `serve run`/`serve deploy`, Ray's own graceful shutdown waits
+up to `--shutdown-timeout` for requests in flight (`graceful_shutdown_timeout_s`) and then stops
+the replicas, cutting what still runs.
 
 Started with `serve run specdec.server.replicas:build target=... replicas=2 threads=1` (an app
 builder: the arguments are `specdec serve`'s long options), a Serve config file (deploy/serve.yaml),
@@ -48,7 +55,6 @@ RESUBMITS = 2  # further replicas a request whose replica died before answering 
 AFFINITY_CHARS = 4096  # the start of a prompt a conversation is recognised by
 MIN_SHARED_CHARS = 128  # a new prompt goes to the replica of an earlier one that starts with this much of it
 REMEMBERED = 4096  # conversations the router remembers (least recently used forgotten)
-DRAIN_SECONDS = 10.0
 BODY_TIMEOUT = 30.0  # seconds a request body may take to arrive (as `specdec serve`'s)
 SESSION_HEADER = b"x-session-id"
 REPLICA_HEADER = b"x-specdec-replica"  # which replica answered
@@ -82,7 +88,7 @@ def affinity(headers: list[tuple[bytes, bytes]], body: bytes) -> Affinity:
     session = next((value.decode("latin-1") for name, value in headers if name.lower() == SESSION_HEADER), None)
     try:
         fields = json.loads(body) if body else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to parse
         fields = {}
     if not isinstance(fields, dict):
         return Affinity(session, "")
@@ -192,6 +198,7 @@ class Replica:
         from specdec.cli import server_service
         from specdec.server import routes
 
+        self.shutdown_timeout = args.shutdown_timeout
         pin_cores(args.threads, replica_rank())
         self.service, http = server_service(args, measure=False)  # the profile was measured before replicas started
         self.app = routes(self.service, **http)
@@ -241,22 +248,48 @@ class Replica:
 
     async def __del__(self):
         """Ray's graceful shutdown: refuse new work, let running generations finish."""
-        await asyncio.get_running_loop().run_in_executor(None, self.service.drain, DRAIN_SECONDS)
+        await asyncio.get_running_loop().run_in_executor(None, self.service.drain, self.shutdown_timeout)
 
 
 class Ingress:
     """Reads each request's body (within `body_timeout` seconds, at most `max_body_bytes`), names its
     conversation and hands the request to a replica (ConversationRouter picks which); relays the
-    reply. Resubmits to another replica when one dies before the client saw any of its reply."""
+    reply. Resubmits to another replica when one dies before the client saw any of its reply.
+    `drain` shuts it down gracefully."""
 
     def __init__(self, replicas, max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT):
         # one streaming handle for every request: each handle has a router of its own, with its own memory
         self.replicas = replicas.options(stream=True)
         self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
+        self.draining = False  # new requests get 503
+        self.out_of_time = asyncio.Event()  # the drain's time is up: requests in flight are ended
+        self.in_flight = 0
+
+    async def drain(self, timeout: float) -> int:
+        """Refuse new requests (503, /health too), give those in flight `timeout` seconds to finish,
+        then end them (see `_relay`). Returns how many had to be ended."""
+        self.draining = True
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        ended = self.in_flight
+        self.out_of_time.set()
+        while self.in_flight:  # each ends at once: its relay is cancelled, its client told
+            await asyncio.sleep(0.05)
+        return ended
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
             return await _lifespan(receive, send)
+        if self.draining:
+            return await error_response("the server is shutting down", 503)(scope, receive, send)
+        self.in_flight += 1
+        try:
+            await self._serve(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+    async def _serve(self, scope, receive, send):
         try:
             body = await asyncio.wait_for(_read_body(receive, self.max_body_bytes), self.body_timeout)
         except asyncio.TimeoutError:
@@ -272,7 +305,9 @@ class Ingress:
         for attempt in range(RESUBMITS + 1):
             relay = Relay(send, attempt)
             try:
-                await relay.run(self.replicas.forward.remote(request, affinity=wanted))
+                if not await self._relay(relay, self.replicas.forward.remote(request, affinity=wanted)):
+                    why = "the server shut down before the generation finished"
+                    return await (relay.cut(why) if relay.sent_body else error_response(why, 503)(scope, receive, send))
             except BackPressureError:
                 return await error_response("the server is busy: too many requests are waiting", 429)(scope, receive, send)
             except (ActorDiedError, ActorUnavailableError, RayActorError) as error:
@@ -287,6 +322,25 @@ class Ingress:
                 return await error_response("the replica ended without a reply", 500)(scope, receive, send)
             return
         await error_response("no replica could serve this request: each one tried stopped", 503)(scope, receive, send)
+
+    async def _relay(self, relay: Relay, messages) -> bool:
+        """Relay a replica's reply; False when a drain ran out of time first (the relay is then
+        cancelled, and with it the replica's generation)."""
+        run = asyncio.ensure_future(relay.run(messages))
+        stop = asyncio.ensure_future(self.out_of_time.wait())
+        try:
+            await asyncio.wait({run, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if run.done():
+            run.result()  # its failure, if it failed, is the caller's to answer
+            return True
+        run.cancel()
+        try:
+            await run
+        except asyncio.CancelledError:
+            pass
+        return False
 
 
 class Relay:
@@ -434,13 +488,12 @@ def application(args: argparse.Namespace) -> serve.Application:
                                        "target_ongoing_requests": max(1, max_batch // 2), "upscale_delay_s": 2, "downscale_delay_s": 10}}
                if args.max_replicas else {"num_replicas": replicas})
     replica = serve.deployment(Replica, name="specdec-replica", max_ongoing_requests=max_batch, max_queued_requests=args.max_queue,
-                               health_check_period_s=5,
-                               graceful_shutdown_timeout_s=DRAIN_SECONDS + 5,
+                               health_check_period_s=5, graceful_shutdown_timeout_s=args.shutdown_timeout + 5,
                                ray_actor_options={"num_cpus": args.threads, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(args.threads)}}},
                                request_router_config=RequestRouterConfig(request_router_class=ConversationRouter), **scaling)
-    # the ingress holds every request until a replica answers it: those running and those waiting
-    ingress = serve.deployment(IngressHost, name="specdec-ingress", max_ongoing_requests=args.max_queue + max_batch * (args.max_replicas or replicas),
-                               ray_actor_options={"num_cpus": 0})
+    # the ingress holds every request until a replica answers it: those running and those waiting (and a drain call)
+    ingress = serve.deployment(IngressHost, name="specdec-ingress", max_ongoing_requests=args.max_queue + max_batch * (args.max_replicas or replicas) + 1,
+                               graceful_shutdown_timeout_s=args.shutdown_timeout + 5, ray_actor_options={"num_cpus": 0})
     return ingress.bind(replica.bind(args))
 
 
@@ -455,11 +508,15 @@ class IngressHost:
     def __serve_build_asgi_app__(self):
         return self.ingress
 
+    async def drain(self, timeout: float) -> int:
+        return await self.ingress.drain(timeout)
+
 
 # ---------------------------------------------------------------------------- specdec serve --replicas
 def run_local(args: argparse.Namespace) -> None:
-    """`specdec serve --replicas N`: a local Ray instance on loopback only (no dashboard: its jobs API
-    runs arbitrary code), the app on --host:--port; runs until SIGTERM or Ctrl-C, then drains."""
+    """`specdec serve --replicas N`: a local Ray instance (no dashboard: its jobs API runs arbitrary
+    code), the app on --host:--port; runs until SIGTERM or Ctrl-C, then drains (`Ingress.drain`,
+    up to --shutdown-timeout); a second signal stops at once."""
     import ray
 
     app = application(args)
@@ -470,9 +527,21 @@ def run_local(args: argparse.Namespace) -> None:
     print(f"specdec: serving on http://{args.host}:{args.port}/v1 with {args.replicas} Ray Serve replica(s) of "
           f"{args.threads} thread(s)" + (f", up to {args.max_replicas}" if args.max_replicas else ""), file=sys.stderr)
     stop = threading.Event()
+
+    def on_signal(*_):
+        if stop.is_set():
+            raise KeyboardInterrupt  # a second signal: stop now
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1):
+        signal.signal(sig, on_signal)
+    try:
+        while not stop.wait(1):
+            pass
+        ended = serve.get_app_handle("specdec").drain.remote(args.shutdown_timeout).result(timeout_s=args.shutdown_timeout + 30)
+        print(f"specdec: drained; {ended} request(s) still running at the deadline were ended", file=sys.stderr)
+    except KeyboardInterrupt:
         pass
-    serve.shutdown()
-    ray.shutdown()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
