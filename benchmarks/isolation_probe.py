@@ -2,6 +2,7 @@
 reproducers, against `specdec serve` on the demo pair (llama.cpp, 1 thread):
 
     python benchmarks/isolation_probe.py                  # prints a Markdown table, writes benchmarks/isolation/results.json
+    python benchmarks/isolation_probe.py --predictions    # only 6. below (benchmarks/isolation/predictions.json)
 
 1. light alone: a short greedy request (8 tokens), 5 times; its latency is the yardstick.
 2. heavy stops: four stop strings of 200,000 characters (~800 kB) with max_tokens 8, and three light
@@ -12,6 +13,11 @@ reproducers, against `specdec serve` on the demo pair (llama.cpp, 1 thread):
    until the batch is empty, and whether it was counted as cancelled (the probe: it ran all 900 tokens).
 5. storm: 200 such requests from 50 clients, each leaving after 0.5 s: seconds until the batch and
    the queue are empty after the last client left (the probe: 14 s).
+6. hostile predictions (issue 30; `--predictions` runs only this): a 16-token greedy request alone
+   (median of 5), then sent 0.1 s after 12 requests of a 201-token prompt and 64 tokens each, first
+   without a prediction (what sharing the batch costs), then each with a 900,000-character prediction
+   (" x" * 450000) and usage counted (the probe: 0.13 s alone, 35 s beside them); each a median of 3
+   rounds, and the hostile requests' own times.
 """
 
 from __future__ import annotations
@@ -108,6 +114,29 @@ def probe(url: str, port: int) -> dict:
     return figures
 
 
+SIXTEEN = {**LIGHT, "max_tokens": 16}
+CROWD = {"model": "m", "prompt": "x" + " x" * 200, "max_tokens": 64, "temperature": 0}
+HOSTILE = {**CROWD, "prediction": {"type": "content", "content": " x" * 450_000}}
+
+
+def beside(url: str, crowd: dict) -> tuple[float, float]:
+    """(the 16-token request's seconds, the slowest of the crowd's) with 12 `crowd` requests sent 0.1 s before it."""
+    with ThreadPoolExecutor(13) as pool:
+        others = [pool.submit(timed_post, url, crowd) for _ in range(12)]
+        time.sleep(0.1)
+        light = pool.submit(timed_post, url, SIXTEEN).result()
+        return light, max(f.result() for f in others)
+
+
+def predictions(url: str) -> dict:
+    figures = {"16 tokens alone, s (median of 5)": statistics.median(timed_post(url, SIXTEEN) for _ in range(5))}
+    for name, crowd in (("12 plain requests", CROWD), ("12 hostile predictions", HOSTILE)):
+        rounds = [beside(url, crowd) for _ in range(3)]
+        figures[f"16 tokens beside {name}, s (median of 3)"] = statistics.median(light for light, _ in rounds)
+        figures[f"{name}: the slowest of them, s (median of 3)"] = statistics.median(slowest for _, slowest in rounds)
+    return figures
+
+
 def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -124,14 +153,14 @@ def main() -> None:
             if server.poll() is not None or time.time() > deadline:
                 raise SystemExit("specdec serve did not come up")
             time.sleep(0.2)
-        figures = probe(url, port)
+        figures = predictions(url) if "--predictions" in sys.argv else probe(url, port)
     finally:
         server.terminate()
         server.wait(30)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     record = {"cpu": cpu, "load_after": os.getloadavg()[0], **figures}
     OUT.mkdir(exist_ok=True)
-    (OUT / "results.json").write_text(json.dumps(record, indent=1))
+    (OUT / ("predictions.json" if "--predictions" in sys.argv else "results.json")).write_text(json.dumps(record, indent=1))
     print(f"| probe ({cpu}, load {record['load_after']:.2f}) | value |\n| --- | --- |")
     for name, value in figures.items():
         print(f"| {name} | {'> 120' if value == float('inf') else f'{value:.3g}'} |")

@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(--gamma auto, the default, sizes every row's draft for the batch itself.)")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                        help="on SIGTERM/SIGINT, how long running generations may finish before they end with an error (default 10)")
-    serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
+    serve.add_argument("--api-key", action="extend", nargs="+", default=[], metavar="KEY",
                        help="require `Authorization: Bearer KEY` on /v1 routes and /metrics; repeat for several tenants, each "
                             "with caches and histories of its own (also $SPECDEC_API_KEY; default: none, one tenant)")
     serve.add_argument("--api-key-file", metavar="FILE", help="API keys, one per line (# comments and blank lines ignored), as --api-key")

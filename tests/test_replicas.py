@@ -215,6 +215,17 @@ def test_a_replica_killed_mid_load_loses_no_request_that_had_not_started(cluster
           f"replica replaced {time.time() - killed_at:.1f} s after the kill ({recovery:.1f} s after the last reply)")
 
 
+def test_the_ingress_answers_malformed_bodies_as_one_process_does(cluster):
+    deploy(cluster, "--replicas", "1")
+    for body in ("[" * 5000 + "]" * 5000, "{" * 100_000, '{"prompt": ' * 3000):
+        reply = httpx.post(cluster + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
+        assert reply.status_code == 400 and "error" in reply.json()
+    bare = socket.create_connection(("127.0.0.1", int(cluster.rsplit(":", 1)[1])), timeout=10)
+    with bare:
+        bare.sendall(b"GET /health HTTP/1.0\r\nConnection: close\r\n\r\n")
+        assert bare.recv(64).split()[1] == b"200", "HTTP/1.0 needs no Host"
+
+
 def stream(url: str, prompt: str, max_tokens: int) -> tuple[str, list[str]]:
     """A streamed completion's text and its raw events."""
     events, text = [], ""

@@ -211,8 +211,29 @@ def test_api_key_cors_and_host_checks(decoder):
         assert "access-control-allow-origin" not in other.headers
         rebound = httpx.get(live.url + "/health", headers={"Host": "evil.example"})
         assert rebound.status_code == 400 and "Host" in rebound.json()["error"]["message"]
+        for host in (f"evil.example@127.0.0.1:{live.port}", "127.0.0.1#evil", "", "127.0.0.1/x", f"localhost:{live.port}?"):
+            assert raw_status(live.port, f"GET /health HTTP/1.1\r\nHost: {host}\r\n") == 400, host
+        for host in (f"127.0.0.1:{live.port}", "LOCALHOST", "localhost:80"):
+            assert raw_status(live.port, f"GET /health HTTP/1.1\r\nHost: {host}\r\n") == 200, host
+        assert raw_status(live.port, "GET /health HTTP/1.0\r\n") == 200, "HTTP/1.0 needs no Host"
+        assert raw_status(live.port, f"GET http://evil.example/v1/models HTTP/1.1\r\nHost: 127.0.0.1:{live.port}\r\n") == 404
+        assert httpx.get(live.url + "/metrics").status_code == 401, "/metrics is behind the key"
+        assert httpx.get(live.url + "/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     finally:
         live.stop()
+
+
+def raw_status(port: int, head: str) -> int:
+    """The status of a hand-written request (httpx would fix its Host header)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+        connection.sendall((head + "Connection: close\r\n\r\n").encode())
+        reply = b""
+        while b"\r\n" not in reply:
+            chunk = connection.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    return int(reply.split()[1])
 
 
 # ---------------------------------------------------------------- protocol details

@@ -72,6 +72,7 @@ class Forwarded:
     headers: list[tuple[bytes, bytes]]
     body: bytes
     client: tuple[str, int] | None
+    http_version: str = "1.1"
 
 
 class Affinity(NamedTuple):
@@ -209,7 +210,7 @@ class Replica:
         `affinity` is for the router, which reads it from the call. If
         this is cancelled (the client left, the ingress gave up) the route is cancelled with it,
         and the batch drops its generation."""
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": request.method, "scheme": "http",
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": request.http_version, "method": request.method, "scheme": "http",
                  "path": request.path, "raw_path": request.path.encode(), "query_string": request.query_string, "root_path": "",
                  "headers": request.headers, "client": request.client, "server": None}
         messages: asyncio.Queue = asyncio.Queue()
@@ -300,7 +301,7 @@ class Ingress:
         except ClientLeft:
             return
         request = Forwarded(scope["method"], scope["path"], scope.get("query_string", b""), list(scope["headers"]), body,
-                            tuple(scope["client"]) if scope.get("client") else None)
+                            tuple(scope["client"]) if scope.get("client") else None, scope.get("http_version", "1.1"))
         wanted = affinity(request.headers, body)
         for attempt in range(RESUBMITS + 1):
             relay = Relay(send, attempt)
