@@ -504,6 +504,7 @@ def check_serve_arguments(args) -> None:
         raise SpecDecError("--prefix-cache-tokens must be >= 0")
     if args.history_tokens is not None and args.history_tokens < 0:
         raise SpecDecError("--history-tokens must be >= 0")
+    api_keys(args)  # a key file that cannot be read fails here, before any model loads
 
 
 def server_service(args, measure: bool = True):

@@ -75,6 +75,9 @@ def test_a_bad_prediction_is_a_400_beside_good_streams_that_finish_exactly(model
         for reply in refused:
             assert reply.status_code == 400 and reply.json()["error"]["param"] == "prediction", reply.text
             assert "surrogate" in reply.json()["error"]["message"]
+        chat = httpx.post(live.url + "/v1/chat/completions", headers={"content-type": "application/json"}, timeout=30,
+                          content=json.dumps({"model": MODEL, "messages": [{"role": "user", "content": f"hi{SURROGATE}"}]}))
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages" and "surrogate" in chat.text
         for prompt, events in zip(prompts, streams):
             assert events[0] == 200 and events[-1] == "[DONE]"
             assert text_of(events) == auto.generate(prompt, max_new_tokens=40, temperature=0).text

@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from test_server import wait_until_up
+
 pytestmark = pytest.mark.ray
 pytest.importorskip("ray.serve")
 
@@ -34,15 +36,7 @@ def test_sigterm_drains_the_replicas_within_the_shutdown_timeout(tmp_path):
     process = subprocess.Popen(["specdec", "serve", "--replicas", "1", "--threads", "1", "--port", str(port), "--shutdown-timeout", "3"],
                                stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.time() < deadline, log.read_text()
-            time.sleep(0.5)
+        wait_until_up(process, url, 120)
         short = {"model": "target.gguf", "prompt": "x = [", "max_tokens": 8, "temperature": 0}
         with ThreadPoolExecutor(4) as pool:
             long = [pool.submit(events_of, url, LONG) for _ in range(2)]

@@ -7,8 +7,10 @@ client's prediction, earlier requests' history). Each iteration, per row:
    accepted pays for the verify cost it adds (the policy's `Budget`), the source the policy
    trusts most first;
 2. the draft model then grows level by level, each level one forward shared by the batch's rows,
-   while the value a level is expected to add pays for its forward: in greedy mode the most likely
-   children of the best nodes (a dynamic tree, as in EAGLE-2), when sampling a chain drawn from q.
+   while the value a level is expected to add pays for its forward: in greedy mode (and for a
+   request that wants point masses, `DraftRequest.point_masses`: a seeded sampled one) the most
+   likely children of the best nodes (a dynamic tree, as in EAGLE-2), when sampling a chain drawn
+   from q.
    A node's value is its parent's times the policy's acceptance estimate for its source.
 
 Both sources' nodes share one tree: in greedy mode a token both propose is one node; when sampling,

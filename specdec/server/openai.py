@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from specdec.api import GenerationResult, SpeculativeDecoder
 from specdec.engine import TokenLogprob
 from specdec.errors import SpecDecError
+from specdec.text import check_text
 from specdec.types import GenerationStats
 
 
@@ -210,6 +211,8 @@ class ChatRequest(SamplingFields):
 
 def chat_prompt(decoder: SpeculativeDecoder, messages: list[ChatMessage]) -> list[int]:
     tokenizer = decoder.tokenizer
+    for message in messages:
+        check_text(message.for_template()["content"], "messages' content")
     if not getattr(tokenizer, "chat_template", None):
         raise SpecDecError("this model's tokenizer has no chat template; use /v1/completions or start the server with --chat-template FILE")
     try:
