@@ -177,15 +177,15 @@ class SpeculativeDecoder:
         whose history, within the scope, it drafts from and joins (see `History`). Both any hashable.
 
         seed: sampling is repeatable. Under the default drafter, or with none, a seeded sampled
-        generation draws its i-th token from the target at a quantile fixed by (seed, i) and drafts
-        point masses only, verified by that draw (`verify.verify_tree_coupled`): its text is plain
-        decoding's with the same seed, whatever was drafted, so neither what the decoder learnt
-        before (its history, the costs its steps paid) nor the batch it runs in changes it, except
-        where a runtime's numerics move with the batch (llama.cpp; bfloat16 on a GPU: see the
-        README) and nudge a draw that lay on a token's boundary. A draft model then proposes its
-        most likely tokens, not draws from its distribution. A fixed drafter (a draft model's
-        chain or tree, an n-gram) keeps Chen's rejection sampling of drawn drafts: its seeded text
-        repeats when its drafting does, i.e. with a numeric gamma."""
+        generation draws its i-th token as argmax(p / E_i), with noise E_i fixed by (seed, i), and
+        drafts point masses only, a draft model's ranked by the same noise, verified by that draw
+        (`verify.verify_tree_coupled`): its text is plain decoding's with the same seed, whatever
+        was drafted, so neither what the decoder learnt before (its history, the costs its steps
+        paid) nor the batch it runs in changes it, except where a runtime's numerics move with the
+        batch (llama.cpp; bfloat16 on a GPU: see the README) and nudge a draw that lay on a
+        boundary. A fixed drafter (a draft model's chain or tree, an n-gram) keeps Chen's rejection
+        sampling of drawn drafts: its seeded text repeats when its drafting does, i.e. with a
+        numeric gamma. `Generation.drawn` runs a seeded request the unseeded way."""
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         prompt_ids = self.prompt_ids(prompt)
         check_scope(tenant, "tenant")
@@ -266,6 +266,13 @@ class Generation:
     def __init__(self, state: DecodeState, text: TextAssembler):
         self.state, self.text = state, text
         self.started = 0.0
+
+    def drawn(self, seed: int) -> Generation:
+        """Draw as an unseeded request does (drafts drawn from the draft model, rejection sampling),
+        from generators seeded by `seed`: repeatable samples of that path, for the tools that
+        measure it (the losslessness check, the benchmark). Returns itself."""
+        self.state.streams = RandomStreams(seed)
+        return self
 
     def open(self, engine: Engine, prefill: bool = True) -> None:
         """Start on `engine` (which must `close` the state when the generation ends), the prompt

@@ -213,7 +213,7 @@ class Engine:
         asked = [i for i, gamma in enumerate(gammas) if not isinstance(gamma, Exception) and gamma > 0]
         if asked:
             requests = [DraftRequest(states[i].draft_slot, states[i].context, gammas[i], states[i].sampling, states[i].streams.draft,
-                                     states[i].gamma_policy, states[i].chains, point_masses=states[i].streams.keyed) for i in asked]
+                                     states[i].gamma_policy, states[i].chains, noise=self._noise(states[i])) for i in asked]
             for i, draft in zip(asked, self.drafter.propose(requests)):
                 state = states[i]
                 if not isinstance(draft, Exception):  # a tree's nodes take cache slots too
@@ -222,8 +222,16 @@ class Engine:
                 drafts[i] = draft
         return drafts
 
+    def _noise(self, state: DecodeState):
+        """For a keyed generation, this step's noise: offset -> that of the output token `offset`
+        places after those generated so far (0: the next one); None otherwise."""
+        if not state.streams.keyed:
+            return None
+        start, vocab = state.generated, self.target.vocab_size
+        return lambda offset: state.streams.noise(start + offset, vocab)
+
     def _advance(self, state: DecodeState, gamma: int, draft: Draft, logits: torch.Tensor) -> StepResult:
-        result = _verify(draft, logits, state.sampling, state.streams, state.generated)
+        result = _verify(draft, logits, state.sampling, state.streams, self._noise(state))
         # drop the rejected nodes: the cache keeps context[:-1] + last + the accepted path, contiguous
         if len(draft):
             kept = state.sequence.cache_len - len(draft)
@@ -287,15 +295,15 @@ def _feed(sequence: Sequence, last: int, draft: Draft) -> Feed:
     return Feed(sequence, [last] + draft.tokens.tolist(), parents)
 
 
-def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, streams: RandomStreams, generated: int):
-    """generated: output tokens before this step (where keyed draws are keyed)."""
+def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, streams: RandomStreams, noise=None):
+    """noise: a keyed generation's (see `Engine._noise`), None otherwise."""
     if sampling.greedy:
         return verify_tree_greedy(draft.tokens, draft.parents, logits)
     target_probs = probs_from_logits(logits, sampling)  # [len(draft) + 1, vocab]
-    if streams.keyed:
+    if noise is not None:
         if draft.probs is not None:
             raise ValueError("a generation with keyed draws verifies point-mass drafts only; the drafter drew from a distribution")
-        return verify_tree_coupled(draft.tokens, draft.parents, target_probs, lambda j: streams.at(generated + j))
+        return verify_tree_coupled(draft.tokens, draft.parents, target_probs, noise)
     return verify_tree(draft.tokens, draft.parents, draft.probs, target_probs, streams.accept, streams.recover)
 
 

@@ -30,7 +30,9 @@ prompt must be token-for-token equal; no statistics, no false failures.
 
 Seeds: prompt j, sample i uses seed + 2*samples*j + i for plain decoding and
 seed + 2*samples*j + samples + i for speculative decoding: all distinct, all reproducible (greedy:
-samples = 1 for this purpose). The permutation draws use numpy's generator seeded with [seed, j].
+samples = 1 for this purpose), each drawn as an unseeded request is (`Generation.drawn`): a seeded
+request under the default drafter draws by position instead, exactly plain decoding's draws
+(tested in the test suite). The permutation draws use numpy's generator seeded with [seed, j].
 """
 
 from __future__ import annotations
@@ -239,7 +241,7 @@ def check_settings(samples, length, alpha, seed) -> None:
 def _sample(decoder, ids, runs, first_seed, options, texts, bar) -> tuple[Counter, tuple[int, int]]:
     counts, drafted, accepted = Counter(), 0, 0
     for i in range(runs):
-        result = decoder.generate(ids, seed=first_seed + i, **options)
+        result = decoder.run(decoder.request(ids, seed=first_seed + i, **options).drawn(first_seed + i))  # the path unseeded requests take
         key = tuple(result.tokens)  # shorter than `length` only after EOS or at the context's end
         counts[key] += 1
         texts.setdefault(key, result.text)

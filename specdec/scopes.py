@@ -7,8 +7,9 @@ own scope's. A server makes one scope per API key (and per `cache_salt` within i
 requests share the scope None unless they name one.
 
 Bounded stores shed state fairly: they evict from the scope that holds the most (its least
-recently used entry first), so a scope holding at most 1/n of a store is never evicted for
-another's sake while n scopes or fewer hold anything (`evictee`).
+recently used entry first, `evictee`). A scope that adds state then evicts its own, or that of
+scopes holding more than it does, never that of a scope holding less; and a scope holding at most
+1/n of a store is never evicted while n scopes or fewer hold anything.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from specdec import tree
-from specdec.sampling import sample, sample_at, uniform
+from specdec.sampling import draw, sample, uniform
 from specdec.types import VerifyResult
 
 
@@ -71,18 +71,20 @@ def verify_tree_coupled(
     tokens: torch.Tensor,  # [n] int64, point-mass nodes
     parents: torch.Tensor,  # [n] int64, -1 for a child of the root
     target_probs: torch.Tensor,  # [n + 1, vocab], rows as in verify_tree
-    quantile,  # j -> u_j in [0, 1): the draw of the step's j-th emitted token
+    noise,  # j -> [vocab] Exp(1) noise of the step's j-th emitted token
 ) -> VerifyResult:
-    """Point-mass drafts verified by drawing: at each node the target's token is drawn, at quantile
-    u_j of its distribution (the inverse CDF, `sample_at`); the walk descends into the child that
-    spells it, else emits it. "Draw y ~ p, accept the draft iff y is it" is exactly lossless
-    (y is drawn from p whatever was drafted), and more: every emitted token is the very token plain decoding draws with the same
-    u_j, so when u_j is fixed by the token's place in the output (`RandomStreams.at`), the text
-    does not depend on the draft at all."""
+    """Point-mass drafts verified by drawing: at each node the target's token is drawn with the
+    noise of its place, y = argmax(p / E_j) (`sampling.draw`); the walk descends into the child
+    that spells it, else emits it. "Draw y ~ p, keep the draft while it spells y" is exactly
+    lossless (y is drawn from p whatever was drafted), and more: every emitted token is the very
+    token plain decoding draws with the same E_j, so when E_j is fixed by the token's place in the
+    output (`RandomStreams.noise`), the text does not depend on the draft at all. A drafter that
+    proposed argmax(q / E_j) (`sampling.ranked`) is kept with probability
+    P(argmax(q / E) = argmax(p / E)) at least (1 - TV) / (1 + TV): the Gumbel coupling."""
     assert target_probs.shape[0] == tokens.numel() + 1, "target_probs needs a row for the root and one per node"
     path, node = [], -1
     while True:
-        token = sample_at(target_probs[node + 1], quantile(len(path)))
+        token = draw(target_probs[node + 1], noise(len(path)))
         child = next((c for c in tree.children(parents, node) if int(tokens[c]) == token), None)
         if child is None:
             return VerifyResult(accepted=len(path), tokens=tokens[path].tolist() + [token], path=path)

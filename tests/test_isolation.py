@@ -23,7 +23,7 @@ from specdec.drafters.prediction import common_subsequence
 from specdec.errors import SpecDecError
 from specdec.runtime.base import forward_together
 from specdec.runtime.prefix import PrefixCache
-from specdec.sampling import RandomStreams, sample_at
+from specdec.sampling import RandomStreams, draw, ranked
 from specdec.scopes import PerScope, evictee
 from specdec.server import create_app
 from specdec.verify import verify_tree_coupled
@@ -326,25 +326,46 @@ def test_the_prediction_count_is_a_longest_common_subsequence(a, b):
 @settings(max_examples=100, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.lists(st.integers(-1, 6), min_size=0, max_size=7))
 def test_coupled_verification_emits_what_plain_sampling_draws(seed, parent_choices):
-    """Whatever the point-mass tree, each emitted token is the token plain sampling draws at the same
-    quantile from the same distribution (the tree only decides how many come from one forward)."""
+    """Whatever the point-mass tree, each emitted token is the token plain sampling draws with the
+    same noise from the same distribution (the tree only decides how many come from one forward)."""
     generator = torch.Generator().manual_seed(seed)
     n = len(parent_choices)
     parents = torch.tensor([min(p, i - 1) for i, p in enumerate(parent_choices)], dtype=torch.long)
     tokens = torch.randint(0, 6, (n,), generator=generator)
     target_probs = torch.softmax(torch.randn(n + 1, 6, generator=generator, dtype=torch.float64) * 2, dim=-1)
-    quantiles = [float(u) for u in torch.rand(n + 1, generator=generator, dtype=torch.float64)]
-    result = verify_tree_coupled(tokens, parents, target_probs, lambda j: quantiles[j])
+    noise = [torch.empty(6, dtype=torch.float64).exponential_(generator=generator) for _ in range(n + 1)]
+    result = verify_tree_coupled(tokens, parents, target_probs, lambda j: noise[j])
     rows = [0] + [1 + node for node in result.path]
-    assert result.tokens == [sample_at(target_probs[row], quantiles[j]) for j, row in enumerate(rows)]
+    assert result.tokens == [draw(target_probs[row], noise[j]) for j, row in enumerate(rows)]
     assert len(result.tokens) == result.accepted + 1
 
 
-def test_keyed_draws_depend_on_the_seed_and_position_alone():
+def test_a_draw_with_exponential_noise_follows_its_distribution_and_couples_two():
+    """Gumbel-max, exactly: the frequencies of argmax(p / E) follow p (chi-square, false-failure
+    odds 1e-4), and a q close to p draws the same token at least (1 - TV) / (1 + TV) of the time."""
+    from scipy.stats import chisquare
+
+    generator = torch.Generator().manual_seed(3)
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0], dtype=torch.float64)
+    q = torch.tensor([0.4, 0.3, 0.1, 0.1, 0.05, 0.05], dtype=torch.float64)
+    counts, same = [0] * 6, 0
+    for _ in range(20_000):
+        noise = torch.empty(6, dtype=torch.float64).exponential_(generator=generator)
+        token = draw(p, noise)
+        counts[token] += 1
+        same += token == draw(q, noise)
+        assert ranked(p, noise, 3)[0] == token and len(set(ranked(p, noise, 6))) == 5, "a token of probability 0 is never ranked"
+    assert counts[5] == 0 and chisquare(counts[:5], [20_000 * float(x) for x in p[:5]]).pvalue > 1e-4
+    tv = 0.5 * float((p - q).abs().sum())
+    assert same / 20_000 > (1 - tv) / (1 + tv)
+
+
+def test_keyed_noise_depends_on_the_seed_and_position_alone():
     streams = RandomStreams(7, keyed=True)
-    first = [streams.at(i) for i in range(5)]
-    assert [RandomStreams(7, keyed=True).at(i) for i in reversed(range(5))] == first[::-1]
-    assert all(0 <= u < 1 for u in first) and len(set(first)) == 5 and RandomStreams(8).at(0) != first[0]
+    first = [streams.noise(i, 8) for i in range(5)]
+    again = RandomStreams(7, keyed=True)
+    assert all(torch.equal(again.noise(i, 8), first[i]) for i in reversed(range(5)))
+    assert all((e > 0).all() for e in first) and not torch.equal(RandomStreams(8, keyed=True).noise(0, 8), first[0])
 
 
 def test_a_seeded_request_repeats_on_one_decoder_whatever_ran_before(model_dirs, auto):

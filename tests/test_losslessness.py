@@ -52,7 +52,7 @@ def unrelated(load64, model_dirs):
     return specdec.ModelDrafter(load64(model_dirs["llama-draft"]))
 
 
-def accept_everything(draft, logits, sampling, streams):
+def accept_everything(draft, logits, sampling, streams, noise=None):
     """A lossy verifier: keeps every draft token, then a bonus token."""
     if sampling.greedy:
         return VerifyResult(len(draft), draft.tokens.tolist() + [int(logits[-1].argmax())])
@@ -119,8 +119,8 @@ def test_a_fault_deep_in_the_draft_is_caught_at_the_default_length(target, near,
     length (γ + 1) by the test on token 5's marginal."""
     exact_verify = engine._verify
 
-    def greedy_bonus(draft, logits, sampling, streams):
-        result = exact_verify(draft, logits, sampling, streams)
+    def greedy_bonus(draft, logits, sampling, streams, noise=None):
+        result = exact_verify(draft, logits, sampling, streams, noise)
         if len(draft) == 4 and result.accepted == 4:
             result.tokens[-1] = int(logits[-1].argmax())
         return result

@@ -152,6 +152,7 @@ def test_the_serve_config_is_valid_and_its_args_are_specdec_serves_options():
     assert (args.threads, args.replicas, args.max_batch) == (1, 2, 16)
     replica = next(d for d in app["deployments"] if d["name"] == "specdec-replica")
     assert replica["ray_actor_options"]["num_cpus"] == args.threads and replica["max_ongoing_requests"] == args.max_batch
+    assert build_parser().parse_args(serve_argv({"api_key": ["k1", "k2"]})).api_key == ["k1", "k2"], "a list of keys: each a tenant"
     assert serve_argv({"share_history": True, "allowed_origins": ["http://a", "http://b"], "draft": None, "prefix_cache_tokens": 0}) == \
         ["serve", "--share-history", "--allowed-origins", "http://a", "http://b", "--prefix-cache-tokens", "0"]
 

@@ -19,7 +19,7 @@ from scipy.stats import chisquare
 import specdec
 import specdec.api
 from specdec.ngram import KatzTrigram
-from specdec.sampling import RandomStreams, probs_from_logits
+from specdec.sampling import probs_from_logits
 from specdec.types import SamplingParams
 
 ALPHA = 1e-4
@@ -72,9 +72,7 @@ def sample_joint(decoder: specdec.SpeculativeDecoder, sampling: dict, base_seed:
     counts, drafted, accepted = Counter(), 0, 0
     for i in range(SAMPLES):
         generation = decoder.request(PROMPT, max_new_tokens=LENGTH, seed=base_seed + i, **sampling)
-        if not keyed:
-            generation.state.streams = RandomStreams(base_seed + i)
-        result = decoder.run(generation)
+        result = decoder.run(generation if keyed else generation.drawn(base_seed + i))
         counts[tuple(result.tokens)] += 1
         drafted += result.stats.drafted
         accepted += result.stats.accepted
@@ -122,7 +120,7 @@ def test_chi_square_catches_an_accept_everything_verifier(target, drafters, monk
     from specdec import engine
     from specdec.types import VerifyResult
 
-    def accept_all(draft, logits, sampling, streams, generated):
+    def accept_all(draft, logits, sampling, streams, noise=None):
         target_probs = probs_from_logits(logits, sampling)
         bonus = int(torch.multinomial(target_probs[-1], 1, generator=streams.recover))
         return VerifyResult(len(draft), draft.tokens.tolist() + [bonus])

@@ -107,8 +107,9 @@ def specdec_strategy(name, family, decoder: SpeculativeDecoder, max_new_tokens: 
     """predicts: the task's reference answer, where it has one, goes in as the prediction."""
 
     def run(prompt_ids, sampling, seed, reference: str = "") -> Run:
-        result = decoder.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=sampling.temperature,
-                                  top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, prediction=(reference or None) if predicts else None)
+        # seeded for repeatability, drawn as unseeded requests are: the path users' requests take
+        result = decoder.run(decoder.request(prompt_ids, max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+                                             top_p=sampling.top_p, seed=seed, prediction=(reference or None) if predicts else None).drawn(seed))
         return Run(result.tokens, result.stats.total_seconds, result.stats)
 
     uses_draft = isinstance(decoder.drafter, ModelDrafter)

@@ -7,10 +7,10 @@ client's prediction, earlier requests' history). Each iteration, per row:
    accepted pays for the verify cost it adds (the policy's `Budget`), the source the policy
    trusts most first;
 2. the draft model then grows level by level, each level one forward shared by the batch's rows,
-   while the value a level is expected to add pays for its forward: in greedy mode (and for a
-   request that wants point masses, `DraftRequest.point_masses`: a seeded sampled one) the most
-   likely children of the best nodes (a dynamic tree, as in EAGLE-2), when sampling a chain drawn
-   from q.
+   while the value a level is expected to add pays for its forward: in greedy mode the most likely
+   children of the best nodes (a dynamic tree, as in EAGLE-2); for a seeded sampled request
+   (`DraftRequest.noise`) the same tree with children ranked by the noise the target's tokens will
+   be drawn with; when sampling otherwise, a chain drawn from q.
    A node's value is its parent's times the policy's acceptance estimate for its source.
 
 Both sources' nodes share one tree: in greedy mode a token both propose is one node; when sampling,
@@ -30,6 +30,7 @@ from specdec.drafters.base import DraftRequest, DraftSlot, DraftTree
 from specdec.drafters.model import ModelDrafter, pick_children
 from specdec.drafters.prompt_lookup import PromptLookupDrafter, lookup_continuation
 from specdec.policy import MAX_DEPTH, Budget, CostAwarePolicy, confidence_bin
+from specdec.sampling import ranked
 from specdec.runtime.base import forward_together
 from specdec.types import Draft
 
@@ -109,13 +110,13 @@ class AutoDrafter:
         context = request.context
         depth = min(request.max_tokens, MAX_DEPTH, model.model.verify_room(len(context) - 1))
         room = model.model.max_length - len(context)  # draft cache entries free once the context is in
-        width = self.width if self.trees and request.deterministic and (depth - 1) * self.width <= room else 1
+        width = self.width if self.trees and request.point_masses and (depth - 1) * self.width <= room else 1
         frontier, probe = [-1], policy.probe_model
         if depth <= 0 or not (budget.take_level(policy.model_rate(), 1) or probe):
             return
         rows = model.distributions((yield from model.feed_committed(slot))[-1:], sampling)
         for level in range(1, depth + 1):
-            grown = self._add_level(nodes, frontier, rows, width, request, policy, budget, force=probe and level == 1)
+            grown = self._add_level(nodes, frontier, rows, level, width, request, policy, budget, force=probe and level == 1)
             if level == depth or not grown:
                 return
             frontier = sorted(grown, key=lambda node: -nodes.values[node])[:width]
@@ -124,17 +125,18 @@ class AutoDrafter:
             logits = yield from model.feed_frontier(slot, frontier, nodes.tokens, nodes.parents)
             rows = model.distributions(logits, sampling)
 
-    def _add_level(self, nodes: DraftTree, frontier: list[int], rows: torch.Tensor, width: int, request: DraftRequest,
+    def _add_level(self, nodes: DraftTree, frontier: list[int], rows: torch.Tensor, level: int, width: int, request: DraftRequest,
                    policy: CostAwarePolicy, budget: Budget, force: bool = False) -> list[int]:
-        """The model's children of the frontier that pay, best first (with `force`, the best one
-        whether it pays or not); returns the level's nodes (lookup nodes the model also proposes
-        included, at no cost)."""
+        """The model's children of the frontier (at `level`, 1 for the root's) that pay, best first
+        (with `force`, the best one whether it pays or not); returns the level's nodes (lookup nodes
+        the model also proposes included, at no cost). Chosen children: greedy, the most likely;
+        keyed, those ranked first by the level's noise."""
         candidates = []  # (value, parent, token or None for a draw, q, source)
         for parent, q in zip(frontier, rows):
-            if request.deterministic:
-                top = torch.topk(q, min(width, q.numel()))
-                for p, token in zip(top.values.tolist(), top.indices.tolist()):
-                    source = ("model", confidence_bin(p))
+            if request.point_masses:
+                tokens = torch.topk(q, min(width, q.numel())).indices.tolist() if request.noise is None else ranked(q, request.noise(level - 1), width)
+                for token in tokens:
+                    source = ("model", confidence_bin(float(q[token])))
                     candidates.append((nodes.value(parent) * policy.accept_probability(source), parent, token, q, source))
             else:  # the decision is taken on q before anything is drawn from it
                 source = ("model", confidence_bin(float(q.max())))

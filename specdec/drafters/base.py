@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -22,8 +22,10 @@ class DraftRequest:
     """One row of a batched proposal: up to `max_tokens` deep after `context` (the whole committed text).
     policy: the row's draft policy, for drafters it shapes (`AutoDrafter`); chains: the request's own
     chain sources (a `Prediction`, a `HistoryView`: see `ChainSource`), for drafters that use them.
-    point_masses: the draft must hold point masses only (the generation verifies by keyed draws,
-    `verify.verify_tree_coupled`): a draft model proposes its most likely tokens, as in greedy mode."""
+    noise: for a generation whose draws are keyed (`verify.verify_tree_coupled`), offset -> the
+    noise the target's token that many places after the context will be drawn with (0: the root's
+    children); its draft holds point masses only, a draft model's ranked by that noise
+    (`sampling.ranked`), so they spell the target's draw about as often as the two models agree."""
 
     slot: DraftSlot
     context: Sequence[int]
@@ -32,12 +34,12 @@ class DraftRequest:
     rng: torch.Generator
     policy: object = None
     chains: tuple[ChainSource, ...] = ()
-    point_masses: bool = False
+    noise: Callable[[int], torch.Tensor] | None = None
 
     @property
-    def deterministic(self) -> bool:
-        """Children are the draft's most likely tokens, not draws."""
-        return self.sampling.greedy or self.point_masses
+    def point_masses(self) -> bool:
+        """Children are chosen, not drawn (greedy: the most likely tokens; keyed: by `noise`)."""
+        return self.sampling.greedy or self.noise is not None
 
 
 class ChainSource(Protocol):

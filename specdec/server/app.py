@@ -28,6 +28,8 @@ from specdec.server.service import Service
 MAX_BODY_BYTES = 1 << 20
 LONG_PROMPT_CHARS = 20_000  # tokenized on a thread of its own, not on the event loop
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+KEY_STATE = "specdec_api_key"  # where `Guard` leaves an accepted request's API key (its index; None: no scope of its own)
+HOST_HEADER = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9.-]+))(?::[0-9]{1,5})?")  # host[:port], nothing else
 STREAM_OR_JSON = {200: {"description": "The whole reply as JSON, or with `stream: true` server-sent events: one `data: {chunk}` "
                         "per text delta (an error event if the generation fails), then `data: [DONE]`",
                         "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
@@ -337,10 +339,6 @@ def _event(payload: dict) -> str:
 
 def _error_event(message: str, code: str) -> str:
     return _event({"error": {"message": message, "type": "server_error", "param": None, "code": code}})
-
-
-KEY_STATE = "specdec_api_key"  # where `Guard` leaves an accepted request's API key (its index; None: no scope of its own)
-HOST_HEADER = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9.-]+))(?::[0-9]{1,5})?")
 
 
 def host_name(header: str) -> str | None:
