@@ -17,7 +17,7 @@ import torch
 from scipy.stats import chisquare
 
 import specdec
-from specdec import ModelDrafter, NgramDrafter, PromptLookupDrafter, SpeculativeDecoder, TreeShape
+from specdec import AutoDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, SpeculativeDecoder, TreeShape
 from specdec.api import DEMO_DIR
 from specdec.ngram import KatzTrigram
 from specdec.sampling import probs_from_logits
@@ -159,19 +159,22 @@ def chi_square(counts: Counter, joint: dict[tuple, float], samples: int) -> floa
 
 
 @pytest.mark.parametrize("setting", [dict(temperature=1.0), dict(temperature=1.0, top_p=0.8)], ids=["t1", "topp0.8"])
-@pytest.mark.parametrize("kind", ["chain", "tree", "staged"])
+@pytest.mark.parametrize("kind", ["chain", "tree", "staged", "auto", "auto/keyed"])
 def test_sampled_speculation_keeps_the_target_distribution(gguf, kind, setting):
-    """Chain, tree and staged drafting on llama.cpp, 2 tokens deep plus the bonus: the joint of the
-    first 3 tokens against the target's, computed exactly (chi-square, alpha 1e-4, fixed seeds).
-    The target is the demo draft in float32, the drafter a perturbed copy: they disagree often."""
+    """Chain, tree and staged drafting, and the default drafter (its drawn drafts, as unseeded
+    requests run, and its seeded draws by position) on llama.cpp, 2 tokens deep plus the bonus: the
+    joint of the first 3 tokens against the target's, computed exactly (chi-square, alpha 1e-4, fixed
+    seeds). The target is the demo draft in float32, the drafter a perturbed copy: they disagree often."""
     target, draft = gguf["f32"], gguf["near"]
     drafter = {"chain": ModelDrafter(draft), "tree": ModelDrafter(draft, tree=TreeShape(nodes=6, width=2)),
-               "staged": ModelDrafter(draft, inner=PromptLookupDrafter(), inner_gamma=2)}[kind]
-    decoder = SpeculativeDecoder(target, drafter, gamma=2)
+               "staged": ModelDrafter(draft, inner=PromptLookupDrafter(), inner_gamma=2)}.get(kind)
+    decoder = SpeculativeDecoder(target, drafter, gamma=2) if drafter else SpeculativeDecoder(
+        target, AutoDrafter(ModelDrafter(draft), PromptLookupDrafter()), gamma=2, history=None, prefix_cache=None)
     prompt = target.tokenizer.encode(REPEATING if kind == "staged" else "def f(x):")  # lookup needs repeats
     counts, drafted, accepted = Counter(), 0, 0
     for seed in range(SAMPLES):
-        result = decoder.generate(prompt, max_new_tokens=LENGTH, seed=seed, **setting)
+        generation = decoder.request(prompt, max_new_tokens=LENGTH, seed=seed, **setting)
+        result = decoder.run(generation if kind == "auto/keyed" else generation.drawn(seed))
         counts[tuple(result.tokens)] += 1
         drafted, accepted = drafted + result.stats.drafted, accepted + result.stats.accepted
     assert 0.1 < accepted / drafted < 0.95, "both acceptances and rejections must happen"
