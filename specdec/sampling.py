@@ -91,7 +91,7 @@ class RandomStreams:
         """E ~ Exp(1), [size] float64, for the output's token at `position`: independent across
         positions and seeds, the same however many draws came before it. A drafter ranks its
         proposals for that position with it, and the verifier draws the target's token with it
-        (`draw`); positions before the lowest asked for since are forgotten."""
+        (`draw`); it is kept until a position 64 places later is asked for."""
         cached = self._noise.get(position)
         if cached is None or len(cached) < size:
             key = int(np.random.SeedSequence([self.seed, position]).generate_state(1, np.uint64)[0] >> 1)
@@ -105,12 +105,19 @@ def draw(probs: torch.Tensor, noise: torch.Tensor) -> int:
     """The token argmax(probs / noise), noise ~ Exp(1) i.i.d. (the Gumbel-max trick): a draw from
     probs ([vocab], need not be normalised), exact; with the same noise, two close distributions
     mostly draw the same token."""
-    return int(torch.argmax(probs.double() / noise[: len(probs)]))
+    return int(torch.argmax(_keys(probs, noise)))
 
 
 def ranked(probs: torch.Tensor, noise: torch.Tensor, count: int) -> list[int]:
     """The first `count` tokens by probs / noise (Gumbel-top-k: draws without replacement), those
     with probability 0 left out; the first is `draw(probs, noise)`."""
-    keys = probs.double() / noise[: len(probs)]
+    keys = _keys(probs, noise)
     top = torch.topk(keys, min(count, len(keys)))
     return [int(t) for t, k in zip(top.indices, top.values) if k > 0]
+
+
+def _keys(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """probs / noise over the tokens both cover (a draft's padded rows beyond the target's
+    vocabulary are never drawn by it)."""
+    size = min(len(probs), len(noise))
+    return probs[:size].double() / noise[:size]
