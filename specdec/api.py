@@ -18,7 +18,7 @@ from specdec.runtime import CausalLM, check_same_vocabulary, choose_backend, loa
 from specdec.runtime.prefix import DEFAULT_TOKENS as PREFIX_TOKENS, PrefixCache
 from specdec.policy import AUTO_MAX_DEPTH, MAX_DEPTH, BatchDepth, CostAwareDepth, CostAwarePolicy, FixedGamma, SharedAcceptance
 from specdec.sampling import RandomStreams
-from specdec.scopes import PerScope, Scope, check_scope
+from specdec.scopes import PerScope, Scope, check_scope, owner
 from specdec.stops import StopStrings
 from specdec.text import check_text, continuation_decoder
 from specdec.types import GenerationStats, SamplingParams
@@ -96,7 +96,7 @@ class SpeculativeDecoder:
         if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
             prefix_cache = PrefixCache.of(target, prefix_cache) if prefix_cache else None
         self.prefixes = prefix_cache if prefix_cache is not None and prefix_cache.budget else None
-        self.shared_acceptance: PerScope[SharedAcceptance] | None = None  # a server's: what each scope's earlier requests saw, for its new ones
+        self.shared_acceptance: PerScope[SharedAcceptance] | None = None  # a server's: what each owner's earlier requests saw, for its new ones
         self._busy = False  # one generation at a time: the caches belong to it
         self._profile: costs.LiveCosts | None = None
 
@@ -123,7 +123,7 @@ class SpeculativeDecoder:
         if self.drafter is None:
             return FixedGamma(0)
         if isinstance(self.drafter, AutoDrafter):
-            shared = self.shared_acceptance[scope] if self.shared_acceptance is not None else None
+            shared = self.shared_acceptance[owner(scope)] if self.shared_acceptance is not None else None
             return CostAwarePolicy(self.profile(), AUTO_MAX_DEPTH if self.gamma == "auto" else self.gamma, explore=self.explore, shared=shared)
         limit = MAX_DEPTH if self.gamma == "auto" else self.gamma
         if self.gamma == "auto":

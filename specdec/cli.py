@@ -544,8 +544,8 @@ def api_keys(args) -> list[str]:
         keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
         if not keys:
             raise SpecDecError(f"the API key file {args.api_key_file} holds no key")
-    if any(not key.isprintable() or " " in key for key in keys):
-        raise SpecDecError("an API key must be printable text without spaces (it is sent as `Authorization: Bearer KEY`)")
+    if any(not (key.isascii() and key.isprintable()) or " " in key for key in keys):
+        raise SpecDecError("an API key must be printable ASCII without spaces (it is sent as `Authorization: Bearer KEY`)")
     return list(dict.fromkeys(keys))
 
 

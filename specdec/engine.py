@@ -15,7 +15,7 @@ from specdec.policy import CostAwareDepth, CostAwarePolicy, FixedGamma
 from specdec.runtime import CausalLM, Sequence
 from specdec.runtime.base import Feed
 from specdec.runtime.prefix import PrefixCache
-from specdec.sampling import RandomStreams, probs_from_logits
+from specdec.sampling import RandomStreams, StepNoise, probs_from_logits
 from specdec.types import Draft, GenerationStats, SamplingParams
 from specdec.verify import verify_tree, verify_tree_coupled, verify_tree_greedy
 
@@ -180,15 +180,16 @@ class Engine:
         forward (the target's, or a draft model's for several rows) raises: every row's cache is
         then unknown."""
         gammas = [attempt(lambda: self._gamma(state, gamma_cap, len(states))) for state in states]
+        noises = [StepNoise(state.streams, state.generated, self.target.vocab_size) if state.streams.keyed else None for state in states]
         tick = time.perf_counter()
-        drafts = self._drafts(states, gammas)
+        drafts = self._drafts(states, gammas, noises)
         tock = time.perf_counter()
         results: list[StepResult | None] = [StepResult.failed(d) if isinstance(d, Exception) else None for d in drafts]
         live = [i for i, result in enumerate(results) if result is None]
         # one target forward scores every row's last committed token and draft nodes
         rows = self.target.forward_batch([_feed(states[i].sequence, states[i].context[-1], drafts[i]) for i in live]) if live else []
         for i, logits in zip(live, rows):
-            outcome = attempt(lambda: self._advance(states[i], gammas[i], drafts[i], logits))
+            outcome = attempt(lambda: self._advance(states[i], gammas[i], drafts[i], logits, noises[i]))
             results[i] = StepResult.failed(outcome) if isinstance(outcome, Exception) else outcome
         done = time.perf_counter()
         fed = sum(len(drafts[i]) + 1 for i in live)
@@ -207,13 +208,13 @@ class Engine:
         gamma = min(state.gamma_policy.depth(batch), state.room - state.generated - 1, self.target.verify_room(len(state.context) - 1))
         return max(0, gamma if cap is None else min(gamma, cap))
 
-    def _drafts(self, states: list[DecodeState], gammas: list[int | Exception]) -> list[Draft | Exception]:
-        """Each row's checked draft, or the exception its own drafting raised."""
+    def _drafts(self, states: list[DecodeState], gammas: list[int | Exception], noises: list[StepNoise | None]) -> list[Draft | Exception]:
+        """Each row's checked draft, or the exception its own drafting raised. noises: each keyed row's (None: not keyed)."""
         drafts: list[Draft | Exception] = [gamma if isinstance(gamma, Exception) else empty_draft() for gamma in gammas]
         asked = [i for i, gamma in enumerate(gammas) if not isinstance(gamma, Exception) and gamma > 0]
         if asked:
             requests = [DraftRequest(states[i].draft_slot, states[i].context, gammas[i], states[i].sampling, states[i].streams.draft,
-                                     states[i].gamma_policy, states[i].chains, noise=self._noise(states[i])) for i in asked]
+                                     states[i].gamma_policy, states[i].chains, noise=noises[i]) for i in asked]
             for i, draft in zip(asked, self.drafter.propose(requests)):
                 state = states[i]
                 if not isinstance(draft, Exception):  # a tree's nodes take cache slots too
@@ -222,16 +223,8 @@ class Engine:
                 drafts[i] = draft
         return drafts
 
-    def _noise(self, state: DecodeState):
-        """For a keyed generation, this step's noise: offset -> that of the output token `offset`
-        places after those generated so far (0: the next one); None otherwise."""
-        if not state.streams.keyed:
-            return None
-        start, vocab = state.generated, self.target.vocab_size
-        return lambda offset: state.streams.noise(start + offset, vocab)
-
-    def _advance(self, state: DecodeState, gamma: int, draft: Draft, logits: torch.Tensor) -> StepResult:
-        result = _verify(draft, logits, state.sampling, state.streams, self._noise(state))
+    def _advance(self, state: DecodeState, gamma: int, draft: Draft, logits: torch.Tensor, noise: StepNoise | None) -> StepResult:
+        result = _verify(draft, logits, state.sampling, state.streams, noise)
         # drop the rejected nodes: the cache keeps context[:-1] + last + the accepted path, contiguous
         if len(draft):
             kept = state.sequence.cache_len - len(draft)
@@ -295,15 +288,15 @@ def _feed(sequence: Sequence, last: int, draft: Draft) -> Feed:
     return Feed(sequence, [last] + draft.tokens.tolist(), parents)
 
 
-def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, streams: RandomStreams, noise=None):
-    """noise: a keyed generation's (see `Engine._noise`), None otherwise."""
+def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, streams: RandomStreams, noise: StepNoise | None = None):
+    """noise: a keyed generation's, None otherwise."""
     if sampling.greedy:
         return verify_tree_greedy(draft.tokens, draft.parents, logits)
     target_probs = probs_from_logits(logits, sampling)  # [len(draft) + 1, vocab]
     if noise is not None:
         if draft.probs is not None:
             raise ValueError("a generation with keyed draws verifies point-mass drafts only; the drafter drew from a distribution")
-        return verify_tree_coupled(draft.tokens, draft.parents, target_probs, noise)
+        return verify_tree_coupled(draft.tokens, draft.parents, target_probs, noise.for_verifier)
     return verify_tree(draft.tokens, draft.parents, draft.probs, target_probs, streams.accept, streams.recover)
 
 

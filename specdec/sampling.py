@@ -82,23 +82,38 @@ class RandomStreams:
         draft, accept, recover = (int(s.generate_state(1, np.uint64)[0] >> 1) for s in root.spawn(3))
         self.seed = root.entropy
         self.keyed = keyed  # the output's tokens are drawn with `noise` (the accept and recover streams unused)
-        self._noise: dict[int, torch.Tensor] = {}  # position -> its noise, for the positions a step may still draw
         self.draft = torch.Generator().manual_seed(draft)
         self.accept = torch.Generator().manual_seed(accept)
         self.recover = torch.Generator().manual_seed(recover)
 
     def noise(self, position: int, size: int) -> torch.Tensor:
-        """E ~ Exp(1), [size] float64, for the output's token at `position`: independent across
-        positions and seeds, the same however many draws came before it. A drafter ranks its
-        proposals for that position with it, and the verifier draws the target's token with it
-        (`draw`); it is kept until a position 64 places later is asked for."""
-        cached = self._noise.get(position)
-        if cached is None or len(cached) < size:
-            key = int(np.random.SeedSequence([self.seed, position]).generate_state(1, np.uint64)[0] >> 1)
-            cached = torch.empty(size, dtype=torch.float64).exponential_(generator=torch.Generator().manual_seed(key))
-            self._noise = {p: e for p, e in self._noise.items() if p >= position - 64}
-            self._noise[position] = cached
-        return cached[:size]
+        """E ~ Exp(1), [size] float64 (never 0), for the output's token at `position`: a function of
+        the seed, the position and the size alone, however many draws came before it. A drafter
+        ranks its proposals for that position with it, and the verifier draws the target's token
+        with it (`draw`)."""
+        key = int(np.random.SeedSequence([self.seed, position]).generate_state(1, np.uint64)[0] >> 1)
+        noise = torch.empty(size, dtype=torch.float64).exponential_(generator=torch.Generator().manual_seed(key))
+        return noise.clamp_(min=torch.finfo(torch.float64).tiny)  # p / 0 would be nan (p = 0) or inf
+
+
+class StepNoise:
+    """A keyed generation's noise for one engine step: offset -> that of the output token `offset`
+    places after those generated so far (0: the next one). What the drafter asks for is kept for the
+    verifier, which then draws with the very noise the draft was ranked by; the verifier's own
+    (each offset asked once, in order) is not kept. Lives one step: a few vectors of the vocabulary's size."""
+
+    def __init__(self, streams: RandomStreams, start: int, size: int):
+        self.streams, self.start, self.size = streams, start, size
+        self._ranked: dict[int, torch.Tensor] = {}
+
+    def __call__(self, offset: int) -> torch.Tensor:
+        if offset not in self._ranked:
+            self._ranked[offset] = self.streams.noise(self.start + offset, self.size)
+        return self._ranked[offset]
+
+    def for_verifier(self, offset: int) -> torch.Tensor:
+        noise = self._ranked.pop(offset, None)
+        return noise if noise is not None else self.streams.noise(self.start + offset, self.size)
 
 
 def draw(probs: torch.Tensor, noise: torch.Tensor) -> int:

@@ -3,25 +3,41 @@
 A generation leaves state that later ones use: its cache is kept for prefix reuse, its text joins
 a history, its acceptance teaches the draft policy. Each changes what a later request is told
 (`cached_tokens`) or how fast it runs, so each is kept per *scope*, and a request sees only its
-own scope's. A server makes one scope per API key (and per `cache_salt` within it); the library's
+own scope's. A server makes one scope per API key and `cache_salt` (a `KeyScope`); the library's
 requests share the scope None unless they name one.
 
-Bounded stores shed state fairly: they evict from the scope that holds the most (its least
-recently used entry first, `evictee`). A scope that adds state then evicts its own, or that of
-scopes holding more than it does, never that of a scope holding less; and a scope holding at most
-1/n of a store is never evicted while n scopes or fewer hold anything.
+Bounded stores shed state fairly, by *owner* (a KeyScope's key: salts narrow what a request sees,
+they do not earn a key more room): they evict from the owner that holds the most (its least
+recently used entry first, `evictee`). An owner that adds state then evicts its own, or that of
+owners holding more than it does, never that of one holding less; and an owner holding less than
+1/n of a store is never evicted while n owners or fewer hold anything.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable, Generic, Hashable, Sequence, TypeVar
 
 from specdec.errors import SpecDecError
 
 Scope = Hashable  # any hashable value; None is the default scope
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class KeyScope:
+    """A server request's scope: its API key (an index; None: the server has no keys, or they share
+    one scope) and its `cache_salt`."""
+
+    key: int | None
+    salt: str | None
+
+
+def owner(scope: Scope) -> Hashable:
+    """Whom a scope's state counts against in bounded stores: a KeyScope's key, any other scope itself."""
+    return scope.key if isinstance(scope, KeyScope) else scope
 
 
 def check_scope(value, what: str) -> None:

@@ -24,7 +24,7 @@ from specdec.errors import SpecDecError
 from specdec.runtime.base import forward_together
 from specdec.runtime.prefix import PrefixCache
 from specdec.sampling import RandomStreams, draw, ranked
-from specdec.scopes import PerScope, evictee
+from specdec.scopes import KeyScope, PerScope, evictee
 from specdec.server import create_app
 from specdec.verify import verify_tree_coupled
 from test_server import MODEL, LiveServer, sse_events
@@ -269,6 +269,21 @@ def test_a_scope_flooding_the_prefix_cache_cannot_evict_another_holding_less_tha
     assert cache.tokens <= 100
 
 
+def test_a_turn_the_cache_refuses_leaves_its_earlier_turn_kept(load64, model_dirs):
+    """A scope's longer turn replaces its earlier one only when it is kept itself: here it would make
+    its scope the heaviest, so it is refused and the earlier turn stays."""
+    model = load64(model_dirs["llama"])
+    cache = PrefixCache(model, budget=100, min_shared=4)
+    turn = [(5 * i + 1) % 16 for i in range(40)]
+    for scope, tokens in (("a", turn[:25]), ("b", [3] * 35), ("c", [4] * 35)):
+        cache.put(fed(model, tokens), tokens, scope=scope)
+    cache.put(fed(model, turn), turn, scope="a")
+    assert cache.tokens == 95
+    taken = cache.take(turn[:25] + [1], scope="a")
+    assert taken.cache_len == 25
+    taken.release()
+
+
 def test_a_history_is_scoped_and_narrowed_by_its_user_and_shed_fairly():
     history = History(tenants=4)
     history.record("ann", [1, 2, 3, 4, 5, 6], scope="key-a")
@@ -282,6 +297,11 @@ def test_a_history_is_scoped_and_narrowed_by_its_user_and_shed_fairly():
     for user in range(20):  # one scope invents users
         history.record(f"u{user}", [7, 8, 9], scope="key-b")
     assert history.size("ann", scope="key-a") == 6, "a scope keeping fewer tenants is not pushed out"
+    keyed = History(tenants=4)
+    keyed.record("ann", [1, 2, 3], scope=KeyScope(0, None))
+    for salt in range(20):  # one key invents salts: they narrow what it sees, they do not earn it room
+        keyed.record("bob", [7, 8, 9], scope=KeyScope(1, f"salt{salt}"))
+    assert keyed.size("ann", scope=KeyScope(0, None)) == 3
 
 
 # ---------------------------------------------------------------- the same care outside the server

@@ -14,8 +14,8 @@ is the target's. What it holds changes only the speed, and speed is a timing sid
 generation drafts only from its own scope (`specdec.scopes`: a server's API key and `cache_salt`)
 and, within it, its own tenant's requests (a `user`; `shared`: every tenant of the scope's). A
 tenant narrows a scope, never widens one. When more than `tenants` are kept, the least recently
-used tenant of the scope keeping the most tenants goes: a scope cannot push out another's
-history while it keeps fewer tenants than that one. The store is thread-safe: a view reads the
+used tenant of the owner (`scopes.owner`: a server's API key) keeping the most tenants goes: an
+owner cannot push out another's history while it keeps fewer tenants than that one. The store is thread-safe: a view reads the
 immutable bytes it was given when its request was made (a server makes requests on the event
 loop, drafts and records on the batch thread).
 """
@@ -27,7 +27,7 @@ from collections import OrderedDict, deque
 from typing import Hashable, Sequence
 
 from specdec.drafters.prompt_lookup import SEPARATOR, continuation_in, packed
-from specdec.scopes import Scope, evictee
+from specdec.scopes import Scope, evictee, owner
 
 HISTORY_NGRAMS = (8, 5, 3)  # suffix lengths looked up in the history, longest first: short matches in a big corpus are noise
 DEFAULT_TOKENS = 200_000  # tokens kept per tenant by default: ~0.8 MB, a search of a few hundred microseconds at worst
@@ -87,7 +87,7 @@ class History:
             self._documents.move_to_end(key)
             documents.add(ids, self.tokens)
             while len(self._documents) > self.tenants:
-                del self._documents[evictee(list(self._documents), scope_of=lambda key: key[0])]
+                del self._documents[evictee(list(self._documents), scope_of=lambda key: owner(key[0]))]
 
     def clear(self) -> None:
         with self._lock:

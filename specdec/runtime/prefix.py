@@ -4,9 +4,10 @@ cached part is not computed again.
 
 Scoped (`specdec.scopes`): a sequence kept for one scope is reused only by requests of the same
 scope, so what another scope sent shows neither in `cached_tokens` nor in the time to the first
-token. The budget is shared, shed fairly: the scope keeping the most tokens (or, for sequence ids,
-the most sequences) loses its least recently used sequence first, so a scope keeping at most half
-of either is never evicted for another's sake while two scopes share the cache.
+token. The budget is shared, shed fairly (`scopes.evictee`): the owner (a server's API key)
+keeping the most tokens (or, for sequence ids, the most sequences) loses its least recently used
+sequence first, so an owner keeping less than half of either is never evicted for another's sake
+while two owners share the cache.
 
 Exact: a reused entry is the one this model computed for the same token at the same position
 after the same tokens. Where a runtime's numerics move with the batch shape (llama.cpp), it may
@@ -22,7 +23,7 @@ from typing import Sequence as Seq
 
 from specdec.errors import SpecDecError
 from specdec.runtime.base import CausalLM, Sequence
-from specdec.scopes import Scope, evictee
+from specdec.scopes import Scope, evictee, owner
 from specdec.stops import common_prefix
 
 DEFAULT_TOKENS = 4096  # kept tokens by default: a long conversation, or a few shorter ones
@@ -118,27 +119,27 @@ class PrefixCache:
                 self._kept.append(_Kept(kept, tokens, scope))
 
     def _admit(self, tokens: list[int], scope: Scope) -> bool:
-        """Whether to keep `tokens` for `scope`: not when one of its kept sequences holds them all
-        already. Those of its sequences that they extend go, then room is made for them."""
+        """Whether to keep `tokens` for `scope`, and if so, room made for them: not when one of its
+        kept sequences holds them all already, nor when making room would shed them first (fairly,
+        `scopes.evictee`, counting the scope's sequences they extend as gone). Only when they are
+        kept do those sequences and the evicted ones go."""
         with self._lock:
             mine = [kept for kept in self._kept if kept.scope == scope]
             if any(common_prefix(kept.tokens, tokens) == len(tokens) for kept in mine):
                 return False
-            for kept in mine:
-                if common_prefix(kept.tokens, tokens) == len(kept.tokens):
-                    self._drop(kept)
-            return self._make_room(_Kept(None, tokens, scope))
-
-    def _make_room(self, newcomer: _Kept) -> bool:
-        """Evict, fairly (`scopes.evictee`), until the newcomer's sequence and tokens fit; False (and
-        nothing more evicted) when its own scope would have to shed it first."""
-        while len(self._kept) + 1 > MAX_KEPT or self.tokens + len(newcomer.tokens) > self.budget:
-            weight = (lambda kept: 1) if len(self._kept) + 1 > MAX_KEPT else (lambda kept: len(kept.tokens))
-            victim = evictee(self._kept + [newcomer], lambda kept: kept.scope, weight)
-            if victim is newcomer:
-                return False
-            self._drop(victim)
-        return True
+            newcomer = _Kept(None, tokens, scope)
+            gone = [kept for kept in mine if common_prefix(kept.tokens, tokens) == len(kept.tokens)]
+            staying = [kept for kept in self._kept if kept not in gone]
+            while len(staying) + 1 > MAX_KEPT or sum(len(kept.tokens) for kept in staying) + len(tokens) > self.budget:
+                weight = (lambda kept: 1) if len(staying) + 1 > MAX_KEPT else (lambda kept: len(kept.tokens))
+                victim = evictee(staying + [newcomer], lambda kept: owner(kept.scope), weight)
+                if victim is newcomer:
+                    return False
+                staying.remove(victim)
+                gone.append(victim)
+            for kept in gone:
+                self._drop(kept)
+            return True
 
     def clear(self) -> None:
         with self._lock:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import random
@@ -53,7 +54,8 @@ from specdec.server.openai import error_response
 
 RESUBMITS = 2  # further replicas a request whose replica died before answering is tried on
 AFFINITY_CHARS = 4096  # the start of a prompt a conversation is recognised by
-MIN_SHARED_CHARS = 128  # a new prompt goes to the replica of an earlier one that starts with this much of it
+TENANT_CHARS = 17  # the tenant tag that starts every session and prompt text the router remembers
+MIN_SHARED_CHARS = TENANT_CHARS + 128  # a new prompt goes to the replica of an earlier one that starts with its tag and 128 more characters
 REMEMBERED = 4096  # conversations the router remembers (least recently used forgotten)
 BODY_TIMEOUT = 30.0  # seconds a request body may take to arrive (as `specdec serve`'s)
 SESSION_HEADER = b"x-session-id"
@@ -77,7 +79,7 @@ class Forwarded:
 
 class Affinity(NamedTuple):
     """What names a request's conversation: a session id (the X-Session-Id header, else the body's
-    `user`), and the start of its prompt text."""
+    `user`), and the start of its prompt text, each after its tenant's tag (see `affinity`)."""
 
     session: str | None
     text: str
@@ -85,16 +87,21 @@ class Affinity(NamedTuple):
 
 def affinity(headers: list[tuple[bytes, bytes]], body: bytes) -> Affinity:
     """A request's Affinity; a body that is not a JSON object gives an empty one (the replica's
-    routes answer it with their 400)."""
-    session = next((value.decode("latin-1") for name, value in headers if name.lower() == SESSION_HEADER), None)
+    routes answer it with their 400). Both start with a tag of the request's tenant (a hash of its
+    Authorization header and `cache_salt`): requests of another key or salt never follow this one's
+    conversations, so the replica that answers (`X-Specdec-Replica`) tells nothing of other tenants'."""
+    header = lambda wanted: next((value for name, value in headers if name.lower() == wanted), None)
+    session = header(SESSION_HEADER)
     try:
         fields = json.loads(body) if body else {}
     except (ValueError, RecursionError):  # not JSON, or nested too deep to parse
         fields = {}
-    if not isinstance(fields, dict):
-        return Affinity(session, "")
+    fields = fields if isinstance(fields, dict) else {}
+    salt = fields.get("cache_salt") if isinstance(fields.get("cache_salt"), str) else ""
+    tag = hashlib.sha256((header(b"authorization") or b"") + b"\0" + salt.encode("utf-8", "replace")).hexdigest()[: TENANT_CHARS - 1] + ":"
     user = fields.get("user") if isinstance(fields.get("user"), str) else None
-    return Affinity(session or (f"user:{user}" if user else None), prompt_text(fields)[:AFFINITY_CHARS])
+    session = session.decode("latin-1") if session is not None else f"user:{user}" if user else None
+    return Affinity(tag + session if session else None, tag + prompt_text(fields)[:AFFINITY_CHARS] if fields else "")
 
 
 def prompt_text(fields: dict) -> str:
@@ -268,7 +275,7 @@ class Ingress:
 
     async def drain(self, timeout: float) -> int:
         """Refuse new requests (503, /health too), give those in flight `timeout` seconds to finish,
-        then end them (see `_relay`). Returns how many had to be ended."""
+        then end them (see `_unless_stopped`). Returns how many had to be ended."""
         self.draining = True
         deadline = asyncio.get_running_loop().time() + timeout
         while self.in_flight and asyncio.get_running_loop().time() < deadline:
@@ -291,8 +298,11 @@ class Ingress:
             self.in_flight -= 1
 
     async def _serve(self, scope, receive, send):
+        stopped = "the server shut down before the generation finished"
         try:
-            body = await asyncio.wait_for(_read_body(receive, self.max_body_bytes), self.body_timeout)
+            finished, body = await self._unless_stopped(asyncio.wait_for(_read_body(receive, self.max_body_bytes), self.body_timeout))
+            if not finished:
+                return await error_response(stopped, 503)(scope, receive, send)
         except asyncio.TimeoutError:
             return await error_response(f"the request body did not arrive within {self.body_timeout:g} seconds", 408,
                                         headers={"Connection": "close"})(scope, receive, send)
@@ -306,9 +316,9 @@ class Ingress:
         for attempt in range(RESUBMITS + 1):
             relay = Relay(send, attempt)
             try:
-                if not await self._relay(relay, self.replicas.forward.remote(request, affinity=wanted)):
-                    why = "the server shut down before the generation finished"
-                    return await (relay.cut(why) if relay.sent_body else error_response(why, 503)(scope, receive, send))
+                finished, _ = await self._unless_stopped(relay.run(self.replicas.forward.remote(request, affinity=wanted)))
+                if not finished:
+                    return await (relay.cut(stopped) if relay.sent_body else error_response(stopped, 503)(scope, receive, send))
             except BackPressureError:
                 return await error_response("the server is busy: too many requests are waiting", 429)(scope, receive, send)
             except (ActorDiedError, ActorUnavailableError, RayActorError) as error:
@@ -324,24 +334,20 @@ class Ingress:
             return
         await error_response("no replica could serve this request: each one tried stopped", 503)(scope, receive, send)
 
-    async def _relay(self, relay: Relay, messages) -> bool:
-        """Relay a replica's reply; False when a drain ran out of time first (the relay is then
-        cancelled, and with it the replica's generation)."""
-        run = asyncio.ensure_future(relay.run(messages))
+    async def _unless_stopped(self, work) -> tuple[bool, object]:
+        """(True, what `work` returns), or (False, None) when a drain runs out of time first. Work
+        that does not finish (the drain's time is up, or this request is cancelled: its client left)
+        is cancelled: a relay's replica then drops the generation."""
+        run = asyncio.ensure_future(work)
         stop = asyncio.ensure_future(self.out_of_time.wait())
         try:
             await asyncio.wait({run, stop}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stop.cancel()
-        if run.done():
-            run.result()  # its failure, if it failed, is the caller's to answer
-            return True
-        run.cancel()
-        try:
-            await run
-        except asyncio.CancelledError:
-            pass
-        return False
+            if not run.done():
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
+        return (True, run.result()) if not run.cancelled() else (False, None)
 
 
 class Relay:
@@ -543,6 +549,8 @@ def run_local(args: argparse.Namespace) -> None:
         print(f"specdec: drained; {ended} request(s) still running at the deadline were ended", file=sys.stderr)
     except KeyboardInterrupt:
         pass
+    except Exception as error:  # the drain itself failed or hung: stop anyway
+        print(f"specdec: the drain did not finish ({type(error).__name__}); stopping", file=sys.stderr)
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -11,7 +11,7 @@ from specdec.api import Generation, SpeculativeDecoder
 from specdec.drafters import AutoDrafter
 from specdec.errors import SpecDecError
 from specdec.policy import BatchDepth, SharedAcceptance
-from specdec.scopes import PerScope
+from specdec.scopes import KeyScope, PerScope
 from specdec.server.batch import Batcher, Job, Metrics
 from specdec.server.openai import BadRequest, CompletionRequest, SamplingFields
 
@@ -66,7 +66,7 @@ class Service:
                              param="max_tokens")
         if body.prediction is not None and not isinstance(decoder.drafter, AutoDrafter):
             raise BadRequest("prediction is drafted by the default drafter; this server runs a fixed strategy", param="prediction")
-        scope = None if key is None and body.cache_salt is None else (key, body.cache_salt)
+        scope = None if key is None and body.cache_salt is None else KeyScope(key, body.cache_salt)
         try:
             return decoder.request(ids, max_new_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                                    seed=body.seed, stop=body.stops(), logprobs=body.top_logprobs_wanted(), prediction=body.predicted_text(),
