@@ -27,6 +27,7 @@ from specdec.sampling import RandomStreams, draw, ranked
 from specdec.scopes import KeyScope, PerScope, evictee
 from specdec.server import create_app
 from specdec.verify import verify_tree_coupled
+from test_prefix import fed
 from test_server import MODEL, LiveServer, sse_events
 
 SURROGATE = "\ud800"
@@ -242,12 +243,6 @@ def test_evictee_takes_from_the_scope_holding_the_most():
     made["x"].append(1)
     made["y"], made["z"]
     assert made["x"] == [], "the least recently used scope was forgotten"
-
-
-def fed(model, tokens):
-    sequence = model.sequence()
-    sequence.forward(tokens)
-    return sequence
 
 
 def test_a_scope_flooding_the_prefix_cache_cannot_evict_another_holding_less_than_half(load64, model_dirs):

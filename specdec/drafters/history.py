@@ -15,9 +15,9 @@ generation drafts only from its own scope (`specdec.scopes`: a server's API key 
 and, within it, its own tenant's requests (a `user`; `shared`: every tenant of the scope's). A
 tenant narrows a scope, never widens one. When more than `tenants` are kept, the least recently
 used tenant of the owner (`scopes.owner`: a server's API key) keeping the most tenants goes: an
-owner cannot push out another's history while it keeps fewer tenants than that one. The store is thread-safe: a view reads the
-immutable bytes it was given when its request was made (a server makes requests on the event
-loop, drafts and records on the batch thread).
+owner cannot push out another's history while it keeps fewer tenants than that one. The store is
+thread-safe: a view reads the immutable bytes it was given when its request was made (a server
+makes requests on the event loop, drafts and records on the batch thread).
 """
 
 from __future__ import annotations

@@ -211,7 +211,7 @@ def routes(service: Service, max_body_bytes: int = MAX_BODY_BYTES, api_keys: Seq
                     yield _event(reply.chunk(text, None, logprobs))
                     continue
                 if kind in ("error", "unavailable"):
-                    yield _error_event(value if kind == "unavailable" else f"generation failed: {value}", kind)
+                    yield error_event(value if kind == "unavailable" else f"generation failed: {value}", kind)
                     return
                 rest = value.logprobs[job.logprobs_sent:] if value.logprobs is not None else None
                 yield _event(reply.chunk("", value.finish_reason, rest))
@@ -220,7 +220,7 @@ def routes(service: Service, max_body_bytes: int = MAX_BODY_BYTES, api_keys: Seq
                 return
             except Exception as error:  # an event could not be made: the client is told, the generation stops
                 batcher.cancel(job)
-                yield _error_event(f"generation failed: the reply could not be made: {type(error).__name__}", "error")
+                yield error_event(f"generation failed: the reply could not be made: {type(error).__name__}", "error")
                 return
 
     def openapi():
@@ -337,7 +337,8 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def _error_event(message: str, code: str) -> str:
+def error_event(message: str, code: str) -> str:
+    """A stream's error event, as the API's errors read."""
     return _event({"error": {"message": message, "type": "server_error", "param": None, "code": code}})
 
 

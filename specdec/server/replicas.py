@@ -49,7 +49,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from specdec.errors import SpecDecError
-from specdec.server.app import MAX_BODY_BYTES
+from specdec.server.app import MAX_BODY_BYTES, error_event
 from specdec.server.openai import error_response
 
 RESUBMITS = 2  # further replicas a request whose replica died before answering is tried on
@@ -380,8 +380,8 @@ class Relay:
         """End a reply whose replica died midway: a stream gets an error event and [DONE]."""
         streaming = any(name.lower() == b"content-type" and value.startswith(b"text/event-stream") for name, value in self.head["headers"])
         if streaming:
-            error = {"error": {"message": why, "type": "server_error", "param": None, "code": "unavailable"}}
-            await self.send({"type": "http.response.body", "body": f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode(), "more_body": False})
+            events = error_event(why, "unavailable") + "data: [DONE]\n\n"
+            await self.send({"type": "http.response.body", "body": events.encode(), "more_body": False})
         else:
             await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 
