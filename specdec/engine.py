@@ -187,7 +187,8 @@ class Engine:
         results: list[StepResult | None] = [StepResult.failed(d) if isinstance(d, Exception) else None for d in drafts]
         live = [i for i, result in enumerate(results) if result is None]
         # one target forward scores every row's last committed token and draft nodes
-        rows = self.target.forward_batch([_feed(states[i].sequence, states[i].context[-1], drafts[i]) for i in live]) if live else []
+        on_device = self.target.device_logits  # verification then reads the device once per row (`_verify`)
+        rows = self.target.forward_batch([_feed(states[i].sequence, states[i].context[-1], drafts[i], on_device) for i in live]) if live else []
         for i, logits in zip(live, rows):
             outcome = attempt(lambda: self._advance(states[i], gammas[i], drafts[i], logits, noises[i]))
             results[i] = StepResult.failed(outcome) if isinstance(outcome, Exception) else outcome
@@ -279,20 +280,21 @@ def _checked(draft: Draft, gamma: int, vocab_size: int, sampling: SamplingParams
     return draft
 
 
-def _feed(sequence: Sequence, last: int, draft: Draft) -> Feed:
+def _feed(sequence: Sequence, last: int, draft: Draft, on_device: bool = False) -> Feed:
     """The last committed token (the root) and the draft's nodes, as a tree in one forward."""
     if not len(draft):  # plain decoding: one token, continuing the chain
-        return Feed(sequence, [last])
+        return Feed(sequence, [last], on_device=on_device)
     root = sequence.cache_len
     parents = [root - 1] + tree.entries(draft.parents, root).tolist()
-    return Feed(sequence, [last] + draft.tokens.tolist(), parents)
+    return Feed(sequence, [last] + draft.tokens.tolist(), parents, on_device=on_device)
 
 
 def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, streams: RandomStreams, noise: StepNoise | None = None):
-    """noise: a keyed generation's, None otherwise."""
+    """noise: a keyed generation's, None otherwise. Logits may be on a device: the greedy verifier
+    reads their argmax once; a sampled one gets the distribution, computed there, in one copy."""
     if sampling.greedy:
         return verify_tree_greedy(draft.tokens, draft.parents, logits)
-    target_probs = probs_from_logits(logits, sampling)  # [len(draft) + 1, vocab]
+    target_probs = probs_from_logits(logits, sampling).cpu()  # [len(draft) + 1, vocab]
     if noise is not None:
         if draft.probs is not None:
             raise ValueError("a generation with keyed draws verifies point-mass drafts only; the drafter drew from a distribution")

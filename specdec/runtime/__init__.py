@@ -38,6 +38,7 @@ def load_model(
     prefix_cells: int = 0,
     output_layer: str = "auto",
     batch_invariant: bool = False,
+    compile: str = "auto",
 ) -> CausalLM:
     """Load a model on the backend its path (or `backend`) selects.
 
@@ -53,6 +54,11 @@ def load_model(
     batch_invariant (llama.cpp): kernels that give a row the same logits in a batch of any size (no
     repacked weights, no tiled matmuls; checked at load, refused where they still differ), so
     greedy speculation equals plain greedy decoding bit for bit; costs are in the README.
+    compile (transformers): "auto" (default: "on" on a GPU, "off" on the CPU), "on" (static KV
+    slots and forwards compiled per shape, CUDA graphs on a GPU: `specdec.runtime.static`), "off"
+    (growing caches, eager kernels), or a torch.compile backend for the static slots ("inductor",
+    the same as "on"; "cudagraphs"; "aot_eager"; "eager": static slots, nothing compiled); context
+    then caps a static slot (default min(4096, the trained context)).
     """
     if isinstance(prefix_cells, bool) or not isinstance(prefix_cells, int) or prefix_cells < 0:
         raise SpecDecError(f"prefix cells must be a number >= 0, got {prefix_cells!r}")
@@ -66,10 +72,12 @@ def load_model(
                                "(use gpu_layers to offload to a GPU)")
         from specdec.runtime.llamacpp import LlamaCppModel
 
+        if compile not in ("auto", "off"):
+            raise SpecDecError("compile applies to transformers checkpoints; llama.cpp runs its own graphs")
         return LlamaCppModel(path, threads=threads, gpu_layers=gpu_layers or 0, context=context, tokenizer=hf_tokenizer, slots=slots,
                              prefix_cells=prefix_cells, output_layer=output_layer, batch_invariant=batch_invariant)
-    if gpu_layers is not None or context is not None or tokenizer is not None or output_layer != "auto" or batch_invariant:
-        raise SpecDecError("gpu_layers, context, tokenizer, output_layer and batch_invariant apply to GGUF files on llama.cpp; "
+    if gpu_layers is not None or tokenizer is not None or output_layer != "auto" or batch_invariant:
+        raise SpecDecError("gpu_layers, tokenizer, output_layer and batch_invariant apply to GGUF files on llama.cpp; "
                            "a checkpoint directory has its own tokenizer (use device to choose a GPU)")
     from specdec.runtime.hf import load_model as load_hf
 
@@ -77,7 +85,7 @@ def load_model(
         import torch
 
         torch.set_num_threads(threads)
-    return load_hf(path, device=device, dtype=dtype, attn_implementation=attn_implementation)
+    return load_hf(path, device=device, dtype=dtype, attn_implementation=attn_implementation, compile=compile, context=context)
 
 
 def load_draft(path: str | os.PathLike, target: CausalLM, **options) -> CausalLM:

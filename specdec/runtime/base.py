@@ -86,6 +86,7 @@ class CausalLM(Protocol):
     stop_token_ids: frozenset[int]  # end-of-generation tokens (EOS, EOT ...)
     tree_tolerance: float  # how far a tree node's logits may be from its path's alone, relative to their scale
     spare_cells: int | None  # cache entries that finished sequences may keep (`PrefixCache`); None: no fixed limit
+    device_logits: bool  # its sequences can leave logits on the model's device (`Feed.on_device`)
 
     def sequence(self) -> Sequence:
         """A new empty sequence slot."""
@@ -122,12 +123,14 @@ class Feed:
     tokens: Seq[int]
     parents: Seq[int] | None = None
     last: int | None = None
+    on_device: bool = False  # the logits may stay on the model's device; only for a model with `device_logits`
 
 
 def forward_each(feeds: Seq[Feed]) -> list[torch.Tensor]:
     """`forward_batch` one sequence at a time: the reference, and what a model without batching does."""
     check_distinct(feeds)
-    return [feed.sequence.forward(feed.tokens, feed.parents, feed.last) for feed in feeds]
+    return [feed.sequence.forward(feed.tokens, feed.parents, feed.last, **({"on_device": True} if feed.on_device else {}))
+            for feed in feeds]
 
 
 def forward_together(model: CausalLM, growers: list) -> list:

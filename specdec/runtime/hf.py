@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -41,6 +42,7 @@ class HFModel:
 
     backend = "transformers"
     spare_cells = None  # caches grow as they are filled
+    device_logits = False  # forward returns logits on the CPU
 
     def __init__(self, model, tokenizer, path: str = ""):
         self.model = model.eval()
@@ -504,16 +506,21 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 
 def load_model(
     path: str | os.PathLike, device: str | None = None, dtype: str | torch.dtype | None = None,
-    attn_implementation: str | None = None,
+    attn_implementation: str | None = None, compile: str = "auto", context: int | None = None,
 ) -> HFModel:
     """Load a local checkpoint directory (config.json, *.safetensors, tokenizer files) or a GGUF
     file, whose weights transformers dequantizes (it needs the `gguf` package).
 
     Never downloads, never runs remote code, never unpickles: `.bin` weights are refused.
     attn_implementation: "eager", "sdpa", "flex_attention" ... (default: what transformers picks).
+    compile, context: see `specdec.runtime.load_model`.
     """
     path = Path(path).expanduser()
     device = check_device(device or default_device())
+    compile_backend = resolve_compile(compile, device)
+    if context is not None and compile_backend is None:
+        raise SpecDecError("context applies to GGUF files on llama.cpp and to static slots (compile on); "
+                           "a transformers cache with compile off grows to the model's context")
     gguf = path.suffix.lower() == ".gguf"
     source = dict(gguf_file=path.name) if gguf else dict(use_safetensors=True)
     if gguf:
@@ -546,7 +553,28 @@ def load_model(
         raise SpecDecError(f"{path}: the safetensors files lack weights {', '.join(missing[:3])}{more}")
     if torch.device(device).type == "cpu":
         use_small_batch_matmul(model)
-    return HFModel(model.to(device), tokenizer, str(path))
+    model = model.to(device)
+    if compile_backend is None:
+        return HFModel(model, tokenizer, str(path))
+    from specdec.runtime.static import StaticHFModel, static_refusal
+
+    refusal = static_refusal(model.config)
+    if refusal and compile == "auto":  # today's path, and why
+        print(f"specdec: {path} runs without a static cache: {refusal}", file=sys.stderr)
+        return HFModel(model, tokenizer, str(path))
+    return StaticHFModel(model, tokenizer, str(path), context=context, backend=compile_backend)
+
+
+COMPILE_CHOICES = ("auto", "on", "off", "inductor", "cudagraphs", "aot_eager", "eager")
+
+
+def resolve_compile(compile: str, device: str) -> str | None:
+    """The torch.compile backend for static slots, or None for the eager path (see load_model)."""
+    if compile not in COMPILE_CHOICES:
+        raise SpecDecError(f"unknown compile setting {compile!r}; choose one of {', '.join(COMPILE_CHOICES)}")
+    if compile == "auto":
+        return "inductor" if torch.device(device).type == "cuda" else None
+    return {"on": "inductor", "off": None}.get(compile, compile)
 
 
 def _check_gguf_file(path: Path) -> None:

@@ -97,6 +97,7 @@ class LlamaCppModel:
         trained = lib.llama_model_n_ctx_train(self._model)
         self.max_length = min(context or DEFAULT_CONTEXT, trained) if trained > 0 else (context or DEFAULT_CONTEXT)
         self.spare_cells = prefix_cells  # for kept prefixes (PrefixCache), beyond the slots'
+        self.device_logits = False
         self.cells = self.max_length * slots + prefix_cells  # KV cells: `slots` sequences of max_length entries fit at once
         self.weight_bytes = lib.llama_model_size(self._model)
         self.parameters = lib.llama_model_n_params(self._model)

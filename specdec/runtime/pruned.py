@@ -116,6 +116,8 @@ class PrunedVocab:
         self._to_draft = torch.from_numpy(vocab_map.to_draft())
         self._columns = torch.tensor(vocab_map.target_ids, dtype=torch.long)
 
+    device_logits = False  # logits come back on the CPU, in the target's vocabulary
+
     def __getattr__(self, name):  # path, backend, max_length, weight_bytes, dtype ...: the draft model's own
         return getattr(self.inner, name)
 

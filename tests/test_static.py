@@ -1,0 +1,159 @@
+"""The static-slot path (`specdec.runtime.static`), on the CPU: what it computes equals the eager
+path's cache step for step, every drafter's greedy output equals plain decoding's, sampled chains
+and trees keep the target's distribution, and an iteration reads the device once.
+
+CUDA graphs exist only on a GPU; here the same code runs with its forwards uncompiled ("eager") or
+traced by torch.compile without code generation ("aot_eager"), which is what a graph would capture.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec
+from conftest import ARCHS, reference_greedy
+from specdec.errors import SpecDecError
+from specdec.losslessness import check_lossless, format_report
+from specdec.runtime.hf import HFModel, load_model
+from specdec.runtime.static import BUCKETS, StaticHFModel, static_refusal
+
+PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]  # repeats, so prompt lookup has something to find
+NEW = 40
+
+
+def static64(directory: str, compile: str = "eager") -> StaticHFModel:
+    return load_model(directory, device="cpu", dtype="float64", compile=compile)
+
+
+@pytest.fixture(scope="module")
+def static_llama(model_dirs):
+    return static64(model_dirs["llama"])
+
+
+def test_cache_steps_match_the_eager_cache(model_dirs, load64, static_llama):
+    """Prefill, a tree, compaction of its path, truncation, a fork and a chain: the same logits and
+    the same cached keys on both paths."""
+    eager, static = load64(model_dirs["llama"]).sequence(), static_llama.sequence()
+    steps = [
+        lambda s: s.forward(PROMPT),
+        lambda s: s.forward([5, 6, 7, 8, 9], parents=[9, 9, 10, 12, 10]),
+        lambda s: (s.keep(10, [10, 12, 13]), s.forward([4], parents=[12]))[1],
+        lambda s: (s.truncate(8), s.forward([3, 3, 3]))[1],
+        lambda s: s.fork(9).forward([7, 1, 2, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9]),  # 18 new entries: the 64 bucket
+    ]
+    for step in steps:
+        torch.testing.assert_close(step(static), step(eager), rtol=1e-10, atol=1e-10)
+        assert static.cache_len == eager.cache_len
+    for (k1, v1), (k2, v2) in zip(static.cache_tensors(), eager.cache_tensors()):
+        torch.testing.assert_close(k1, k2, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(v1, v2, rtol=1e-10, atol=1e-10)
+
+
+def test_slots_are_pooled(static_llama):
+    first = static_llama.sequence()
+    slot = first.slot
+    first.release()
+    second = static_llama.sequence()
+    assert second.slot is slot  # the same buffers, so the graphs captured over them are reused
+    second.release()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_drafter_equals_plain_greedy(arch, model_dirs, load64):
+    target = static64(model_dirs[arch])
+    want = reference_greedy(load64(model_dirs[arch]), PROMPT, NEW)
+    near = specdec.ModelDrafter(load64(model_dirs[f"{arch}-near"]))
+    drafters = {
+        "plain": (None, "auto"),
+        "chain": (near, 3),
+        "tree": (specdec.ModelDrafter(load64(model_dirs[f"{arch}-near"]), tree=specdec.TreeShape(nodes=8)), 3),
+        "prompt-lookup": (specdec.PromptLookupDrafter(), 4),
+        "auto": (specdec.AutoDrafter(near, specdec.PromptLookupDrafter()), "auto"),
+    }
+    for name, (drafter, gamma) in drafters.items():
+        decoder = specdec.SpeculativeDecoder(target, drafter, gamma=gamma)
+        assert decoder.generate(PROMPT, max_new_tokens=NEW, temperature=0).tokens == want, name
+        assert decoder.generate(PROMPT, max_new_tokens=NEW, temperature=0).tokens == want, f"{name}, from a kept prefix"
+
+
+def test_compiled_forwards_equal_plain_greedy(model_dirs, load64):
+    """torch.compile traces the forwards of two buckets (aot_eager: no code generation on the CPU)."""
+    target = static64(model_dirs["llama"], compile="aot_eager")
+    want = reference_greedy(load64(model_dirs["llama"]), PROMPT, NEW)
+    near = specdec.ModelDrafter(load64(model_dirs["llama-near"]))
+    for drafter, gamma in ((None, "auto"), (near, 3)):
+        assert specdec.SpeculativeDecoder(target, drafter, gamma=gamma).generate(PROMPT, max_new_tokens=NEW, temperature=0).tokens == want
+    assert set(target.compile_seconds) == {1, 4, 16}  # plain steps, verifies of 4, the prompt
+
+
+@pytest.mark.parametrize("tree", [None, 6])
+def test_sampled_chains_and_trees_are_lossless(static_llama, load64, model_dirs, tree):
+    near = specdec.ModelDrafter(load64(model_dirs["llama-near"]), tree=specdec.TreeShape(nodes=tree) if tree else None)
+    decoder = specdec.SpeculativeDecoder(static_llama, near, gamma=3)
+    report = check_lossless(decoder, [PROMPT], samples=400, length=2, seed=5, alpha=1e-3, progress=False, temperature=1.0)
+    assert report.passed, format_report(report)
+    assert 0 < report.accepted < report.drafted
+
+
+class Resident(torch.Tensor):
+    """A tensor that would live on the device: every read of its values by the host is counted
+    (once: after torch.compile has run in the process, a read may come back through this hook);
+    what `.cpu()` returns is the host's own copy."""
+
+    reads = 0
+    HOST_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__int__,
+                  torch.Tensor.__float__, torch.Tensor.__bool__, torch.Tensor.__index__}
+    _inside = False
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls.HOST_READS and not Resident._inside:
+            Resident.reads += 1
+        inside, Resident._inside = Resident._inside, True
+        try:
+            result = super().__torch_function__(func, types, args, kwargs or {})
+        finally:
+            Resident._inside = inside
+        return result.as_subclass(torch.Tensor) if func is torch.Tensor.cpu else result  # the host's copy
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)])
+def test_an_iteration_reads_the_device_once(static_llama, load64, model_dirs, monkeypatch, sampling):
+    """The logits stay on the device (marked here as `Resident`); greedy verification reads their
+    argmax, sampled verification their distribution, once per iteration, whatever was drafted."""
+    forward = type(static_llama.sequence()).forward
+
+    def resident_forward(self, *args, on_device=False, **kwargs):
+        logits = forward(self, *args, on_device=on_device, **kwargs)
+        return logits.as_subclass(Resident) if on_device else logits
+
+    monkeypatch.setattr(type(static_llama.sequence()), "forward", resident_forward)
+    for drafter, gamma in ((None, "auto"), (specdec.ModelDrafter(load64(model_dirs["llama-near"])), 3), (specdec.PromptLookupDrafter(), 4)):
+        Resident.reads = 0
+        result = specdec.SpeculativeDecoder(static_llama, drafter, gamma=gamma).generate(PROMPT, max_new_tokens=24, seed=1, **sampling)
+        assert Resident.reads == result.stats.target_forwards, (drafter, Resident.reads, result.stats.target_forwards)
+
+
+def test_compile_settings(model_dirs, monkeypatch):
+    assert type(load_model(model_dirs["llama"], device="cpu")) is HFModel  # auto: eager on the CPU
+    assert type(load_model(model_dirs["llama"], device="cpu", compile="off")) is HFModel
+    model = load_model(model_dirs["llama"], device="cpu", compile="eager", context=32)
+    assert isinstance(model, StaticHFModel) and model.max_length == model.capacity == 32
+    with pytest.raises(SpecDecError, match="unknown compile setting"):
+        load_model(model_dirs["llama"], device="cpu", compile="fast")
+    with pytest.raises(SpecDecError, match="context applies"):
+        load_model(model_dirs["llama"], device="cpu", compile="off", context=32)
+    with pytest.raises(SpecDecError, match="compile applies to transformers"):
+        specdec.runtime.load_model("x.gguf", compile="on")
+
+
+def test_models_the_static_slots_cannot_take_are_refused_by_name():
+    from transformers import LlamaConfig, MambaConfig
+
+    longrope = LlamaConfig(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                                         "original_max_position_embeddings": 32}, hidden_size=16, num_attention_heads=2)
+    assert "longrope" in static_refusal(longrope)
+    assert "recurrent" in static_refusal(MambaConfig())
+    assert static_refusal(LlamaConfig()) is None
+    assert BUCKETS[0] == 1 and list(BUCKETS) == sorted(BUCKETS)
