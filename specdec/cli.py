@@ -12,7 +12,7 @@ from pathlib import Path
 from specdec import costs, losslessness
 from specdec.drafters.history import DEFAULT_TOKENS
 from specdec.errors import SpecDecError
-from specdec.runtime import BACKENDS, OUTPUT_LAYERS
+from specdec.runtime import BACKENDS, COMPILE_CHOICES, OUTPUT_LAYERS
 
 
 def _gamma(value: str) -> int | str:
@@ -69,7 +69,7 @@ def load_decoder(args, slots: int = 1, measure: bool = True, prefix_cache: int =
 def runtime_options(args) -> dict:
     """The backend and its knobs, as `specdec.load` takes them."""
     return dict(backend=args.backend, threads=args.threads, gpu_layers=args.gpu_layers, context=args.context, tokenizer=args.tokenizer,
-                output_layer=args.output_layer, batch_invariant=args.batch_invariant)
+                output_layer=args.output_layer, batch_invariant=args.batch_invariant, compile=args.compile)
 
 
 def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +79,12 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-layers", type=int, default=None, metavar="N",
                         help="GGUF: layers to offload to the GPU where llama.cpp was built with one (-1 = all; default 0)")
     parser.add_argument("--context", type=_positive, default=None, metavar="TOKENS",
-                        help="GGUF: KV cache cells (default: the trained context, at most 4096)")
+                        help="GGUF: KV cache cells; a checkpoint with --compile on: a static slot's length "
+                             "(default: the trained context, at most 4096)")
+    parser.add_argument("--compile", choices=COMPILE_CHOICES, default="auto",
+                        help="checkpoints: auto (default; on for a GPU, off on the CPU), on (static KV slots, forwards compiled per "
+                             "shape, CUDA graphs on a GPU), off (growing caches, eager kernels), or a torch.compile backend "
+                             "(inductor = on, cudagraphs, aot_eager; eager = static slots without compiling)")
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
                         help="GGUF: a Hugging Face tokenizer directory to use instead of the file's own")
     parser.add_argument("--output-layer", choices=OUTPUT_LAYERS, default="auto",

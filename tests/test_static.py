@@ -15,7 +15,8 @@ import specdec
 from conftest import ARCHS, reference_greedy
 from specdec.errors import SpecDecError
 from specdec.losslessness import check_lossless, format_report
-from specdec.runtime.hf import HFModel, load_model
+from specdec.runtime import load_model
+from specdec.runtime.hf import HFModel
 from specdec.runtime.static import BUCKETS, StaticHFModel, static_refusal
 
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]  # repeats, so prompt lookup has something to find
@@ -145,7 +146,7 @@ def test_compile_settings(model_dirs, monkeypatch):
     with pytest.raises(SpecDecError, match="context applies"):
         load_model(model_dirs["llama"], device="cpu", compile="off", context=32)
     with pytest.raises(SpecDecError, match="compile applies to transformers"):
-        specdec.runtime.load_model("x.gguf", compile="on")
+        load_model("x.gguf", compile="on")
 
 
 def test_models_the_static_slots_cannot_take_are_refused_by_name():

@@ -10,8 +10,9 @@ from specdec.runtime.vocab import check_same_vocabulary, tokenizer_fingerprint
 
 BACKENDS = ("auto", "transformers", "llamacpp")
 OUTPUT_LAYERS = ("auto", "specdec", "llama.cpp")  # who computes a GGUF model's logits on the CPU (see cpu_head)
+COMPILE_CHOICES = ("auto", "on", "off", "inductor", "cudagraphs", "aot_eager", "eager")  # see load_model
 
-__all__ = ["CausalLM", "Sequence", "BACKENDS", "OUTPUT_LAYERS", "load_model", "load_draft", "choose_backend", "require_trees",
+__all__ = ["CausalLM", "Sequence", "BACKENDS", "OUTPUT_LAYERS", "COMPILE_CHOICES", "load_model", "load_draft", "choose_backend", "require_trees",
            "check_same_vocabulary", "tokenizer_fingerprint"]
 
 
@@ -72,20 +73,30 @@ def load_model(
                                "(use gpu_layers to offload to a GPU)")
         from specdec.runtime.llamacpp import LlamaCppModel
 
-        if compile not in ("auto", "off"):
+        if compile_backend(compile, "cpu") is not None:
             raise SpecDecError("compile applies to transformers checkpoints; llama.cpp runs its own graphs")
         return LlamaCppModel(path, threads=threads, gpu_layers=gpu_layers or 0, context=context, tokenizer=hf_tokenizer, slots=slots,
                              prefix_cells=prefix_cells, output_layer=output_layer, batch_invariant=batch_invariant)
     if gpu_layers is not None or tokenizer is not None or output_layer != "auto" or batch_invariant:
         raise SpecDecError("gpu_layers, tokenizer, output_layer and batch_invariant apply to GGUF files on llama.cpp; "
                            "a checkpoint directory has its own tokenizer (use device to choose a GPU)")
-    from specdec.runtime.hf import load_model as load_hf
+    from specdec.runtime.hf import default_device, load_model as load_hf
 
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
-    return load_hf(path, device=device, dtype=dtype, attn_implementation=attn_implementation, compile=compile, context=context)
+    return load_hf(path, device=device, dtype=dtype, attn_implementation=attn_implementation,
+                   compile_backend=compile_backend(compile, device or default_device()), context=context, required=compile != "auto")
+
+
+def compile_backend(compile: str, device: str) -> str | None:
+    """The torch.compile backend for static slots, or None for the eager path (see load_model)."""
+    if compile not in COMPILE_CHOICES:
+        raise SpecDecError(f"unknown compile setting {compile!r}; choose one of {', '.join(COMPILE_CHOICES)}")
+    if compile == "auto":
+        return "inductor" if str(device).startswith("cuda") else None
+    return {"on": "inductor", "off": None}.get(compile, compile)
 
 
 def load_draft(path: str | os.PathLike, target: CausalLM, **options) -> CausalLM:

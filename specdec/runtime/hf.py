@@ -107,6 +107,9 @@ class HFModel:
             peers.append(base.Peer("HF assisted", True, self._generate_peer(
                 max_new_tokens, target_forwards, draft_forwards, assistant_model=draft.model)))
         peers.append(base.Peer("HF prompt lookup", False, self._generate_peer(max_new_tokens, target_forwards, prompt_lookup_num_tokens=10)))
+        if self.device.type == "cuda":  # the strongest plain loop a transformers user has: a static cache, compiled
+            peers.append(base.Peer("HF generate, static cache, compiled", False,
+                                   self._generate_peer(max_new_tokens, target_forwards, cache_implementation="static")))
         return peers
 
     def _generate_peer(self, max_new_tokens: int, target_forwards: _ForwardCounter, draft_forwards=None, **extra):
@@ -506,18 +509,19 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 
 def load_model(
     path: str | os.PathLike, device: str | None = None, dtype: str | torch.dtype | None = None,
-    attn_implementation: str | None = None, compile: str = "auto", context: int | None = None,
+    attn_implementation: str | None = None, compile_backend: str | None = None, context: int | None = None, required: bool = False,
 ) -> HFModel:
     """Load a local checkpoint directory (config.json, *.safetensors, tokenizer files) or a GGUF
     file, whose weights transformers dequantizes (it needs the `gguf` package).
 
     Never downloads, never runs remote code, never unpickles: `.bin` weights are refused.
     attn_implementation: "eager", "sdpa", "flex_attention" ... (default: what transformers picks).
-    compile, context: see `specdec.runtime.load_model`.
+    compile_backend: static slots compiled with this torch.compile backend (`specdec.runtime.static`;
+    None: growing caches, eager kernels); a model the slots cannot take then keeps the eager path
+    and says why, unless `required`. context: a static slot's length.
     """
     path = Path(path).expanduser()
     device = check_device(device or default_device())
-    compile_backend = resolve_compile(compile, device)
     if context is not None and compile_backend is None:
         raise SpecDecError("context applies to GGUF files on llama.cpp and to static slots (compile on); "
                            "a transformers cache with compile off grows to the model's context")
@@ -553,28 +557,26 @@ def load_model(
         raise SpecDecError(f"{path}: the safetensors files lack weights {', '.join(missing[:3])}{more}")
     if torch.device(device).type == "cpu":
         use_small_batch_matmul(model)
+    else:
+        avoid_cudnn_attention()
     model = model.to(device)
     if compile_backend is None:
         return HFModel(model, tokenizer, str(path))
     from specdec.runtime.static import StaticHFModel, static_refusal
 
     refusal = static_refusal(model.config)
-    if refusal and compile == "auto":  # today's path, and why
+    if refusal and not required:  # today's path, and why
         print(f"specdec: {path} runs without a static cache: {refusal}", file=sys.stderr)
         return HFModel(model, tokenizer, str(path))
     return StaticHFModel(model, tokenizer, str(path), context=context, backend=compile_backend)
 
 
-COMPILE_CHOICES = ("auto", "on", "off", "inductor", "cudagraphs", "aot_eager", "eager")
-
-
-def resolve_compile(compile: str, device: str) -> str | None:
-    """The torch.compile backend for static slots, or None for the eager path (see load_model)."""
-    if compile not in COMPILE_CHOICES:
-        raise SpecDecError(f"unknown compile setting {compile!r}; choose one of {', '.join(COMPILE_CHOICES)}")
-    if compile == "auto":
-        return "inductor" if torch.device(device).type == "cuda" else None
-    return {"on": "inductor", "off": None}.get(compile, compile)
+def avoid_cudnn_attention() -> None:
+    """Keep scaled_dot_product_attention off cuDNN's kernel (process-wide). cuDNN builds an execution
+    plan for every new shape, tens of milliseconds each, and decoding with a growing cache shows it
+    a new key length at every token: on an H200 that made the eager path pay 30-40 ms per token
+    where its kernels took 4-5 (issue 31's profile). Flash and memory-efficient attention need no plan."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def _check_gguf_file(path: Path) -> None:

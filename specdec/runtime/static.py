@@ -91,6 +91,9 @@ class StaticHFModel(HFModel):
         return self._runners[bucket]
 
     def _compiled(self):
+        # one compiled entry per model and bucket share `_forward_logits`'s code: past dynamo's limit
+        # (8 by default) a further model would silently run eagerly
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16 * len(BUCKETS))
         cuda = self.device.type == "cuda"
         if self.compile_backend == "inductor":
             return torch.compile(self._forward_logits, mode="reduce-overhead" if cuda else None, dynamic=False, fullgraph=False)

@@ -1,0 +1,308 @@
+"""The prepared GPU check (issue 31): one device call, each section with its own time limit, every
+result written to $OUT as soon as it is known (summary.md, one JSON per section).
+
+    bash benchmarks/gpu_call.sh              # on the GPU machine (how to carry it: that file)
+    SMALL=1 DEVICE=cpu python benchmarks/gpu.py   # the rehearsal: tiny models, the same code paths
+    ONLY=3 ...                               # only the sections whose names start with 3
+
+Sections:
+1. where a step's time goes on the demo target: the eager path with and without cuDNN's attention
+   (a new execution plan per key length), the static compiled path; per-token times on fresh
+   context lengths, syncs per step (`torch.cuda.set_sync_debug_mode`), torch.profiler tables;
+2. the demo pair on suite prompts: greedy equality of every strategy in float32 and bfloat16,
+   tokens/s of plain (eager, compiled), HF generate (dynamic; static + compiled) and the default;
+3. an 8B-shaped Llama built in memory (random weights, bf16): the memory floor, plain decoding on
+   each path, HF generate both ways, t(k)/t(1), a prediction equal to its own greedy text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import specdec  # noqa: E402
+from specdec.runtime.hf import HFModel  # noqa: E402
+from specdec.runtime.static import StaticHFModel, synchronize  # noqa: E402
+
+SMALL = os.environ.get("SMALL") == "1"
+DEVICE = os.environ.get("DEVICE", "cuda")
+OUT = Path(os.environ.get("OUT", "/tmp/gpu-out"))
+DEADLINE = time.monotonic() + float(os.environ.get("BUDGET_S", "500"))
+COMPILE = "eager" if SMALL else os.environ.get("COMPILE", "cudagraphs")
+DEMO = Path(specdec.__file__).parent / "demo_pair"
+SUMMARY: list[str] = []
+SECTIONS: list = []  # (name, seconds allowed, function of its deadline), in order
+
+
+def section(name: str, limit_s: float):
+    def register(function):
+        SECTIONS.append((name, limit_s, function))
+        return function
+    return register
+
+
+def run_section(name: str, limit_s: float, function) -> None:
+    """Run a section within min(limit_s, what is left); its failure is written, not raised."""
+    left = DEADLINE - time.monotonic()
+    if left < 20:
+        note(f"## {name}: skipped ({left:.0f} s left)")
+        return
+    started = time.monotonic()
+    try:
+        result = function(started + min(limit_s, left))
+        (OUT / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
+    except Exception:
+        note(f"## {name}: failed\n```\n{traceback.format_exc()[-3000:]}\n```")
+    note(f"({name}: {time.monotonic() - started:.0f} s)")
+
+
+def note(text: str) -> None:
+    print(text, flush=True)
+    SUMMARY.append(text)
+    (OUT / "summary.md").write_text("\n\n".join(SUMMARY) + "\n")
+
+
+def load(path, compile: str, dtype: str = "bfloat16", plain: bool = True, **options):
+    dtype = "float32" if SMALL else dtype
+    return specdec.load(str(path), backend="transformers", device=DEVICE, dtype=dtype, compile=compile, plain=plain, **options)
+
+
+def per_token(decoder, prompt: list[int], new: int) -> tuple[float, list[int]]:
+    synchronize(DEVICE)
+    started = time.perf_counter()
+    result = decoder.generate(prompt, max_new_tokens=new, temperature=0)
+    synchronize(DEVICE)
+    return (time.perf_counter() - started) / max(1, len(result.tokens)), result.tokens
+
+
+def hf_generate(model: HFModel, prompt: list[int], new: int, **options) -> float:
+    ids = torch.tensor([prompt], device=model.device)
+    args = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                temperature=None, top_p=None, top_k=None, pad_token_id=0, **options)
+    with torch.inference_mode():
+        model.model.generate(ids, **args)  # warm-up (and compile, for a static cache)
+        synchronize(DEVICE)
+        started = time.perf_counter()
+        model.model.generate(ids, **args)
+        synchronize(DEVICE)
+    return (time.perf_counter() - started) / new
+
+
+def syncs_per_step(decoder, prompt: list[int], new: int) -> float | None:
+    """Host waits per iteration on the device, counted by CUDA's sync debug mode."""
+    if DEVICE != "cuda":
+        return None
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = decoder.generate(prompt, max_new_tokens=new, temperature=0)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncing = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    steps = result.stats.target_forwards
+    return len(syncing) / max(1, steps)
+
+
+def fresh_prompts(vocab: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    return [[(7 * i + 3 + n) % vocab for i in range(n)] for n in lengths]
+
+
+@section("1-demo-step-profile", 150)
+def demo_profile(until: float) -> dict:
+    new = 8 if SMALL else 48
+    results = {}
+    target = DEMO / "target"
+    prompts = fresh_prompts(8192, (40, 300) if not SMALL else (20,))
+    for label, compile, cudnn in (("eager, cuDNN attention", "off", True), ("eager", "off", False), ("static, compiled", COMPILE, False)):
+        if time.monotonic() > until:
+            break
+        decoder = load(target, compile)
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)  # load() turned it off for the eager path
+        if isinstance(decoder.target, StaticHFModel):
+            results[f"{label}: warm-up s"] = decoder.target.warm_up()
+        for prompt in prompts:  # every length new to this process: what decoding meets
+            seconds, _ = per_token(decoder, prompt, new)
+            results[f"{label}: ms/token after {len(prompt)}"] = round(seconds * 1e3, 2)
+        results[f"{label}: syncs/step"] = syncs_per_step(decoder, prompts[0], 16)
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+        with torch.profiler.profile(activities=activities) as profile:
+            decoder.generate(fresh_prompts(8192, (61,))[0], max_new_tokens=16, temperature=0)
+            synchronize(DEVICE)
+        table = profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50)
+        (OUT / f"profile-{label.replace(' ', '-').replace(',', '')}.txt").write_text(table)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    note("## 1. Demo target, one step\n" + "\n".join(f"- {k}: {v}" for k, v in results.items()))
+    return results
+
+
+@section("2-demo-pair-suites", 170)
+def demo_suites(until: float) -> dict:
+    from specdec.bench.suites import suite_tasks
+
+    new = 16 if SMALL else 96
+    tokenizer = load(DEMO / "target", "off").tokenizer
+    prompts = {suite: [_ids(tokenizer, task) for task, _ in zip(suite_tasks(suite), range(2 if SMALL else 4))]
+               for suite in ("complete", "edit")}
+    rows, equal = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        plain_eager, plain_static = load(DEMO / "target", "off", dtype), load(DEMO / "target", COMPILE, dtype)
+        strategies = demo_strategies(plain_static.target, dtype)
+        for suite, ids in prompts.items():
+            for prompt in ids:
+                if time.monotonic() > until:
+                    break
+                eager_s, want = per_token(plain_eager, prompt, new)
+                static_s, got = per_token(plain_static, prompt, new)
+                row = rows.setdefault(f"{dtype} {suite}", {"plain eager": [], "plain compiled": [], "HF generate": []})
+                row["plain eager"].append(eager_s)
+                row["plain compiled"].append(static_s)
+                row["HF generate"].append(hf_generate(plain_eager.target, prompt, new))
+                equal.setdefault(f"{dtype} plain compiled", []).append(got == want)
+                for name, decoder in strategies.items():
+                    seconds, tokens = per_token(decoder, prompt, new)
+                    row.setdefault(name, []).append(seconds)
+                    equal.setdefault(f"{dtype} {name}", []).append(tokens == want)
+    table = ["| dtype, suite | " + " | ".join(next(iter(rows.values()))) + " |", "| --- |" + " ---: |" * len(next(iter(rows.values())))]
+    for key, row in rows.items():
+        table.append(f"| {key} | " + " | ".join(f"{1 / statistics.median(v):.0f}" if v else "-" for v in row.values()) + " |")
+    equality = {k: f"{sum(v)}/{len(v)}" for k, v in equal.items()}
+    note("## 2. Demo pair, tokens/s (median over prompts)\n" + "\n".join(table) + "\n\ngreedy equal to eager plain: " + json.dumps(equality))
+    return {"tokens_per_s": {k: {n: [1 / s for s in v] for n, v in r.items()} for k, r in rows.items()}, "greedy_equal": equality}
+
+
+def demo_strategies(target, dtype: str) -> dict:
+    """Decoders over one compiled target (one set of graphs), drafting with the compiled demo draft."""
+    from specdec import AutoDrafter, ModelDrafter, PromptLookupDrafter, SpeculativeDecoder, TreeShape
+    from specdec.runtime import load_model
+
+    draft = load_model(DEMO / "draft", device=DEVICE, dtype="float32" if SMALL else dtype, compile=COMPILE)
+    return {"default": SpeculativeDecoder(target, AutoDrafter(ModelDrafter(draft), PromptLookupDrafter()), "auto"),
+            "chain 4": SpeculativeDecoder(target, ModelDrafter(draft), 4),
+            "tree 8": SpeculativeDecoder(target, ModelDrafter(draft, tree=TreeShape(nodes=8)), 3),
+            "prompt lookup": SpeculativeDecoder(target, PromptLookupDrafter(), 4)}
+
+
+def _ids(tokenizer, task) -> list[int]:
+    prompt = task.prompt_for(tokenizer)
+    return prompt if isinstance(prompt, list) else tokenizer.encode(prompt)
+
+
+def shaped_8b() -> HFModel:
+    """Llama-3-8B's shapes with random weights (tied embedding, small residual branches, so the
+    greedy text is far from ties); output rows past the tokenizer's zeroed, as HF generate would
+    otherwise pick ids specdec never sees."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO / "target")
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=8192) if SMALL else dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                                     num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+    config = LlamaConfig(**shape, max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=500000.0,
+                         eos_token_id=None, pad_token_id=0, bos_token_id=None)
+    dtype = torch.float32 if SMALL else torch.bfloat16
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(DEVICE):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                weight.mul_(0.05)
+        model.model.embed_tokens.weight[len(tokenizer):] = 0
+    return model.eval(), tokenizer
+
+
+@section("3-8b-shaped", 260)
+def eight_b(until: float) -> dict:
+    from specdec.api import SpeculativeDecoder
+    from specdec.drafters.auto import AutoDrafter
+    from specdec.drafters.prompt_lookup import PromptLookupDrafter
+
+    model, tokenizer = shaped_8b()
+    eager = HFModel(model, tokenizer, "8B-shaped")
+    new, prompt = (16, fresh_prompts(8192, (32,))[0]) if SMALL else (128, fresh_prompts(8192, (128,))[0])
+    results = {"weight GB": eager.weight_bytes / 1e9, "bandwidth GB/s": read_bandwidth()}
+    results["floor tok/s"] = results["bandwidth GB/s"] / results["weight GB"]
+    results["HF generate tok/s"] = 1 / hf_generate(eager, prompt, new)
+    results["specdec eager tok/s"] = 1 / per_token(SpeculativeDecoder(eager, None), prompt, new)[0]
+    note("## 3. 8B-shaped\n" + json.dumps(results, indent=1))
+    for backend in (COMPILE, "inductor") if not SMALL else (COMPILE,):
+        if time.monotonic() > until - 60:
+            break
+        static = StaticHFModel(model, tokenizer, "8B-shaped", context=1024, backend=backend)
+        results[f"{backend}: warm-up s"] = static.warm_up()
+        plain = SpeculativeDecoder(static, None)
+        seconds, text = per_token(plain, prompt, new)
+        results[f"{backend}: plain tok/s"] = 1 / seconds
+        results[f"{backend}: syncs/step"] = syncs_per_step(plain, prompt, 16)
+        results[f"{backend}: t(k)/t(1)"] = verify_costs(static)
+        predicted = SpeculativeDecoder(static, AutoDrafter(None, PromptLookupDrafter()))
+        with_prediction = predicted.request(prompt, max_new_tokens=new, temperature=0, prediction=tokenizer.decode(text))
+        synchronize(DEVICE)
+        started = time.perf_counter()
+        result = predicted.run(with_prediction)
+        synchronize(DEVICE)
+        results[f"{backend}: default with its own text predicted, x compiled plain"] = seconds * len(result.tokens) / (time.perf_counter() - started)
+        results[f"{backend}: greedy equal"] = result.tokens == text
+        note(f"- {backend}: " + json.dumps({k: v for k, v in results.items() if k.startswith(backend)}))
+    if time.monotonic() < until - 60 and not SMALL:
+        results["HF generate static+compiled tok/s"] = 1 / hf_generate(eager, prompt, new, cache_implementation="static")
+        note(f"- HF generate, static cache, compiled: {results['HF generate static+compiled tok/s']:.1f} tok/s")
+    return results
+
+
+def verify_costs(model: StaticHFModel) -> dict:
+    sequence = model.sequence()
+    try:
+        sequence.forward(list(range(1, 200)))
+        times = {}
+        for k in (1, 2, 4, 8, 16, 32, 64):
+            samples = []
+            for _ in range(5):
+                synchronize(DEVICE)
+                started = time.perf_counter()
+                sequence.forward(list(range(1, k + 1)), on_device=True)
+                synchronize(DEVICE)
+                samples.append(time.perf_counter() - started)
+                sequence.truncate(199)
+            times[k] = statistics.median(samples)
+        return {k: round(t / times[1], 3) for k, t in times.items()} | {"t(1) ms": round(times[1] * 1e3, 3)}
+    finally:
+        sequence.release()
+
+
+def read_bandwidth() -> float:
+    """GB/s of summing a large buffer on the device."""
+    size = (64 if SMALL else 4096) * 2**20
+    buffer = torch.ones(size // 2, dtype=torch.bfloat16 if not SMALL else torch.float16, device=DEVICE)
+    buffer.sum()
+    synchronize(DEVICE)
+    started = time.perf_counter()
+    for _ in range(5):
+        buffer.sum()
+    synchronize(DEVICE)
+    return 5 * size / (time.perf_counter() - started) / 1e9
+
+
+if __name__ == "__main__":
+    OUT.mkdir(parents=True, exist_ok=True)
+    card = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU rehearsal"
+    note(f"# GPU check: {card}, torch {torch.__version__}, compile backend {COMPILE}, {time.strftime('%Y-%m-%d %H:%M')}")
+    chosen = os.environ.get("ONLY")  # e.g. ONLY=3: the sections whose names start so
+    for name, limit_s, function in SECTIONS:
+        if chosen is None or name.startswith(tuple(chosen.split(","))):
+            run_section(name, limit_s, function)
