@@ -10,6 +10,12 @@ A cost profile holds
 - the engine's own time per iteration (sampling, verification, bookkeeping) and the draft model's
   per draft level, outside the forwards: on a fast runtime these decide whether drafting pays at all.
 
+Every timed forward returns its logits on the CPU (or the engine reads them there), so the device's
+time is inside each figure. On CUDA the eager path's attention no longer goes to cuDNN, which built
+an execution plan for every new key length: t(k), timed again and again at one length, paid no plan,
+while the plain steps, each at a new length, paid one every token, and the difference was read as
+the engine's overhead (33 ms on an 8B shape, 9 x t(1) on the demo pair; `runtime.hf.avoid_cudnn_attention`).
+
 Timings are noisy on a shared machine, so sizes are timed round-robin (drift hits every size alike),
 each size keeps its low quartile over rounds, and rounds go on until two successive estimates of
 the whole curve agree within `STABLE` (at most `MAX_ROUNDS`). A curve is made non-decreasing: a
@@ -42,7 +48,7 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 DRAFT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 STABLE = 0.05
 MIN_ROUNDS, MAX_ROUNDS = 3, 12
-FORMAT = 2  # bump when what is measured changes: old cache files are then ignored
+FORMAT = 3  # bump when what is measured changes: old cache files are then ignored (3: CUDA attention off cuDNN, static slots)
 
 
 @dataclass
@@ -248,7 +254,8 @@ def model_identity(model: CausalLM) -> dict:
     files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.suffix in (".json", ".safetensors", ".bin", ".gguf"))
     stamps = [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files if p.exists()]
     return {"path": str(path.resolve()), "files": stamps, "backend": model.backend, "dtype": model.dtype,
-            "device": str(getattr(model, "device", "cpu")), "threads": getattr(model, "threads", None) or torch.get_num_threads()}
+            "device": str(getattr(model, "device", "cpu")), "threads": getattr(model, "threads", None) or torch.get_num_threads(),
+            "compiled": getattr(model, "compile_backend", None)}
 
 
 def _plain_step(target: CausalLM) -> float:
