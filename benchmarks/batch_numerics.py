@@ -9,7 +9,7 @@ first --limit tasks of each suite, --max-new-tokens each: how many replies are t
 same.
 
     python benchmarks/batch_numerics.py --target $G [--suites edit extract complete --limit 8]
-    python benchmarks/batch_numerics.py --target specdec/demo_pair/target.gguf --hf specdec/demo_pair/target
+    python benchmarks/batch_numerics.py --target "$(python -c 'from specdec.api import demo_gguf; print(demo_gguf("target"))')" --hf specdec/demo_pair/target
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ vendored in llama-cpp-python's sdist (the same llama.cpp the installed ``llama_c
 This module is meant for benchmark scripts that compare them with specdec::
 
     import llama_tools
+    from specdec.api import demo_gguf
     if llama_tools.available():
         run = llama_tools.run_tool("draft-simple", "def fibonacci(n):", 64, threads=1,
-                                   target="specdec/demo_pair/target.gguf",
-                                   draft="specdec/demo_pair/draft.gguf")
+                                   target=str(demo_gguf("target")), draft=str(demo_gguf("draft")))
         print(run.tokens_per_second, run.accepted, run.drafted)
 
 ``python benchmarks/llama_tools.py --check`` runs every kind once and prints the results.
@@ -240,8 +240,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", default="def fibonacci(n):")
     p.add_argument("--n-predict", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--target", default=str(ROOT / "specdec" / "demo_pair" / "target.gguf"))
-    p.add_argument("--draft", default=str(ROOT / "specdec" / "demo_pair" / "draft.gguf"))
+    p.add_argument("--target", help="default: the demo pair's target (specdec.api.demo_gguf)")
+    p.add_argument("--draft", help="default: the demo pair's draft")
     p.add_argument("--draft-n-max", type=int, default=4)
     p.add_argument("--sampled", action="store_true", help="--check: also one sampled run each")
     p.add_argument("--temperature", type=float, default=0.8)
@@ -251,6 +251,10 @@ def main(argv=None) -> int:
     if not args.check:
         p.print_help()
         return 0
+    if args.target is None or args.draft is None:
+        from specdec.api import demo_gguf
+
+        args.target, args.draft = args.target or str(demo_gguf("target")), args.draft or str(demo_gguf("draft"))
     return _check(args)
 
 

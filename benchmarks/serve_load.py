@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from specdec.api import DEMO_DIR
+from specdec.api import demo_gguf
 from specdec.bench.prompts import humaneval_prompts
 
 HERE = Path(__file__).parent
@@ -50,11 +50,11 @@ def free_port() -> int:
 
 
 def command(system: str, port: int, threads: int, clients: int, target: str | None = None) -> list[str]:
-    target, draft = target or DEMO_DIR / "target.gguf", DEMO_DIR / "draft.gguf"
+    target, draft = target or demo_gguf("target"), demo_gguf("draft")
     if system.startswith("specdec"):
         specdec = [sys.executable, "-m", "specdec", "serve", "--port", str(port), "--model-name", "m",
                    "--threads", str(2 * threads if system == "specdec-wide" else threads), "--max-queue", "256"]
-        if system != "specdec-hf" and str(target) != str(DEMO_DIR / "target.gguf"):
+        if system != "specdec-hf" and str(target) != str(demo_gguf("target")):
             specdec += ["--target", str(target)]
         if system == "specdec-replicas":
             specdec += ["--replicas", "2"]

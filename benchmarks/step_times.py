@@ -15,6 +15,7 @@ import time
 
 import specdec
 from specdec import costs
+from specdec.api import demo_gguf
 from specdec.bench.suites import suite_tasks
 from specdec.drafters import AutoDrafter, ModelDrafter, PromptLookupDrafter
 from specdec.engine import Engine
@@ -50,14 +51,14 @@ def step_times(decoder: specdec.SpeculativeDecoder, ids: list[int], new: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="specdec/demo_pair/target.gguf")
-    parser.add_argument("--draft", default="specdec/demo_pair/draft.gguf")
+    parser.add_argument("--target", help="default: the demo pair's target (specdec.api.demo_gguf)")
+    parser.add_argument("--draft", help="default: the demo pair's draft")
     parser.add_argument("--suite", default="extract")
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    target = specdec.load_model(args.target, threads=1)
-    draft = specdec.load_model(args.draft, threads=1)
+    target = specdec.load_model(args.target or demo_gguf("target"), threads=1)
+    draft = specdec.load_model(args.draft or demo_gguf("draft"), threads=1)
     ids = target.tokenizer.encode(next(iter(suite_tasks(args.suite))).text)
     CostAwarePolicy._model_probe_wait = lambda policy: 0.0  # the probes' own schedule: under NEVER_PAYS the floor would forbid them
     decoders = {

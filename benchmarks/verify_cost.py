@@ -7,7 +7,7 @@ decoding step (Llama.generate, greedy, 64 tokens) for scale. Configurations alte
 --rounds rounds; the table gives each one's median and its spread (min-max over rounds).
 
     python benchmarks/verify_cost.py --target $G [--rounds 2] [--plot curves.png]
-    python benchmarks/verify_cost.py --target specdec/demo_pair/target.gguf --site /path/to/a/no-llamafile/build
+    python benchmarks/verify_cost.py --target "$(python -c 'from specdec.api import demo_gguf; print(demo_gguf("target"))')" --site /path/to/a/no-llamafile/build
 
 --site adds a configuration run with that directory first on PYTHONPATH (a llama-cpp-python
 installed there with `pip install --target DIR`, e.g. built with CMAKE_ARGS="-DGGML_LLAMAFILE=OFF").

@@ -34,17 +34,17 @@ import llama_tools  # noqa: E402
 
 import specdec  # noqa: E402
 from specdec import AutoDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, SpeculativeDecoder, TreeShape  # noqa: E402
+from specdec.api import demo_gguf, demo_ngram  # noqa: E402
 from specdec.bench.prompts import humaneval_prompts  # noqa: E402
 from specdec.bench.runner import read_bandwidth  # noqa: E402
 from specdec.ngram import KatzTrigram  # noqa: E402
 from specdec.types import SamplingParams  # noqa: E402
 
-DEMO = Path(specdec.__file__).parent / "demo_pair"
 MODES = {"greedy": SamplingParams(temperature=0.0), "sampled": SamplingParams(temperature=0.8, top_k=20)}
 
 
 def specdec_contestants(target, draft) -> dict:
-    ngram = KatzTrigram.load(DEMO / "ngram.safetensors")
+    ngram = KatzTrigram.load(demo_ngram())
     decoders = {
         "specdec plain": SpeculativeDecoder(target),
         "specdec default (auto)": SpeculativeDecoder(target, AutoDrafter(ModelDrafter(draft), PromptLookupDrafter())),
@@ -165,8 +165,8 @@ def save(out: Path, results: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default=str(DEMO / "target.gguf"))
-    parser.add_argument("--draft", default=str(DEMO / "draft.gguf"))
+    parser.add_argument("--target", help="default: the demo pair's target (specdec.api.demo_gguf)")
+    parser.add_argument("--draft", help="default: the demo pair's draft")
     parser.add_argument("--limit", type=int, default=30)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -174,6 +174,7 @@ def main() -> None:
     parser.add_argument("--no-tools", action="store_true", help="skip llama.cpp's programs")
     parser.add_argument("--out", type=Path, default=Path("runs/vs-llama-cpp"))
     args = parser.parse_args()
+    args.target, args.draft = args.target or str(demo_gguf("target")), args.draft or str(demo_gguf("draft"))
     started = time.time()
     results = measure(args)
     results["seconds"] = time.time() - started

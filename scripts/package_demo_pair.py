@@ -1,4 +1,6 @@
-"""Copy trained checkpoints into specdec/demo_pair with fp16 weights (loaded as float32 on the CPU)."""
+"""Copy trained checkpoints into specdec/demo_pair with fp16 weights (loaded as float32 on the CPU).
+
+The GGUF files and the n-gram model are not shipped: specdec makes them on first use (MODELS.md)."""
 
 import json
 import shutil
@@ -21,6 +23,5 @@ for name in ("target", "draft"):
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     weights = {k: v.half().contiguous() for k, v in load_file(str(src / "model.safetensors")).items()}
     save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
-shutil.copy(runs / "ngram.safetensors", out / "ngram.safetensors")
 total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
 print(f"wrote {out}: {total / 1e6:.1f} MB")

@@ -360,7 +360,8 @@ def _tokens_within(decode_text, tokens: list[int], text: str) -> list[int]:
     return tokens[:n]
 
 
-DEMO_DIR = Path(__file__).parent / "demo_pair"  # target.gguf, draft.gguf, target/, draft/, ngram.safetensors, MODELS.md
+DEMO_DIR = Path(__file__).parent / "demo_pair"  # target/, draft/ (checkpoints), MODELS.md
+DEMO_NGRAM_SKIPPED = {"test", "tests", "idlelib", "lib2to3"}  # standard library folders the demo n-gram leaves out
 
 
 def demo_dir() -> Path:
@@ -374,9 +375,65 @@ def demo_models(backend: str = "auto") -> tuple[str, str]:
     demo = demo_dir()
     if backend == "transformers":
         return str(demo / "target"), str(demo / "draft")
-    if not (demo / "target.gguf").is_file():
-        raise SpecDecError("the demo pair's GGUF files are not installed; pass --backend transformers or --target")
-    return str(demo / "target.gguf"), str(demo / "draft.gguf")
+    return str(demo_gguf("target")), str(demo_gguf("draft"))
+
+
+def demo_gguf(name: str) -> Path:
+    """The demo pair's `name` ("target" or "draft") as an f16 GGUF file for llama.cpp, the very file
+    llama.cpp's converter made of its checkpoint (specdec.gguf_files), written into specdec's cache
+    the first time it is needed. It is named NAME.gguf, the name a server reports for the model."""
+    from specdec import gguf_files
+    from specdec.cache import cache_dir, made_once, source_digest
+
+    if name not in ("target", "draft"):
+        raise ValueError(f"the demo pair has a target and a draft, not {name!r}")
+    checkpoint = demo_dir() / name
+    folder = cache_dir() / "demo_pair" / source_digest(checkpoint, Path(gguf_files.__file__))  # a new writer writes anew
+    return made_once(folder / f"{name}.gguf", lambda out: gguf_files.convert_checkpoint(checkpoint, out, "f16"),
+                     f"the demo pair's {name}.gguf")
+
+
+def demo_ngram() -> Path:
+    """The demo pair's Katz trigram (`specdec ngram build` over `demo_ngram_sources()` with the
+    target's tokenizer), built into specdec's cache the first time it is needed; it depends on this
+    interpreter's standard library, so its folder is keyed by the Python version too."""
+    import sys
+    import sysconfig
+
+    from specdec import ngram
+    from specdec.cache import cache_dir, made_once, source_digest
+
+    tokenizer = demo_dir() / "target"
+    stdlib = f"{sys.implementation.name} {sys.version} {sysconfig.get_paths()['stdlib']}"
+    sources = (tokenizer / "tokenizer.json", tokenizer / "tokenizer_config.json", Path(ngram.__file__))
+    folder = cache_dir() / "demo_pair" / source_digest(*sources, salt=stdlib)
+    return made_once(folder / "ngram.safetensors", lambda out: _build_demo_ngram(tokenizer, out), "the demo pair's n-gram model")
+
+
+def demo_ngram_sources() -> list[Path]:
+    """The files scripts/make_demo_pair.sh built the demo n-gram from: the standard library's .py
+    files outside site-packages, sorted; less every 50th (held out from training, as `specdec train`
+    splits them); less those under test, tests, idlelib and lib2to3; then every fifth from the first."""
+    import sysconfig
+
+    from specdec.train import split_files
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(str(p) for p in stdlib.rglob("*.py") if "site-packages" not in p.relative_to(stdlib).parts)
+    trained, _ = split_files(files, 0.02)
+    kept = [Path(f) for f in trained if not DEMO_NGRAM_SKIPPED.intersection(Path(f).relative_to(stdlib).parts[:-1])]
+    if not kept:
+        raise SpecDecError(f"this Python's standard library sources are not installed ({stdlib}); pass an n-gram file (--ngram)")
+    return kept[::5]
+
+
+def _build_demo_ngram(tokenizer_dir: Path, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from specdec.ngram import build_from_files
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    build_from_files(demo_ngram_sources(), tokenizer, fingerprint=tokenizer_fingerprint(tokenizer)).save(out)
 
 
 def load(
@@ -459,7 +516,7 @@ def _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged, backend=
         if draft is None and (staged or (ngram is None and not prompt_lookup)):
             draft = demo_models(backend)[1]
         if staged and ngram is None and not prompt_lookup:
-            ngram = demo_dir() / "ngram.safetensors"
+            ngram = demo_ngram()
     if staged and (draft is None or (ngram is None and not prompt_lookup)):
         raise SpecDecError("staged drafting needs a draft model and a draft² for it: a draft model plus an n-gram file or prompt lookup")
     if not staged and draft is not None and (ngram is not None or (prompt_lookup and not auto)):

@@ -1,20 +1,20 @@
 """A distilled draft's files: its tokenizer (the target's pieces it predicts) and a GGUF for llama.cpp.
 
 `write_gguf` writes a transformers Llama model as llama.cpp's "llama" architecture with gguf-py,
-the library llama.cpp's own converter writes with, doing what the converter does for this
-architecture: q and k rows permuted from Hugging Face's rotate-half RoPE layout to llama.cpp's
-interleaved one, matrices as Q8_0 (F16 where a row is not a multiple of 32), norms as F32, and the
-tied output layer left to token_embd. The draft's `VocabMap` goes into the metadata
-(`runtime.pruned.GGUF_KEYS`), so the file alone is enough beside its target.
+the library llama.cpp's own converter writes with, tensor by tensor as `specdec.gguf_files`
+converts a checkpoint (llama.cpp's names, q and k rows in its RoPE layout, matrices as Q8_0, F16
+where a row is not a multiple of 32, norms as F32), the tied output layer left to token_embd. The
+draft's `VocabMap` goes into the metadata (`runtime.pruned.GGUF_KEYS`), so the file alone is
+enough beside its target.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from specdec.gguf_files import SKIPPED, llama_tensor, tensor_data
 from specdec.runtime.pruned import GGUF_KEYS, VocabMap
 
 
@@ -39,11 +39,6 @@ def draft_tokenizer(pieces: list[str], eos_id: int | None):
     backend = Tokenizer(models.WordLevel({piece: i for i, piece in enumerate(pieces)}, unk_token=pieces[-1]))
     eos = {"eos_token": pieces[eos_id]} if eos_id is not None else {}
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=pieces[-1], model_max_length=10**9, **eos)
-
-
-def rope_permute(weight: np.ndarray, heads: int) -> np.ndarray:
-    """Rows of a q or k projection from rotate-half pairs (i, i + d/2) to adjacent pairs (2i, 2i + 1)."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def write_gguf(model, pieces: list[str], vocab_map: VocabMap, path: str | Path) -> None:
@@ -76,32 +71,15 @@ def write_gguf(model, pieces: list[str], vocab_map: VocabMap, path: str | Path) 
     writer.add_array(ids, list(vocab_map.target_ids))
     writer.add_string(fingerprint, vocab_map.target_fingerprint)
     writer.add_uint32(size, vocab_map.target_vocab_size)
-    for name, tensor in _llama_tensors(state, config):
-        if tensor.ndim == 2 and tensor.shape[1] % 32 == 0:
-            writer.add_tensor(name, gguf.quants.quantize(tensor, gguf.GGMLQuantizationType.Q8_0),
-                              raw_shape=gguf.quants.quant_shape_to_byte_shape(tensor.shape, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, tensor.astype(np.float16 if tensor.ndim == 2 else np.float32))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    for hf_name, weight in state.items():
+        if hf_name.endswith(SKIPPED) or (hf_name == "lm_head.weight" and config.tie_word_embeddings):
+            continue  # buffers; a tied output layer llama.cpp takes from token_embd
+        name, weight = llama_tensor(hf_name, weight, config.num_attention_heads, config.num_key_value_heads, names)
+        data, qtype = tensor_data(name, weight, "q8_0")
+        writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
-
-def _llama_tensors(state: dict, config):
-    """(GGUF name, array) for every weight, in llama.cpp's naming and layout."""
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    yield "token_embd.weight", state["model.embed_tokens.weight"]
-    for i in range(config.num_hidden_layers):
-        layer = f"model.layers.{i}."
-        yield f"blk.{i}.attn_norm.weight", state[layer + "input_layernorm.weight"]
-        yield f"blk.{i}.attn_q.weight", rope_permute(state[layer + "self_attn.q_proj.weight"], heads)
-        yield f"blk.{i}.attn_k.weight", rope_permute(state[layer + "self_attn.k_proj.weight"], kv_heads)
-        yield f"blk.{i}.attn_v.weight", state[layer + "self_attn.v_proj.weight"]
-        yield f"blk.{i}.attn_output.weight", state[layer + "self_attn.o_proj.weight"]
-        yield f"blk.{i}.ffn_norm.weight", state[layer + "post_attention_layernorm.weight"]
-        yield f"blk.{i}.ffn_gate.weight", state[layer + "mlp.gate_proj.weight"]
-        yield f"blk.{i}.ffn_up.weight", state[layer + "mlp.up_proj.weight"]
-        yield f"blk.{i}.ffn_down.weight", state[layer + "mlp.down_proj.weight"]
-    yield "output_norm.weight", state["model.norm.weight"]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import os
 import tempfile
 
@@ -12,6 +10,8 @@ import torch
 
 import specdec
 from specdec import costs
+from specdec.api import DEMO_DIR, demo_gguf
+from gguf_data import made_test_models
 from tiny import save_tiny_model
 
 # measured cost profiles of the tests' models (CLI subprocesses measure for real) stay out of ~/.cache
@@ -58,14 +58,11 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def gguf_models() -> dict[str, str]:
     """GGUF files for llama.cpp: the demo pair (f16), its draft model in float32 and in Q8_0, a
-    perturbed copy of it in f16, and a random 256-wide model whose output matrix is Q6_K
-    (tests/data; tests/data/make.py made them)."""
-    demo = Path(specdec.__file__).parent / "demo_pair"
-    return {"gguf-f16": str(demo / "target.gguf"), "gguf-draft-f16": str(demo / "draft.gguf"),
-            "gguf-f32": str(Path(__file__).parent / "data" / "draft-f32.gguf"), "hf-draft": str(demo / "draft"),
-            "gguf-near": str(Path(__file__).parent / "data" / "near-f16.gguf"),
-            "gguf-q8_0": str(Path(__file__).parent / "data" / "draft-q8_0.gguf"),
-            "gguf-wide-q6_k": str(Path(__file__).parent / "data" / "wide-q6_k.gguf")}
+    perturbed copy of it in f16, and a random 256-wide model whose output matrix is Q6_K, made in
+    specdec's cache the first time they are needed (specdec.api.demo_gguf, tests/gguf_data.py)."""
+    made = made_test_models()
+    return {"gguf-f16": str(demo_gguf("target")), "gguf-draft-f16": str(demo_gguf("draft")), "hf-draft": str(DEMO_DIR / "draft"),
+            "gguf-f32": made["draft-f32"], "gguf-near": made["near-f16"], "gguf-q8_0": made["draft-q8_0"], "gguf-wide-q6_k": made["wide-q6_k"]}
 
 
 @pytest.fixture(scope="session")

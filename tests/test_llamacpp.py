@@ -1,9 +1,9 @@
 """The llama.cpp backend: lossless on every drafter, equal to transformers on the same weights, and
 clear errors for bad files.
 
-Models (tests/data/make.py made them): the demo pair as committed (f16 GGUF), the demo draft model
-converted in float32 (tests/data/draft-f32.gguf) beside its transformers checkpoint, and a perturbed
-copy of it (near-f16.gguf) that drafts for it.
+Models (the `gguf_models` fixture makes them on first use; tests/gguf_data.py): the demo pair's f16
+GGUF files, the demo draft model converted in float32 (draft-f32.gguf) beside its transformers
+checkpoint, and a perturbed copy of it (near-f16.gguf) that drafts for it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from scipy.stats import chisquare
 
 import specdec
 from specdec import AutoDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, SpeculativeDecoder, TreeShape
-from specdec.api import DEMO_DIR
+from specdec.api import demo_ngram
 from specdec.ngram import KatzTrigram
 from specdec.sampling import probs_from_logits
 from specdec.engine import decode
@@ -40,7 +40,7 @@ def gguf(gguf_models):
 
 def drafters(target, draft) -> dict[str, tuple]:
     """Every drafter kind, each with its γ (a tree's depth)."""
-    ngram = KatzTrigram.load(DEMO_DIR / "ngram.safetensors")
+    ngram = KatzTrigram.load(demo_ngram())
     return {
         "chain": (ModelDrafter(draft), 4),
         "tree": (ModelDrafter(draft, tree=TreeShape(nodes=8, width=2)), 4),

@@ -130,13 +130,11 @@ def build_strategies(config: BenchConfig):
     """Load the models once and make every strategy over them."""
     target_path, draft_path, ngram_path = config.target, config.draft, config.ngram
     if target_path is None:
-        from specdec.api import demo_dir, demo_models
+        from specdec.api import demo_models, demo_ngram
 
-        demo = demo_dir()
         target_path, demo_draft = demo_models(config.backend)
         draft_path = draft_path or demo_draft
-        if ngram_path is None and (demo / "ngram.safetensors").is_file():
-            ngram_path = str(demo / "ngram.safetensors")
+        ngram_path = ngram_path or str(demo_ngram())
     device = config.device  # transformers: the CPU unless asked (not CUDA just because it is there)
     if device is None and choose_backend(target_path, config.backend) == "transformers":
         device = "cpu"
