@@ -36,7 +36,7 @@ SMALL = os.environ.get("SMALL") == "1"
 DEVICE = os.environ.get("DEVICE", "cuda")
 OUT = Path(os.environ.get("OUT", "/tmp/gpu-out"))
 DEADLINE = time.monotonic() + float(os.environ.get("BUDGET_S", "500"))
-COMPILE = "eager" if SMALL else os.environ.get("COMPILE", "cudagraphs")
+COMPILE = os.environ.get("COMPILE") or ("eager" if SMALL else "cudagraphs")
 DEMO = Path(specdec.__file__).parent / "demo_pair"
 SUMMARY: list[str] = []
 SECTIONS: list = []  # (name, seconds allowed, function of its deadline), in order
@@ -300,6 +300,7 @@ def read_bandwidth() -> float:
 
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
+    torch._logging.set_logs(perf_hints=True)  # says where CUDA graphs were skipped, and why
     card = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU rehearsal"
     note(f"# GPU check: {card}, torch {torch.__version__}, compile backend {COMPILE}, {time.strftime('%Y-%m-%d %H:%M')}")
     chosen = os.environ.get("ONLY")  # e.g. ONLY=3: the sections whose names start so

@@ -460,6 +460,7 @@ def load(
     prefix_cache: int | None = PREFIX_TOKENS,
     output_layer: str = "auto",
     batch_invariant: bool = False,
+    compile: str = "auto",
 ) -> SpeculativeDecoder:
     """Load a target checkpoint and a drafter.
 
@@ -481,7 +482,8 @@ def load(
     if target is None:
         choose_backend("", backend)  # validates the name before the demo pair is looked for
     options = dict(backend=backend, device=device, dtype=dtype, attn_implementation=attn_implementation,
-                   threads=threads, gpu_layers=gpu_layers, context=context, tokenizer=tokenizer, slots=slots, output_layer=output_layer)
+                   threads=threads, gpu_layers=gpu_layers, context=context, tokenizer=tokenizer, slots=slots, output_layer=output_layer,
+                   compile=compile)
     on_llamacpp = choose_backend(target or demo_models(backend)[0], backend) == "llamacpp"
     # batch invariance matters for the target's logits only: a draft's numerics never change what is accepted
     target_options = dict(options, prefix_cells=(prefix_cache or 0) if on_llamacpp and not batch_invariant else 0, batch_invariant=batch_invariant)

@@ -67,6 +67,7 @@ class BenchConfig:
     tokenizer: str | None = None
     output_layer: str = "auto"
     batch_invariant: bool = False
+    compile: str = "auto"  # transformers: static slots and compiled forwards on a GPU (runtime.load_model)
     progress: bool = True
 
     @classmethod
@@ -140,7 +141,7 @@ def build_strategies(config: BenchConfig):
         device = "cpu"
     base = load(target_path, draft=draft_path, gamma=1, device=device, dtype=config.dtype, backend=config.backend,
                 threads=config.threads, gpu_layers=config.gpu_layers, context=config.context, tokenizer=config.tokenizer,
-                output_layer=config.output_layer, batch_invariant=config.batch_invariant)
+                output_layer=config.output_layer, batch_invariant=config.batch_invariant, compile=config.compile)
     target, model_drafter = base.target, base.drafter
     new = config.max_new_tokens
     default = lambda **options: Decoder(target, AutoDrafter(model_drafter, PromptLookupDrafter()), **{"history": None, **options})
@@ -320,7 +321,8 @@ def run_bench(config: BenchConfig) -> dict:
 def model_facts(model: CausalLM) -> dict:
     return {"path": model.path, "backend": model.backend, "parameters": model.parameters, "weight_bytes": model.weight_bytes,
             "dtype": model.dtype, "vocab_size": model.vocab_size, "context": model.max_length, "threads": getattr(model, "threads", None),
-            "output_layer": getattr(model, "output_layer", None), "batch_invariant": getattr(model, "batch_invariant", False)}
+            "output_layer": getattr(model, "output_layer", None), "batch_invariant": getattr(model, "batch_invariant", False),
+            "compiled": getattr(model, "compile_backend", None)}
 
 
 def read_bandwidth(threads: int = 1, megabytes: int = 256, repeats: int = 5) -> float:

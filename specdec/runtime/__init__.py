@@ -56,10 +56,11 @@ def load_model(
     repacked weights, no tiled matmuls; checked at load, refused where they still differ), so
     greedy speculation equals plain greedy decoding bit for bit; costs are in the README.
     compile (transformers): "auto" (default: "on" on a GPU, "off" on the CPU), "on" (static KV
-    slots and forwards compiled per shape, CUDA graphs on a GPU: `specdec.runtime.static`), "off"
-    (growing caches, eager kernels), or a torch.compile backend for the static slots ("inductor",
-    the same as "on"; "cudagraphs"; "aot_eager"; "eager": static slots, nothing compiled); context
-    then caps a static slot (default min(4096, the trained context)).
+    slots and forwards compiled per shape: `specdec.runtime.static`; the "cudagraphs" backend on a
+    GPU, "inductor" on the CPU), "off" (growing caches, eager kernels), or a torch.compile backend for
+    the static slots ("inductor": generated kernels, CUDA graphs on a GPU; "cudagraphs"; "aot_eager";
+    "eager": static slots, nothing compiled); context then caps a static slot (default min(4096, the
+    trained context)).
     """
     if isinstance(prefix_cells, bool) or not isinstance(prefix_cells, int) or prefix_cells < 0:
         raise SpecDecError(f"prefix cells must be a number >= 0, got {prefix_cells!r}")
@@ -94,9 +95,12 @@ def compile_backend(compile: str, device: str) -> str | None:
     """The torch.compile backend for static slots, or None for the eager path (see load_model)."""
     if compile not in COMPILE_CHOICES:
         raise SpecDecError(f"unknown compile setting {compile!r}; choose one of {', '.join(COMPILE_CHOICES)}")
+    cuda = str(device).startswith("cuda")
     if compile == "auto":
-        return "inductor" if str(device).startswith("cuda") else None
-    return {"on": "inductor", "off": None}.get(compile, compile)
+        return "cudagraphs" if cuda else None
+    if compile == "on":  # graphs of the eager kernels on a GPU: seconds to capture, where Inductor takes minutes
+        return "cudagraphs" if cuda else "inductor"
+    return None if compile == "off" else compile
 
 
 def load_draft(path: str | os.PathLike, target: CausalLM, **options) -> CausalLM:
