@@ -201,9 +201,12 @@ def _tokens_and_types(checkpoint: Path, config: dict) -> tuple[list[str], list[i
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
     by_id = {i: token for token, i in tokenizer.get_vocab().items()}
+    vocab_size = config.get("vocab_size", len(by_id))
+    if max(by_id) >= vocab_size:
+        raise SpecDecError(f"{checkpoint}: the tokenizer has ids up to {max(by_id)}, the model {vocab_size} rows")
     added, decoders = tokenizer.get_added_vocab(), tokenizer.added_tokens_decoder
     tokens, types = [], []
-    for i in range(config.get("vocab_size", len(by_id))):
+    for i in range(vocab_size):
         token = by_id.get(i)
         if token is None:
             tokens.append(f"[PAD{i}]")
