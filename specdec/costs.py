@@ -21,7 +21,7 @@ each size keeps its low quartile over rounds, and rounds go on until two success
 the whole curve agree within `STABLE` (at most `MAX_ROUNDS`). A curve is made non-decreasing: a
 forward of more tokens never costs less, whatever the noise said.
 
-Profiles are cached as JSON under $SPECDEC_CACHE_DIR (default ~/.cache/specdec/profiles), keyed by
+Profiles are cached as JSON under $SPECDEC_CACHE_DIR (default: `profiles` in specdec's cache, ~/.cache/specdec), keyed by
 the model files (path, size, modification time), backend, threads, device, dtype and CPU.
 """
 
@@ -240,7 +240,10 @@ def profile(target: CausalLM, draft: CausalLM | None = None, refresh: bool = Fal
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec" / "profiles")
+    """$SPECDEC_CACHE_DIR, else `profiles` in specdec's cache (`specdec.cache.cache_dir`)."""
+    from specdec.cache import cache_dir as specdec_cache
+
+    return Path(os.environ.get("SPECDEC_CACHE_DIR") or specdec_cache() / "profiles")
 
 
 def cache_key(target: CausalLM, draft: CausalLM | None) -> str:

@@ -48,7 +48,8 @@ def load_model(
     and context (KV cells, default min(4096, the trained context)) apply.
     threads: CPU threads (torch's for transformers). tokenizer (llamacpp): a Hugging Face tokenizer
     directory to use instead of the one in the GGUF file. slots: how many sequences of the full
-    context must fit at once (llama.cpp sizes its shared KV cache by it; transformers caches grow).
+    context must fit at once (llama.cpp sizes its shared KV cache by it, static slots their pool; growing
+    transformers caches need no size).
     prefix_cells (llama.cpp): KV cells beyond the slots' for prefixes kept between generations
     (`specdec.runtime.prefix.PrefixCache`). output_layer (llama.cpp on the CPU): "auto", "specdec"
     or "llama.cpp", who computes the logits from the final norm's rows (`specdec.runtime.cpu_head`).
@@ -88,7 +89,8 @@ def load_model(
 
         torch.set_num_threads(threads)
     return load_hf(path, device=device, dtype=dtype, attn_implementation=attn_implementation,
-                   compile_backend=compile_backend(compile, device or default_device()), context=context, required=compile != "auto")
+                   compile_backend=compile_backend(compile, device or default_device()), context=context, required=compile != "auto",
+                   rows=slots + 1)  # the batch and one kept prefix; the pool grows past that
 
 
 def compile_backend(compile: str, device: str) -> str | None:

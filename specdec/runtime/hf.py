@@ -510,6 +510,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 def load_model(
     path: str | os.PathLike, device: str | None = None, dtype: str | torch.dtype | None = None,
     attn_implementation: str | None = None, compile_backend: str | None = None, context: int | None = None, required: bool = False,
+    rows: int = 2,
 ) -> HFModel:
     """Load a local checkpoint directory (config.json, *.safetensors, tokenizer files) or a GGUF
     file, whose weights transformers dequantizes (it needs the `gguf` package).
@@ -518,7 +519,8 @@ def load_model(
     attn_implementation: "eager", "sdpa", "flex_attention" ... (default: what transformers picks).
     compile_backend: static slots compiled with this torch.compile backend (`specdec.runtime.static`;
     None: growing caches, eager kernels); a model the slots cannot take then keeps the eager path
-    and says why, unless `required`. context: a static slot's length.
+    and says why, unless `required`. context: a static slot's length; rows: sequences its pool holds
+    before it grows (a server's batch, and the prefixes it keeps).
     """
     path = Path(path).expanduser()
     device = check_device(device or default_device())
@@ -568,7 +570,7 @@ def load_model(
     if refusal and not required:  # today's path, and why
         print(f"specdec: {path} runs without a static cache: {refusal}", file=sys.stderr)
         return HFModel(model, tokenizer, str(path))
-    return StaticHFModel(model, tokenizer, str(path), context=context, backend=compile_backend)
+    return StaticHFModel(model, tokenizer, str(path), context=context, backend=compile_backend, rows=rows)
 
 
 def avoid_cudnn_attention() -> None:

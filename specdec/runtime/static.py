@@ -2,21 +2,23 @@
 
 `HFModel` grows a DynamicCache per sequence and launches every kernel from Python: on a GPU a
 one-token step then costs several times what reading the weights does. Here instead
-- each sequence holds a *slot*: per layer, keys and values of `capacity + 1` entries allocated once,
-  written in place (`index_copy_` at the entries' slot numbers) and rolled back by moving a count.
-  Slots are pooled per model, so their addresses, and the graphs captured over them, are reused;
-- a forward of n new entries is padded to the smallest bucket >= n (`BUCKETS`) and runs one
-  compiled function per bucket: `torch.compile`, "reduce-overhead" (CUDA graphs) on a GPU. Padding
-  entries write the slot's last cell (`capacity`, never attended to by a real entry) and see only
-  it, so they stay finite and change nothing. Forwards of more entries (a prefill chunk) run eagerly
-  on the same cache;
-- the attention mask is built on the device from the cached entries' count, the tree part of the
-  mask (a few rows the host knows) and, for sliding windows, each slot's position;
-- inputs go up through pinned buffers without waiting; the logits stay on the device when the
+- the model holds a *pool*: per layer, keys and values of `rows` sequences × `cells` entries,
+  allocated once. A sequence owns a row; its entries are written in place (a scatter at their cell
+  numbers) and rolled back by moving a count. The last cell of every row is scratch: padding
+  writes it and only padding sees it, so it stays finite and changes nothing;
+- a forward over several sequences (the server's batch, or one alone) first swaps their rows into
+  rows 0, 1, ... (a copy only when the batch changes), then runs on the pool's first `batch` rows:
+  one view per batch bucket, so the graphs captured over it keep their addresses. New entries are
+  padded to a token bucket (`BUCKETS`), rows to a batch bucket (`BATCHES`), and each (batch, tokens)
+  shape is compiled once: `torch.compile`, CUDA graphs on a GPU. Forwards of more new entries (a
+  prefill chunk) run eagerly on the same pool;
+- the attention mask is built on the device from each row's committed count, the tree part of the
+  mask (the few rows the host knows) and, for sliding windows, each cell's position;
+- inputs go up through a pinned buffer without waiting; the logits stay on the device when the
   caller asks (`Feed.on_device`): the engine then reads one small tensor per iteration (the argmax
   path, or the sampling distribution) and nothing else waits for the device.
 
-Invariant (as `HFSequence`): entry i of a sequence sits in cache slot i, with its own position.
+Invariant (as `HFSequence`): entry i of a sequence sits in cell i of its row, with its own position.
 """
 
 from __future__ import annotations
@@ -32,140 +34,169 @@ from specdec.runtime import base
 from specdec.runtime.hf import HFModel, HFSequence
 
 BUCKETS = (1, 4, 16, 64)  # new entries per compiled forward; verify trees and chains pad up to these
-DEFAULT_CONTEXT = 4096  # slot capacity unless asked: every step attends over the whole slot
-COMPILE_BACKENDS = ("inductor", "cudagraphs", "aot_eager", "eager")  # "eager": the static cache alone
+BATCHES = (1, 2, 4, 8, 16, 32)  # rows per compiled forward; a server's batch pads up to these
+DEFAULT_CONTEXT = 4096  # cells per row unless asked: every step attends over the whole row
+COMPILE_BACKENDS = ("inductor", "cudagraphs", "aot_eager", "eager")  # "eager": the static pool alone
 
 
 class StaticHFModel(HFModel):
-    """An HFModel whose sequences live in pooled static slots, with compiled forwards per bucket."""
+    """An HFModel whose sequences live in rows of a static pool, with compiled forwards per shape."""
 
     device_logits = True
 
-    def __init__(self, model, tokenizer, path: str = "", context: int | None = None, backend: str = "inductor"):
+    def __init__(self, model, tokenizer, path: str = "", context: int | None = None, backend: str = "inductor", rows: int = 2):
         super().__init__(model, tokenizer, path)
         if backend not in COMPILE_BACKENDS:
             raise SpecDecError(f"unknown compile backend {backend!r}; choose one of {', '.join(COMPILE_BACKENDS)}")
         refusal = static_refusal(model.config)
         if refusal:
             raise SpecDecError(f"{path}: no static cache for this model ({refusal}); run it with compile off")
-        self.capacity = min(self.max_length, context or DEFAULT_CONTEXT)
-        self.max_length = self.capacity
+        self.capacity = self.max_length = min(self.max_length, context or DEFAULT_CONTEXT)
         self.compile_backend = backend
-        self._free: list[_Slot] = []
-        self._layout = _cache_layout(self)
-        self._runners: dict[int, object] = {}
-        self.compile_seconds: dict[int, float] = {}  # bucket -> seconds its first (compiling) forward took
-        self._constants = _Constants(self)
+        self.pool = _Pool(_cache_layout(self), max(1, rows), self.capacity + 1, self.device)
+        self._holders: list[StaticSequence | None] = [None] * self.pool.rows  # who owns each row
+        self._runner = None
+        self.compile_seconds: dict[tuple[int, int], float] = {}  # (rows, tokens) -> seconds its first forward took
+        self._upload = _Uploader(self.device)
 
     def sequence(self) -> StaticSequence:
-        return StaticSequence(self, self._free.pop() if self._free else _Slot(self._layout, self.capacity + 1, self.device))
+        if None not in self._holders:
+            self._grow(2 * self.pool.rows)
+        sequence = StaticSequence(self, self._holders.index(None))
+        self._holders[sequence.row] = sequence
+        return sequence
 
     def describe(self) -> str:
         return f"{super().describe()[:-1]}, static cache of {self.capacity}, compiled with {self.compile_backend})"
 
-    def forward_batch(self, feeds: list[base.Feed]) -> list[torch.Tensor]:
-        """One row after another: each row replays its own graph (a batch over slots is later work)."""
-        return base.forward_each(feeds)
-
     def verify_room(self, root_position: int) -> int:
         return max(0, self.max_length - 1 - root_position)
 
-    def warm_up(self, buckets: tuple[int, ...] = BUCKETS) -> float:
-        """Compile (capture) every bucket now rather than on first use; returns the seconds it took."""
+    def warm_up(self, tokens: tuple[int, ...] = BUCKETS, rows: tuple[int, ...] = (1,)) -> float:
+        """Compile (capture) these shapes now rather than on first use; returns the seconds it took."""
         started = time.perf_counter()
-        sequence = self.sequence()
+        sequences = [self.sequence() for _ in range(max(rows))]
         try:
-            for bucket in buckets:
-                for _ in range(3):  # CUDA graph trees record on the second or third call
-                    sequence.forward([0] * bucket)
-                    sequence.truncate(0)
+            for batch in rows:
+                for bucket in tokens:
+                    for _ in range(3):  # CUDA graph trees record on the second or third call
+                        self.forward_batch([base.Feed(s, [0] * bucket) for s in sequences[:batch]])
+                        for sequence in sequences[:batch]:
+                            sequence.truncate(0)
         finally:
-            sequence.release()
+            for sequence in sequences:
+                sequence.release()
         synchronize(self.device)
         return time.perf_counter() - started
 
-    def runner(self, bucket: int):
-        """The compiled forward for `bucket` new entries (compiled on its first call)."""
-        if bucket not in self._runners:
-            self._runners[bucket] = self._compiled() if self.compile_backend != "eager" else self._forward_logits
-        return self._runners[bucket]
+    @torch.inference_mode()
+    def forward_batch(self, feeds: list[base.Feed]) -> list[torch.Tensor]:
+        """Every feed's new entries in one forward over the pool's first rows (see the module docstring)."""
+        base.check_distinct(feeds)
+        if any(feed.sequence.owner is not self for feed in feeds):
+            raise ValueError("a batched forward takes sequences of its own model only")
+        placed = [(feed, *feed.sequence.place(feed.tokens, feed.parents)) for feed in feeds]
+        most = max(len(tokens) for _, tokens, _, _ in placed)
+        tokens_bucket = next((b for b in BUCKETS if b >= most), most)  # beyond the largest: eager, unpadded
+        compiled = tokens_bucket in BUCKETS and len(feeds) <= BATCHES[-1]
+        rows = next(b for b in BATCHES if b >= len(feeds)) if compiled else len(feeds)
+        if rows > self.pool.rows:
+            self._grow(rows)
+        self._to_first_rows([feed.sequence for feed in feeds])
+        step = _Step.of(self, placed, rows, tokens_bucket)
+        self.pool.positions[:rows].scatter_(1, step.slots, step.positions)  # before the mask: windows compare them
+        mask = step.mask(self)
+        cache = self.pool.cache(rows)
+        cache.slots = step.slots
+        began = time.perf_counter()
+        if compiled:
+            first = (rows, tokens_bucket) not in self.compile_seconds
+            logits = self.runner()(step.tokens, step.positions, mask, cache)
+            if first:
+                synchronize(self.device)
+                self.compile_seconds[(rows, tokens_bucket)] = time.perf_counter() - began
+        else:
+            logits = self._forward_logits(step.tokens, step.positions, mask, cache)
+        return self._results(placed, logits)
+
+    def _results(self, placed, logits: torch.Tensor) -> list[torch.Tensor]:
+        """Each feed's rows of logits (the tokenizer's columns, float32 or float64), committed."""
+        logits = logits[: len(placed), :, : self.vocab_size]
+        logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+        on_host = logits.cpu() if any(not feed.on_device for feed, *_ in placed) else None  # one copy for every row that wants it
+        results = []
+        for r, (feed, tokens, positions, all_parents) in enumerate(placed):
+            feed.sequence.commit(tokens, positions, all_parents)
+            n = len(tokens)
+            wanted = n if feed.last is None else min(feed.last, n)
+            # a copy: a CUDA graph's output is overwritten by its next replay
+            results.append(logits[r, n - wanted : n].clone() if feed.on_device else on_host[r, n - wanted : n])
+        return results
+
+    def runner(self):
+        """The compiled forward (one entry per shape, compiled on its first call)."""
+        if self._runner is None:
+            self._runner = self._compiled() if self.compile_backend != "eager" else self._forward_logits
+        return self._runner
 
     def _compiled(self):
-        # one compiled entry per model and bucket share `_forward_logits`'s code: past dynamo's limit
-        # (8 by default) a further model would silently run eagerly
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16 * len(BUCKETS))
+        # every model's every shape is an entry of `_forward_logits`'s code: past dynamo's limit (8 by
+        # default) a further one would silently run eagerly
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         cuda = self.device.type == "cuda"
         if self.compile_backend == "inductor":
-            return torch.compile(self._forward_logits, mode="reduce-overhead" if cuda else None, dynamic=False, fullgraph=False)
+            return torch.compile(self._forward_logits, mode="reduce-overhead" if cuda else None, dynamic=False)
         return torch.compile(self._forward_logits, backend=self.compile_backend, dynamic=False)
 
     def _forward_logits(self, tokens, positions, mask, cache):
         out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
         return out.logits
 
+    def _to_first_rows(self, sequences: list[StaticSequence]) -> None:
+        """Swap rows so that sequences[i] sits in row i (rows below i hold sequences[:i] already)."""
+        for i, sequence in enumerate(sequences):
+            if sequence.row != i:
+                other = self._holders[i]
+                self.pool.swap(i, sequence.row)
+                self._holders[i], self._holders[sequence.row] = sequence, other
+                if other is not None:
+                    other.row = sequence.row
+                sequence.row = i
+
+    def _grow(self, rows: int) -> None:
+        """More rows (the pool is reallocated; graphs are captured again over the new one)."""
+        self.pool.grow(rows)
+        self._holders += [None] * (self.pool.rows - len(self._holders))
+
+    def _release(self, sequence: StaticSequence) -> None:
+        self._holders[sequence.row] = None
+
 
 class StaticSequence(HFSequence):
-    """One sequence in a static slot. The bookkeeping (positions, parents, trunk) is HFSequence's;
-    the cache is the slot's, so rollback and compaction are device index operations."""
+    """One sequence in a row of the pool. The bookkeeping (positions, parents, trunk) is HFSequence's;
+    the cache is the row's, so rollback and compaction are device index operations."""
 
-    def __init__(self, owner: StaticHFModel, slot: _Slot):
+    def __init__(self, owner: StaticHFModel, row: int):
         super().__init__(owner)
         self._cache = None
-        self.slot = slot
+        self.row = row
+        self._released = False
 
     def release(self) -> None:
-        if self.slot is not None:
-            self.owner._free.append(self.slot)
-        self.slot = None
+        if not self._released:
+            self.owner._release(self)
+        self._released = True
 
-    @torch.inference_mode()
     def forward(self, tokens, parents=None, last: int | None = None, on_device: bool = False) -> torch.Tensor:
         """As `Sequence.forward`; on_device: the logits stay on the model's device."""
-        owner, start = self.owner, self.cache_len
-        tokens, positions, all_parents = self.place(tokens, parents)
-        n = len(tokens)
-        bucket = next((b for b in BUCKETS if b >= n), n)  # beyond the largest: eager, unpadded
-        ancestry = self.attends(all_parents, start, n)
-        inputs = self._inputs(tokens, positions, start, bucket, ancestry)
-        mask = owner._constants.mask(self._trunk, start, n, bucket, inputs, self.slot.positions)
-        if bucket in BUCKETS:
-            first = bucket not in owner._runners
-            began = time.perf_counter()
-            logits = owner.runner(bucket)(inputs.tokens, inputs.positions, mask, self.slot.cache)
-            if first:
-                synchronize(owner.device)
-                owner.compile_seconds[bucket] = time.perf_counter() - began
-        else:
-            logits = owner._forward_logits(inputs.tokens, inputs.positions, mask, self.slot.cache)
-        self.commit(tokens, positions, all_parents)
-        wanted = n if last is None else min(last, n)
-        # a copy: a CUDA graph's output is overwritten by its next replay
-        logits = logits[0, n - wanted : n, : owner.vocab_size]
-        logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
-        return logits.clone() if on_device else logits.cpu()
-
-    def _inputs(self, tokens: list[int], positions: list[int], start: int, bucket: int, ancestry: torch.Tensor | None) -> _Inputs:
-        """Tokens, positions and cache slots of the padded forward, and the tree part of its mask
-        (ancestry's columns from the trunk on; None for a chain), on the device in one upload; the
-        slot's position table updated. Padding: token 0 at position 0 in the scratch slot."""
-        pad = bucket - len(tokens)
-        slots = list(range(start, start + len(tokens))) + [self.owner.capacity] * pad
-        part = None if ancestry is None else ancestry[:, self._trunk :]
-        rows = [tokens + [0] * pad, positions + [0] * pad, slots] + ([] if part is None else [part.reshape(-1).long().tolist()])
-        uploaded = self.owner._constants.upload(rows)
-        tree = None if part is None else uploaded[3].view(part.shape).bool()
-        inputs = _Inputs(uploaded[0][None], uploaded[1][None], uploaded[2], tree)
-        self.slot.cache.slots = inputs.slots
-        self.slot.positions.index_copy_(0, inputs.slots, inputs.positions[0])
-        return inputs
+        return self.owner.forward_batch([base.Feed(self, tokens, parents, last, on_device)])[0]
 
     @torch.inference_mode()
     def keep(self, start: int, indices: list[int]) -> None:
         indices = [int(i) for i in indices]
         base.check_kept_path(self._parents, start, indices, self.cache_len)
         if indices != list(range(start, start + len(indices))):  # a chain's path is already in place
-            source = self.owner._constants.upload([indices])[0]
-            self.slot.move(source, start)
+            self.owner.pool.move(self.row, self.owner._upload([indices])[0], start)
         self._positions = self._positions[:start] + [self._positions[i] for i in indices]
         self._tokens = self._tokens[:start] + [self._tokens[i] for i in indices]
         self._parents = self._parents[:start] + base.chain_parents(start, len(indices))
@@ -177,7 +208,7 @@ class StaticSequence(HFSequence):
         if not 0 <= length <= self._trunk:
             raise ValueError(f"cannot fork the first {length} of {self.cache_len} entries: they must be committed text")
         other = self.owner.sequence()
-        other.slot.copy_from(self.slot, length)
+        self.owner.pool.copy(self.row, other.row, length)  # after sequence(): a grown pool moved nothing but addresses
         other._positions, other._tokens = self._positions[:length], self._tokens[:length]
         other._parents, other._trunk = base.chain_parents(0, length), length
         return other
@@ -186,39 +217,117 @@ class StaticSequence(HFSequence):
         return False  # longrope models are refused (`static_refusal`)
 
     def cache_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        n = self.cache_len
-        return [(keys[:, :, :n], values[:, :, :n]) for keys, values in zip(self.slot.keys, self.slot.values)]
+        n, row = self.cache_len, self.row
+        return [(keys[row : row + 1, :, :n], values[row : row + 1, :, :n]) for keys, values in zip(self.owner.pool.keys, self.owner.pool.values)]
 
 
-class _Inputs:
-    def __init__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tree: torch.Tensor | None):
-        self.tokens, self.positions, self.slots = tokens, positions, slots  # [1, b], [1, b], [b]
-        self.tree = tree  # [n, start + n - trunk] bool, or None for a chain
+class _Step:
+    """One forward's inputs on the device: tokens, positions and cells [rows, bucket], and what the
+    mask needs: each row's trunk and count of new entries, and the tree part of its mask."""
+
+    @classmethod
+    def of(cls, owner: StaticHFModel, placed, rows: int, bucket: int) -> _Step:
+        scratch = owner.capacity
+        tokens, positions, slots, trunks, counts, parts = [], [], [], [], [], []
+        for feed, row_tokens, row_positions, all_parents in placed:
+            sequence, n = feed.sequence, len(row_tokens)
+            start, trunk = sequence.cache_len, sequence._trunk
+            pad = bucket - n
+            tokens.append(row_tokens + [0] * pad)
+            positions.append(row_positions + [0] * pad)
+            slots.append(list(range(start, start + n)) + [scratch] * pad)
+            ancestry = sequence.attends(all_parents, start, n)
+            trunks.append(trunk)
+            counts.append(n)
+            # a chain after a chain (trunk == start): each entry sees the new ones up to itself
+            parts.append(torch.ones(n, n, dtype=torch.bool).tril() if ancestry is None else ancestry[:, trunk:])
+        for _ in range(rows - len(placed)):  # padding rows: other sequences' rows (or free ones), scratch only
+            tokens.append([0] * bucket), positions.append([0] * bucket), slots.append([scratch] * bucket)
+            trunks.append(0), counts.append(0), parts.append(torch.zeros(0, 0, dtype=torch.bool))
+        width = max(1, max(part.shape[1] for part in parts))
+        tree = torch.zeros(rows, bucket, width, dtype=torch.long)
+        for r, part in enumerate(parts):
+            tree[r, : part.shape[0], : part.shape[1]] = part
+        flat = [sum(tokens, []), sum(positions, []), sum(slots, []), trunks, counts, tree.reshape(-1).tolist()]
+        up = owner._upload(flat)
+        return cls(*(t.view(rows, bucket) for t in up[:3]), up[3], up[4], up[5].view(rows, bucket, width).bool())
+
+    def __init__(self, tokens, positions, slots, trunks, counts, tree):
+        self.tokens, self.positions, self.slots = tokens, positions, slots  # [rows, bucket]
+        self.trunks, self.counts, self.tree = trunks, counts, tree  # [rows], [rows], [rows, bucket, width] bool
+
+    def mask(self, owner: StaticHFModel):
+        """The model's attention mask(s), [rows, 1, bucket, cells]: entry j of row r sees its row's
+        trunk (cells < trunk) and its ancestors from the trunk on; padding entries see the scratch cell only."""
+        rows, bucket, width = self.tree.shape
+        cells = torch.arange(owner.capacity + 1, device=owner.device)
+        allowed = (cells[None, None, :] < self.trunks[:, None, None]).expand(rows, bucket, -1).clone()
+        columns = (self.trunks[:, None, None] + torch.arange(width, device=owner.device)).clamp(max=owner.capacity)
+        allowed.scatter_(2, columns.expand(rows, bucket, width), self.tree)  # beyond a row's span: False, on cells it never sees
+        padding = torch.arange(bucket, device=owner.device)[None, :] >= self.counts[:, None]
+        allowed = torch.where(padding[:, :, None], (cells == owner.capacity)[None, None, :], allowed)
+        window = owner.sliding_window
+        if window is not None:
+            key_positions = owner.pool.positions[:rows]
+            windowed = allowed & (key_positions[:, None, :] > self.positions[:, :, None] - window)
+            if "full_attention" in (getattr(owner.model.config, "layer_types", None) or []):
+                return {"full_attention": _additive(allowed, owner), "sliding_attention": _additive(windowed, owner)}
+            allowed = windowed
+        return _additive(allowed, owner)
 
 
-class _Slot:
-    """Keys and values of `cells` entries per layer, each entry's position, and the cache object
-    the model writes through."""
+def _additive(allowed: torch.Tensor, owner: StaticHFModel) -> torch.Tensor:
+    dtype = owner.torch_dtype
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
 
-    def __init__(self, layout: list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]], cells: int, device: torch.device):
-        self.keys = [torch.zeros(k[0], k[1], cells, k[3], dtype=dtype, device=device) for k, _, dtype in layout]
-        self.values = [torch.zeros(v[0], v[1], cells, v[3], dtype=dtype, device=device) for _, v, dtype in layout]
-        self.positions = torch.zeros(cells, dtype=torch.long, device=device)
-        for tensor in (*self.keys, *self.values, self.positions):
-            torch._dynamo.mark_static_address(tensor)
-        self.cache = SlotCache(self.keys, self.values)
 
-    def move(self, source: torch.Tensor, start: int) -> None:
-        """Entries at `source` (slot numbers) to slots start, start + 1, ..."""
+class _Pool:
+    """Keys and values of `rows` sequences × `cells` entries per layer, each cell's position, and
+    per batch size a cache object over the first rows (views that keep their addresses)."""
+
+    def __init__(self, layout: list, rows: int, cells: int, device: torch.device):
+        self.layout, self.cells, self.device = layout, cells, device
+        self.rows = 0
+        self.grow(rows)
+
+    def grow(self, rows: int) -> None:
+        old = (self.keys, self.values, self.positions) if self.rows else None
+        self.keys = [torch.zeros(rows, k[1], self.cells, k[3], dtype=dtype, device=self.device) for k, _, dtype in self.layout]
+        self.values = [torch.zeros(rows, v[1], self.cells, v[3], dtype=dtype, device=self.device) for _, v, dtype in self.layout]
+        self.positions = torch.zeros(rows, self.cells, dtype=torch.long, device=self.device)
+        if old is not None:
+            for new, previous in zip((*self.keys, *self.values, self.positions), (*old[0], *old[1], old[2])):
+                new[: previous.shape[0]] = previous
+        self.rows = rows
+        self._caches: dict[int, SlotCache] = {}
+
+    def cache(self, rows: int) -> SlotCache:
+        if rows not in self._caches:
+            keys, values = [k[:rows] for k in self.keys], [v[:rows] for v in self.values]
+            for tensor in (*keys, *values):
+                torch._dynamo.mark_static_address(tensor)
+            self._caches[rows] = SlotCache(keys, values)
+        return self._caches[rows]
+
+    def tensors(self):
+        return (*self.keys, *self.values, self.positions)
+
+    def swap(self, a: int, b: int) -> None:
+        for tensor in self.tensors():
+            tensor[[a, b]] = tensor[[b, a]]
+
+    def move(self, row: int, source: torch.Tensor, start: int) -> None:
+        """Cells `source` of a row to cells start, start + 1, ..."""
         end = start + source.numel()
         for tensor in (*self.keys, *self.values):
-            tensor[:, :, start:end] = tensor.index_select(2, source)
-        self.positions[start:end] = self.positions.index_select(0, source)
+            tensor[row, :, start:end] = tensor[row].index_select(1, source)
+        self.positions[row, start:end] = self.positions[row].index_select(0, source)
 
-    def copy_from(self, other: _Slot, length: int) -> None:
-        for mine, theirs in zip((*self.keys, *self.values), (*other.keys, *other.values)):
-            mine[:, :, :length] = theirs[:, :, :length]
-        self.positions[:length] = other.positions[:length]
+    def copy(self, source: int, target: int, length: int) -> None:
+        for tensor in (*self.keys, *self.values):
+            tensor[target, :, :length] = tensor[source, :, :length]
+        self.positions[target, :length] = self.positions[source, :length]
 
 
 class SlotLayer(CacheLayerMixin):
@@ -246,8 +355,9 @@ class SlotLayer(CacheLayerMixin):
 
 
 class SlotCache(Cache):
-    """The slot's layers as transformers sees them: `update` writes the new keys and values at
-    `slots` (set before each forward) and returns the whole slot; the mask hides the rest."""
+    """Rows of the pool as transformers sees them: `update` writes each row's new keys and values at
+    its cells (`slots`, [rows, n], set before each forward) and returns the whole rows; the mask
+    hides the rest."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
         super().__init__(layers=[SlotLayer(k, v) for k, v in zip(keys, values)])
@@ -255,68 +365,36 @@ class SlotCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
-        layer.keys.index_copy_(2, self.slots, key_states.to(layer.keys.dtype))
-        layer.values.index_copy_(2, self.slots, value_states.to(layer.values.dtype))
+        rows, heads, n, dim = key_states.shape
+        index = self.slots[:, None, :, None].expand(rows, heads, n, dim)
+        layer.keys.scatter_(2, index, key_states.to(layer.keys.dtype))
+        layer.values.scatter_(2, index.expand(rows, heads, n, value_states.shape[-1]), value_states.to(layer.values.dtype))
         return layer.keys, layer.values
 
 
-class _Constants:
-    """Per-model device tensors reused every forward, and the uploads through pinned memory."""
+class _Uploader:
+    """Integer rows to the device without waiting for it: through one pinned buffer, reused only
+    once its previous copy is done (on the CPU, plain tensors)."""
 
-    def __init__(self, owner: StaticHFModel):
-        self.owner = owner
-        device = owner.device
-        cells = owner.capacity + 1
-        self.cell_index = torch.arange(cells, device=device)
-        self.pinned = device.type == "cuda"
+    def __init__(self, device: torch.device):
+        self.device = device
         self._staging: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
 
-    def upload(self, rows: list[list[int]]) -> list[torch.Tensor]:
-        """Integer rows to the device without waiting for it: through one pinned buffer, reused only
-        once its previous copy is done."""
+    def __call__(self, rows: list[list[int]]) -> list[torch.Tensor]:
         flat = [value for row in rows for value in row]
-        if not self.pinned:
+        if self.device.type != "cuda":
             values = torch.tensor(flat, dtype=torch.long)
         else:
-            if self._staging is None or self._staging.numel() < len(flat):
-                self._staging = torch.empty(max(len(flat), 1024), dtype=torch.long, pin_memory=True)
             if self._copied is not None:
                 self._copied.synchronize()
+            if self._staging is None or self._staging.numel() < len(flat):
+                self._staging = torch.empty(max(2 * len(flat), 4096), dtype=torch.long, pin_memory=True)
             self._staging[: len(flat)] = torch.tensor(flat, dtype=torch.long)
-            values = self._staging[: len(flat)].to(self.owner.device, non_blocking=True)
+            values = self._staging[: len(flat)].to(self.device, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
         return list(values.split([len(row) for row in rows]))
-
-    def mask(self, trunk: int, start: int, n: int, bucket: int, inputs: _Inputs, key_positions: torch.Tensor):
-        """The model's attention mask(s) for a forward, [1, 1, bucket, cells]: entry j (at slot
-        start + j) sees the trunk (slots < trunk) and its ancestors at or above the trunk; padding
-        rows see the scratch slot only."""
-        cells = self.cell_index
-        if inputs.tree is None:  # a chain after a chain: entry j sees slots <= start + j
-            allowed = cells[None, :] <= (start + cells[:bucket, None])
-        else:
-            allowed = (cells[None, :] < trunk).expand(bucket, -1).clone()
-            allowed[:n, trunk : start + n] = inputs.tree
-        if bucket > n:
-            allowed[n:] = cells[None, :] == self.owner.capacity
-        return self._layer_masks(allowed, key_positions, inputs.positions[0])
-
-    def _layer_masks(self, allowed: torch.Tensor, key_positions: torch.Tensor, positions: torch.Tensor):
-        owner = self.owner
-        window = owner.sliding_window
-        if window is not None:
-            windowed = allowed & (key_positions[None, :] > positions[:, None] - window)
-            if "full_attention" in (getattr(owner.model.config, "layer_types", None) or []):
-                return {"full_attention": self._additive(allowed), "sliding_attention": self._additive(windowed)}
-            allowed = windowed
-        return self._additive(allowed)
-
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        dtype = self.owner.torch_dtype
-        zero = torch.zeros((), dtype=dtype, device=allowed.device)
-        return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
 
 
 def static_refusal(config) -> str | None:
