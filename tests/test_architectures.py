@@ -14,6 +14,8 @@ distribution of three tokens (chi-square).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -298,3 +300,26 @@ def test_the_self_check_refuses_a_mask_that_attention_ignores(arch_dirs, monkeyp
     with pytest.raises(specdec.SpecDecError, match=r"\(gemma2, eager attention\) does not support token trees"):
         specdec.SpeculativeDecoder(eager, drafter, gamma=2)
     assert load(arch_dirs["llama"], attn_implementation="sdpa").tree_refusal() is None
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_static_slots_decode_as_the_eager_path(arch, arch_dirs):
+    """The static pool (`specdec.runtime.static`, the GPU default) on every architecture: plain
+    decoding and every drafter give the eager path's plain greedy tokens; a model it cannot take is
+    refused by name when asked for, and kept on the eager path by "auto"."""
+    from specdec.runtime.static import StaticHFModel, static_refusal
+
+    eager = load(arch_dirs[arch])
+    refusal = static_refusal(eager.model.config)
+    if refusal is not None:
+        with pytest.raises(specdec.SpecDecError, match=rf"no static cache for this model \({re.escape(refusal)}\)"):
+            load(arch_dirs[arch], compile="eager")
+        return
+    static = load(arch_dirs[arch], compile="eager")
+    assert isinstance(static, StaticHFModel)
+    plain = specdec.SpeculativeDecoder(eager).generate(PROMPT, max_new_tokens=NEW, temperature=0).tokens
+    assert specdec.SpeculativeDecoder(static).generate(PROMPT, max_new_tokens=NEW, temperature=0).tokens == plain
+    for name, drafter in drafters(arch_dirs[f"{arch}-near"], plain).items():
+        if name in ("chain", "tree", "prompt-lookup", "auto"):
+            result = specdec.SpeculativeDecoder(static, drafter, gamma=3).generate(PROMPT, max_new_tokens=NEW, temperature=0)
+            assert result.tokens == plain, f"{name} on static slots differs from plain greedy"

@@ -322,7 +322,8 @@ def model_facts(model: CausalLM) -> dict:
     return {"path": model.path, "backend": model.backend, "parameters": model.parameters, "weight_bytes": model.weight_bytes,
             "dtype": model.dtype, "vocab_size": model.vocab_size, "context": model.max_length, "threads": getattr(model, "threads", None),
             "output_layer": getattr(model, "output_layer", None), "batch_invariant": getattr(model, "batch_invariant", False),
-            "compiled": getattr(model, "compile_backend", None)}
+            "compiled": getattr(model, "compile_backend", None),
+            "compile_seconds": {f"{rows}x{tokens}": round(seconds, 3) for (rows, tokens), seconds in getattr(model, "compile_seconds", {}).items()}}
 
 
 def read_bandwidth(threads: int = 1, megabytes: int = 256, repeats: int = 5) -> float:
