@@ -14,7 +14,8 @@ Sections:
 3. an 8B-shaped Llama built in memory (random weights, bf16): the memory floor, plain decoding on
    each path, HF generate both ways, t(k)/t(1), a prediction equal to its own greedy text;
 4. the server's batch: 16 greedy rows stepped together on the eager path and on the compiled pool,
-   tokens/s together and rows whose text departs from their lone text.
+   tokens/s together and rows whose text departs from their lone text;
+5. last, as time allows: the 8B shape on Inductor's kernels, and HF generate with a static cache.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import specdec  # noqa: E402
 from specdec.runtime.hf import HFModel  # noqa: E402
-from specdec.runtime.static import StaticHFModel, synchronize  # noqa: E402
+from specdec.runtime.static import BUCKETS, StaticHFModel, synchronize  # noqa: E402
 
 SMALL = os.environ.get("SMALL") == "1"
 DEVICE = os.environ.get("DEVICE", "cuda")
 OUT = Path(os.environ.get("OUT", "/tmp/gpu-out"))
 DEADLINE = time.monotonic() + float(os.environ.get("BUDGET_S", "500"))
-COMPILE = os.environ.get("COMPILE") or ("eager" if SMALL else "cudagraphs")
+COMPILE = os.environ.get("COMPILE") or "graphs"  # on the CPU (SMALL) the same buffers, replayed eagerly
 DEMO = Path(specdec.__file__).parent / "demo_pair"
 SUMMARY: list[str] = []
 SECTIONS: list = []  # (name, seconds allowed, function of its deadline), in order
@@ -126,7 +127,7 @@ def demo_profile(until: float) -> dict:
     results = {}
     target = DEMO / "target"
     prompts = fresh_prompts(8192, (40, 300) if not SMALL else (20,))
-    for label, compile, cudnn in (("eager, cuDNN attention", "off", True), ("eager", "off", False), ("static, compiled", COMPILE, False)):
+    for label, compile, cudnn in (("eager, cuDNN attention", "off", True), ("eager", "off", False), (f"static, {COMPILE}", COMPILE, False)):
         if time.monotonic() > until:
             break
         decoder = load(target, compile)
@@ -142,7 +143,8 @@ def demo_profile(until: float) -> dict:
             decoder.generate(fresh_prompts(8192, (61,))[0], max_new_tokens=16, temperature=0)
             synchronize(DEVICE)
         table = profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50)
-        (OUT / f"profile-{label.replace(' ', '-').replace(',', '')}.txt").write_text(table)
+        with open(OUT / "profiles.txt", "a") as tables:  # one file: the call brings back at most 8
+            tables.write(f"## {label}\n{table}\n")
     torch.backends.cuda.enable_cudnn_sdp(False)
     note("## 1. Demo target, one step\n" + "\n".join(f"- {k}: {v}" for k, v in results.items()))
     return results
@@ -160,6 +162,8 @@ def demo_suites(until: float) -> dict:
     for dtype in ("float32", "bfloat16"):
         plain_eager, plain_static = load(DEMO / "target", "off", dtype), load(DEMO / "target", COMPILE, dtype)
         strategies = demo_strategies(plain_static.target, dtype)
+        plain_static.target.warm_up()
+        strategies["chain 4"].drafter.model.warm_up(tokens=(1, 4, 16))
         for suite, ids in prompts.items():
             for prompt in ids:
                 if time.monotonic() > until:
@@ -170,16 +174,18 @@ def demo_suites(until: float) -> dict:
                 row["plain eager"].append(eager_s)
                 row["plain compiled"].append(static_s)
                 row["HF generate"].append(hf_generate(plain_eager.target, prompt, new))
-                equal.setdefault(f"{dtype} plain compiled", []).append(got == want)
+                equal.setdefault(f"{dtype} compiled plain = eager plain", []).append(got == want)
                 for name, decoder in strategies.items():
                     seconds, tokens = per_token(decoder, prompt, new)
                     row.setdefault(name, []).append(seconds)
-                    equal.setdefault(f"{dtype} {name}", []).append(tokens == want)
-    table = ["| dtype, suite | " + " | ".join(next(iter(rows.values()))) + " |", "| --- |" + " ---: |" * len(next(iter(rows.values())))]
+                    equal.setdefault(f"{dtype} {name} = eager plain", []).append(tokens == want)
+                    equal.setdefault(f"{dtype} {name} = compiled plain", []).append(tokens == got)
+    columns = list(dict.fromkeys(name for row in rows.values() for name in row))
+    table = ["| dtype, suite | " + " | ".join(columns) + " |", "| --- |" + " ---: |" * len(columns)]
     for key, row in rows.items():
-        table.append(f"| {key} | " + " | ".join(f"{1 / statistics.median(v):.0f}" if v else "-" for v in row.values()) + " |")
+        table.append(f"| {key} | " + " | ".join(f"{1 / statistics.median(row[c]):.0f}" if row.get(c) else "-" for c in columns) + " |")
     equality = {k: f"{sum(v)}/{len(v)}" for k, v in equal.items()}
-    note("## 2. Demo pair, tokens/s (median over prompts)\n" + "\n".join(table) + "\n\ngreedy equal to eager plain: " + json.dumps(equality))
+    note("## 2. Demo pair, tokens/s (median over prompts)\n" + "\n".join(table) + "\n\ngreedy equality (prompts equal / prompts): " + json.dumps(equality))
     return {"tokens_per_s": {k: {n: [1 / s for s in v] for n, v in r.items()} for k, r in rows.items()}, "greedy_equal": equality}
 
 
@@ -212,13 +218,15 @@ def server_batch(until: float) -> dict:
         if time.monotonic() > until:
             break
         decoder = load(DEMO / "target", compile, slots=clients)
+        if isinstance(decoder.target, StaticHFModel):
+            results[f"{label}: warm-up s"] = decoder.target.warm_up(tokens=(1,), rows=tuple(b for b in (1, 2, 4, 8, 16) if b <= clients))
         prompts = fresh_prompts(8192, tuple(24 + 7 * i for i in range(clients)))
         lone = [decoder.generate(p, max_new_tokens=new, temperature=0).tokens for p in prompts]
         engine, generations = Engine(decoder.target, None), [decoder.request(p, max_new_tokens=new, temperature=0) for p in prompts]
-        synchronize(DEVICE)
-        started = time.perf_counter()
         for generation in generations:
             generation.open(engine)
+        synchronize(DEVICE)
+        started = time.perf_counter()  # after the prompts: what is timed is the rows' steps
         while any(not g.done for g in generations):
             live = [g for g in generations if not g.done]
             for generation, result in zip(live, engine.step([g.state for g in live])):
@@ -228,13 +236,13 @@ def server_batch(until: float) -> dict:
         texts = [g.result().tokens for g in generations]
         for generation in generations:
             engine.close(generation.state)
-        results[label] = {"tok/s together": sum(map(len, texts)) / seconds,
+        results[label] = {"tok/s together": (sum(map(len, texts)) - clients) / seconds,  # the first tokens came with the prompts
                           "rows equal to alone": f"{sum(t == l for t, l in zip(texts, lone))}/{clients}"}
     note("## 4. Demo target, 16 rows stepped together (bf16)\n" + json.dumps(results, indent=1))
     return results
 
 
-def shaped_8b() -> HFModel:
+def shaped_8b() -> tuple:
     """Llama-3-8B's shapes with random weights (tied embedding, small residual branches, so the
     greedy text is far from ties); output rows past the tokenizer's zeroed, as HF generate would
     otherwise pick ids specdec never sees."""
@@ -262,51 +270,88 @@ def shaped_8b() -> HFModel:
     return model.eval(), tokenizer
 
 
-@section("3-8b-shaped", 220)
+_SHAPED: list = []  # the 8B-shaped model, built once (16 GB)
+
+
+def shaped() -> tuple:
+    if not _SHAPED:
+        _SHAPED.extend(shaped_8b())
+    return tuple(_SHAPED)
+
+
+def eight_b_prompt() -> tuple[int, list[int]]:
+    return (16, fresh_prompts(8192, (32,))[0]) if SMALL else (128, fresh_prompts(8192, (128,))[0])
+
+
+@section("3-8b-shaped", 200)
 def eight_b(until: float) -> dict:
+    from specdec.api import SpeculativeDecoder
+
+    model, tokenizer = shaped()
+    eager = HFModel(model, tokenizer, "8B-shaped")
+    new, prompt = eight_b_prompt()
+    results = {"weight GB": eager.weight_bytes / 1e9, "bandwidth GB/s": read_bandwidth()}
+    results["floor tok/s"] = results["bandwidth GB/s"] / results["weight GB"]
+    results["HF generate tok/s"] = 1 / hf_generate(eager, prompt, new)
+    seconds, text = per_token(SpeculativeDecoder(eager, None), prompt, new)
+    results["specdec eager tok/s"] = 1 / seconds
+    note("## 3. 8B-shaped\n" + json.dumps(results, indent=1))
+    results.update(static_figures(model, tokenizer, COMPILE, prompt, new, text))
+    return results
+
+
+@section("5-8b-inductor", 300)
+def eight_b_inductor(until: float) -> dict:
+    """Last, as time allows: Inductor's kernels on the pool, and HF generate with a static cache
+    (which compiles with Inductor too): minutes of compiling each."""
+    model, tokenizer = shaped()
+    new, prompt = eight_b_prompt()
+    results = {}
+    if not SMALL:
+        results["HF generate static+compiled tok/s"] = 1 / hf_generate(HFModel(model, tokenizer, "8B-shaped"), prompt, new,
+                                                                      cache_implementation="static")
+        note(f"- HF generate, static cache, compiled: {results['HF generate static+compiled tok/s']:.1f} tok/s")
+    if time.monotonic() < until - 120:
+        results.update(static_figures(model, tokenizer, "inductor", prompt, new, None))
+    return results
+
+
+def static_figures(model, tokenizer, backend: str, prompt: list[int], new: int, eager_text, buckets=BUCKETS) -> dict:
+    """Plain decoding on the pool, syncs per step, t(k)/t(1) per bucket, and the default with the
+    model's own greedy text predicted, against compiled plain."""
     from specdec.api import SpeculativeDecoder
     from specdec.drafters.auto import AutoDrafter
     from specdec.drafters.prompt_lookup import PromptLookupDrafter
 
-    model, tokenizer = shaped_8b()
-    eager = HFModel(model, tokenizer, "8B-shaped")
-    new, prompt = (16, fresh_prompts(8192, (32,))[0]) if SMALL else (128, fresh_prompts(8192, (128,))[0])
-    results = {"weight GB": eager.weight_bytes / 1e9, "bandwidth GB/s": read_bandwidth()}
-    results["floor tok/s"] = results["bandwidth GB/s"] / results["weight GB"]
-    results["HF generate tok/s"] = 1 / hf_generate(eager, prompt, new)
-    results["specdec eager tok/s"] = 1 / per_token(SpeculativeDecoder(eager, None), prompt, new)[0]
-    note("## 3. 8B-shaped\n" + json.dumps(results, indent=1))
-    for backend in (COMPILE, "inductor") if not SMALL else (COMPILE,):
-        if time.monotonic() > until - 60:
-            break
-        static = StaticHFModel(model, tokenizer, "8B-shaped", context=1024, backend=backend)
-        results[f"{backend}: warm-up s"] = static.warm_up()
-        plain = SpeculativeDecoder(static, None)
-        seconds, text = per_token(plain, prompt, new)
-        results[f"{backend}: plain tok/s"] = 1 / seconds
-        results[f"{backend}: syncs/step"] = syncs_per_step(plain, prompt, 16)
-        results[f"{backend}: t(k)/t(1)"] = verify_costs(static)
-        predicted = SpeculativeDecoder(static, AutoDrafter(None, PromptLookupDrafter()))
-        with_prediction = predicted.request(prompt, max_new_tokens=new, temperature=0, prediction=tokenizer.decode(text))
-        synchronize(DEVICE)
-        started = time.perf_counter()
-        result = predicted.run(with_prediction)
-        synchronize(DEVICE)
-        results[f"{backend}: default with its own text predicted, x compiled plain"] = seconds * len(result.tokens) / (time.perf_counter() - started)
-        results[f"{backend}: greedy equal"] = result.tokens == text
-        note(f"- {backend}: " + json.dumps({k: v for k, v in results.items() if k.startswith(backend)}))
-    if time.monotonic() < until - 60 and not SMALL:
-        results["HF generate static+compiled tok/s"] = 1 / hf_generate(eager, prompt, new, cache_implementation="static")
-        note(f"- HF generate, static cache, compiled: {results['HF generate static+compiled tok/s']:.1f} tok/s")
+    static = StaticHFModel(model, tokenizer, "8B-shaped", context=1024, backend=backend)
+    results = {f"{backend}: warm-up s": static.warm_up(tokens=buckets)}
+    plain = SpeculativeDecoder(static, None)
+    seconds, text = per_token(plain, prompt, new)
+    results[f"{backend}: plain tok/s"] = 1 / seconds
+    if eager_text is not None:
+        results[f"{backend}: plain greedy = eager plain"] = text == eager_text
+    results[f"{backend}: syncs/step"] = syncs_per_step(plain, prompt, 16)
+    results[f"{backend}: t(k)/t(1), k = buckets"] = verify_costs(static, buckets)
+    predicted = SpeculativeDecoder(static, AutoDrafter(None, PromptLookupDrafter()))
+    with_prediction = predicted.request(prompt, max_new_tokens=new, temperature=0, prediction=tokenizer.decode(text))
+    synchronize(DEVICE)
+    started = time.perf_counter()
+    result = predicted.run(with_prediction)
+    synchronize(DEVICE)
+    results[f"{backend}: default with its own text predicted, x compiled plain"] = seconds * len(result.tokens) / (time.perf_counter() - started)
+    results[f"{backend}: its tokens per verify"] = len(result.tokens) / max(1, result.stats.target_forwards)
+    results[f"{backend}: greedy equal"] = result.tokens == text
+    note(f"- {backend}: " + json.dumps(results))
     return results
 
 
-def verify_costs(model: StaticHFModel) -> dict:
+def verify_costs(model: StaticHFModel, buckets=BUCKETS) -> dict:
+    """A forward of k tokens (each bucket) after 199 cached, against one token."""
     sequence = model.sequence()
     try:
         sequence.forward(list(range(1, 200)))
         times = {}
-        for k in (1, 2, 4, 8, 16, 32, 64):
+        for k in buckets:
             samples = []
             for _ in range(5):
                 synchronize(DEVICE)
@@ -340,6 +385,6 @@ if __name__ == "__main__":
     card = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU rehearsal"
     note(f"# GPU check: {card}, torch {torch.__version__}, compile backend {COMPILE}, {time.strftime('%Y-%m-%d %H:%M')}")
     chosen = os.environ.get("ONLY")  # e.g. ONLY=3: the sections whose names start so
-    for name, limit_s, function in sorted(SECTIONS, key=lambda entry: "1342".index(entry[0][0])):  # the 8B shape before the rest
+    for name, limit_s, function in sorted(SECTIONS, key=lambda entry: "13245".index(entry[0][0])):  # the 8B shape second, Inductor last
         if chosen is None or name.startswith(tuple(chosen.split(","))):
             run_section(name, limit_s, function)

@@ -7,6 +7,6 @@
 # Results come back in $OUT: summary.md, one JSON per section, profile tables.
 set -uo pipefail
 mkdir -p "${OUT:=/tmp/gpu-out}"
-pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv | tee "$OUT/card.txt"
-BUDGET_S=${BUDGET_S:-520} timeout 560 python benchmarks/gpu.py
+BUDGET_S=${BUDGET_S:-520} timeout 560 python3 benchmarks/gpu.py

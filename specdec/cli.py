@@ -82,9 +82,9 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GGUF: KV cache cells; a checkpoint with --compile on: a static slot's length "
                              "(default: the trained context, at most 4096)")
     parser.add_argument("--compile", choices=COMPILE_CHOICES, default="auto",
-                        help="checkpoints: auto (default; on for a GPU, off on the CPU), on (static KV slots, a CUDA graph per "
-                             "forward shape), off (growing caches, eager kernels), or a torch.compile backend for the slots "
-                             "(inductor: generated kernels too; cudagraphs = on; aot_eager; eager = static slots, nothing compiled)")
+                        help="checkpoints: auto (default; on for a GPU, off on the CPU), on (a static KV pool, a CUDA graph per "
+                             "forward shape), off (growing caches, eager kernels), or how the pool's forwards run: graphs (= on), "
+                             "inductor (torch.compile's kernels too), aot_eager, static (the pool, nothing compiled)")
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
                         help="GGUF: a Hugging Face tokenizer directory to use instead of the file's own")
     parser.add_argument("--output-layer", choices=OUTPUT_LAYERS, default="auto",

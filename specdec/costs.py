@@ -258,7 +258,7 @@ def model_identity(model: CausalLM) -> dict:
     stamps = [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files if p.exists()]
     return {"path": str(path.resolve()), "files": stamps, "backend": model.backend, "dtype": model.dtype,
             "device": str(getattr(model, "device", "cpu")), "threads": getattr(model, "threads", None) or torch.get_num_threads(),
-            "compiled": getattr(model, "compile_backend", None)}
+            "compiled": getattr(model, "compile_backend", None), "context": model.max_length}  # a static row attends over all of it
 
 
 def _plain_step(target: CausalLM) -> float:

@@ -187,7 +187,7 @@ class Engine:
         results: list[StepResult | None] = [StepResult.failed(d) if isinstance(d, Exception) else None for d in drafts]
         live = [i for i, result in enumerate(results) if result is None]
         # one target forward scores every row's last committed token and draft nodes
-        on_device = self.target.device_logits  # verification then reads the device once per row (`_verify`)
+        on_device = getattr(self.target, "device_logits", False)  # verification then reads the device once per row (`_verify`)
         rows = self.target.forward_batch([_feed(states[i].sequence, states[i].context[-1], drafts[i], on_device) for i in live]) if live else []
         for i, logits in zip(live, rows):
             outcome = attempt(lambda: self._advance(states[i], gammas[i], drafts[i], logits, noises[i]))
@@ -304,13 +304,14 @@ def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, stream
 
 def _logprobs(logits: torch.Tensor, path: list[int], tokens: list[int], top: int) -> list[TokenLogprob]:
     """Emitted token i was drawn at the root (i = 0) or below the i-th accepted node: its row of
-    the target's logits is 0, then 1 + that node."""
+    the target's logits is 0, then 1 + that node. Logits on a device are read three times, not per token."""
     rows = ([0] + [1 + node for node in path])[: len(tokens)]
     logprobs = torch.log_softmax(logits[rows].double(), dim=-1)
+    device = logprobs.device
+    chosen = logprobs[torch.arange(len(tokens), device=device), torch.tensor(tokens, device=device)].tolist()
     best = logprobs.topk(top, dim=-1) if top else None
-    return [TokenLogprob(token, float(logprobs[i, token]),
-                         list(zip(best.indices[i].tolist(), best.values[i].tolist())) if best is not None else [])
-            for i, token in enumerate(tokens)]
+    ids, values = (best.indices.tolist(), best.values.tolist()) if best is not None else ([[]] * len(tokens), [[]] * len(tokens))
+    return [TokenLogprob(token, chosen[i], list(zip(ids[i], values[i]))) for i, token in enumerate(tokens)]
 
 
 def _commit(tokens: list[int], room: int, stop_tokens: frozenset[int]) -> StepResult:

@@ -313,9 +313,9 @@ def test_static_slots_decode_as_the_eager_path(arch, arch_dirs):
     refusal = static_refusal(eager.model.config)
     if refusal is not None:
         with pytest.raises(specdec.SpecDecError, match=rf"no static cache for this model \({re.escape(refusal)}\)"):
-            load(arch_dirs[arch], compile="eager")
+            load(arch_dirs[arch], compile="static")
         return
-    static = load(arch_dirs[arch], compile="eager")
+    static = load(arch_dirs[arch], compile="static")
     assert isinstance(static, StaticHFModel)
     plain = specdec.SpeculativeDecoder(eager).generate(PROMPT, max_new_tokens=NEW, temperature=0).tokens
     assert specdec.SpeculativeDecoder(static).generate(PROMPT, max_new_tokens=NEW, temperature=0).tokens == plain

@@ -2,8 +2,9 @@
 path's cache step for step, every drafter's greedy output equals plain decoding's, sampled chains
 and trees keep the target's distribution, and an iteration reads the device once.
 
-CUDA graphs exist only on a GPU; here the same code runs with its forwards uncompiled ("eager") or
-traced by torch.compile without code generation ("aot_eager"), which is what a graph would capture.
+CUDA graphs exist only on a GPU; here the same code runs with its forwards uncompiled ("static"),
+through the graphs' own input buffers without a graph ("graphs" on the CPU), or traced by
+torch.compile without code generation ("aot_eager"), which is what a graph would capture.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]  # repeats, so prompt lookup has somethi
 NEW = 40
 
 
-def static64(directory: str, compile: str = "eager") -> StaticHFModel:
+def static64(directory: str, compile: str = "static") -> StaticHFModel:
     return load_model(directory, device="cpu", dtype="float64", compile=compile)
 
 
@@ -49,6 +50,23 @@ def test_cache_steps_match_the_eager_cache(model_dirs, load64, static_llama):
     for (k1, v1), (k2, v2) in zip(static.cache_tensors(), eager.cache_tensors()):
         torch.testing.assert_close(k1, k2, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(v1, v2, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("steps", [
+    [([5, 6, 7, 8, 9], [9, 9, 10, 12, 10]), ([4], [11])],  # below a cached tree node whose parent is under the trunk's end
+    [([4, 6], [5, 10])],  # a new entry below the trunk's end
+    [([4, 6], [-1, 10])],  # a new root mid-sequence
+])
+def test_paths_that_leave_the_trunk_early(model_dirs, load64, static_llama, steps):
+    """The protocol lets a new entry follow any earlier entry: the mask's trunk is then only what every new entry sees."""
+    eager, static = load64(model_dirs["llama"]).sequence(), static_llama.sequence()
+    try:
+        for sequence in (eager, static):
+            sequence.forward(PROMPT)
+        for tokens, parents in steps:
+            torch.testing.assert_close(static.forward(tokens, parents), eager.forward(tokens, parents), rtol=1e-10, atol=1e-10)
+    finally:
+        static.release()
 
 
 def test_rows_are_reused_swapped_and_grown(model_dirs):
@@ -115,6 +133,35 @@ def test_compiled_forwards_equal_plain_greedy(model_dirs, load64):
     assert set(target.compile_seconds) == {(1, 1), (1, 4), (1, 16)}  # plain steps, verifies of 4, the prompt
 
 
+def test_graph_buffers_equal_plain_greedy(model_dirs, load64):
+    """The hand-captured graphs' path ("graphs"): each shape's inputs copied into its own buffers
+    (on the CPU nothing is captured), alone and in a batch of rows joining at different steps."""
+    from test_batching import PROMPTS, run_batch
+
+    target = static64(model_dirs["llama"], compile="graphs")
+    want = reference_greedy(load64(model_dirs["llama"]), PROMPT, NEW)
+    tree = specdec.ModelDrafter(load64(model_dirs["llama-near"]), tree=specdec.TreeShape(nodes=8))
+    for drafter, gamma in ((None, "auto"), (tree, 3)):
+        assert specdec.SpeculativeDecoder(target, drafter, gamma=gamma).generate(PROMPT, max_new_tokens=NEW, temperature=0).tokens == want
+    decoder = specdec.SpeculativeDecoder(target, tree, gamma=3)
+    requests = [dict(prompt=prompt, max_new_tokens=10 + 2 * i, temperature=0.0) for i, prompt in enumerate(PROMPTS)]
+    for request, result in zip(requests, run_batch(decoder, requests, joins=[0, 1, 1, 3, 4])):
+        assert result.tokens == decoder.generate(**request).tokens
+    assert len(target.runner().shapes) >= 4  # rows and token buckets, each with its own buffers
+
+
+def test_a_released_sequence_is_refused(model_dirs):
+    model = static64(model_dirs["llama"])
+    sequence = model.sequence()
+    sequence.forward(PROMPT)
+    sequence.release()
+    other = model.sequence()
+    assert other.row == sequence.row
+    for use in (lambda: sequence.forward([1]), lambda: sequence.keep(2, []), lambda: sequence.fork(2)):
+        with pytest.raises(ValueError, match="released sequence"):
+            use()
+
+
 @pytest.mark.parametrize("tree", [None, 6])
 def test_sampled_chains_and_trees_are_lossless(static_llama, load64, model_dirs, tree):
     near = specdec.ModelDrafter(load64(model_dirs["llama-near"]), tree=specdec.TreeShape(nodes=tree) if tree else None)
@@ -165,7 +212,7 @@ def test_an_iteration_reads_the_device_once(static_llama, load64, model_dirs, mo
 def test_compile_settings(model_dirs, monkeypatch):
     assert type(load_model(model_dirs["llama"], device="cpu")) is HFModel  # auto: eager on the CPU
     assert type(load_model(model_dirs["llama"], device="cpu", compile="off")) is HFModel
-    model = load_model(model_dirs["llama"], device="cpu", compile="eager", context=32)
+    model = load_model(model_dirs["llama"], device="cpu", compile="static", context=32)
     assert isinstance(model, StaticHFModel) and model.max_length == model.capacity == 32
     with pytest.raises(SpecDecError, match="unknown compile setting"):
         load_model(model_dirs["llama"], device="cpu", compile="fast")
@@ -184,3 +231,14 @@ def test_models_the_static_slots_cannot_take_are_refused_by_name():
     assert "recurrent" in static_refusal(MambaConfig())
     assert static_refusal(LlamaConfig()) is None
     assert BUCKETS[0] == 1 and list(BUCKETS) == sorted(BUCKETS)
+
+
+def test_logprobs_from_device_logits_equal_the_eager_paths(static_llama, load64, model_dirs):
+    eager = load64(model_dirs["llama"])
+    near = specdec.ModelDrafter(load64(model_dirs["llama-near"]))
+    results = [specdec.SpeculativeDecoder(model, near, gamma=3).generate(PROMPT, max_new_tokens=12, temperature=0, logprobs=3)
+               for model in (static_llama, eager)]
+    assert results[0].tokens == results[1].tokens
+    for mine, theirs in zip(results[0].logprobs, results[1].logprobs):
+        assert mine.token == theirs.token and mine.logprob == pytest.approx(theirs.logprob, abs=1e-9)
+        assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]

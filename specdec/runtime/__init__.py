@@ -10,7 +10,7 @@ from specdec.runtime.vocab import check_same_vocabulary, tokenizer_fingerprint
 
 BACKENDS = ("auto", "transformers", "llamacpp")
 OUTPUT_LAYERS = ("auto", "specdec", "llama.cpp")  # who computes a GGUF model's logits on the CPU (see cpu_head)
-COMPILE_CHOICES = ("auto", "on", "off", "inductor", "cudagraphs", "aot_eager", "eager")  # see load_model
+COMPILE_CHOICES = ("auto", "on", "off", "graphs", "inductor", "aot_eager", "static")  # see load_model
 
 __all__ = ["CausalLM", "Sequence", "BACKENDS", "OUTPUT_LAYERS", "COMPILE_CHOICES", "load_model", "load_draft", "choose_backend", "require_trees",
            "check_same_vocabulary", "tokenizer_fingerprint"]
@@ -56,12 +56,12 @@ def load_model(
     batch_invariant (llama.cpp): kernels that give a row the same logits in a batch of any size (no
     repacked weights, no tiled matmuls; checked at load, refused where they still differ), so
     greedy speculation equals plain greedy decoding bit for bit; costs are in the README.
-    compile (transformers): "auto" (default: "on" on a GPU, "off" on the CPU), "on" (static KV
-    slots and forwards compiled per shape: `specdec.runtime.static`; the "cudagraphs" backend on a
-    GPU, "inductor" on the CPU), "off" (growing caches, eager kernels), or a torch.compile backend for
-    the static slots ("inductor": generated kernels, CUDA graphs on a GPU; "cudagraphs"; "aot_eager";
-    "eager": static slots, nothing compiled); context then caps a static slot (default min(4096, the
-    trained context)).
+    compile (transformers): "auto" (default: "on" on a GPU, "off" on the CPU), "on" (a static KV
+    pool and forwards compiled per shape, `specdec.runtime.static`: "graphs" on a GPU, "inductor" on
+    the CPU), "off" (growing caches, eager kernels), or how the pool's forwards run: "graphs" (CUDA
+    graphs captured by hand), "inductor" (torch.compile's kernels, CUDA graphs on a GPU),
+    "aot_eager" (traced by torch.compile, run eagerly), "static" (the pool, nothing compiled);
+    context then caps a row of the pool (default min(4096, the trained context)).
     """
     if isinstance(prefix_cells, bool) or not isinstance(prefix_cells, int) or prefix_cells < 0:
         raise SpecDecError(f"prefix cells must be a number >= 0, got {prefix_cells!r}")
@@ -99,9 +99,9 @@ def compile_backend(compile: str, device: str) -> str | None:
         raise SpecDecError(f"unknown compile setting {compile!r}; choose one of {', '.join(COMPILE_CHOICES)}")
     cuda = str(device).startswith("cuda")
     if compile == "auto":
-        return "cudagraphs" if cuda else None
+        return "graphs" if cuda else None
     if compile == "on":  # graphs of the eager kernels on a GPU: seconds to capture, where Inductor takes minutes
-        return "cudagraphs" if cuda else "inductor"
+        return "graphs" if cuda else "inductor"
     return None if compile == "off" else compile
 
 

@@ -45,7 +45,8 @@ class Sequence(Protocol):
     cache_len: int
 
     def forward(self, tokens: Seq[int] | torch.Tensor, parents: Seq[int] | None = None, last: int | None = None) -> torch.Tensor:
-        """Append entries for `tokens` and return next-token logits, [n, vocab] float on the CPU.
+        """Append entries for `tokens` and return next-token logits, [n, vocab] float on the CPU
+        (a model with `device_logits` also takes on_device=True: they stay on its device).
 
         parents[i]: the entry index token i follows (-1: none, position 0); every parent is an
         earlier entry, cached or new. Default: a chain after the last entry. `last`: return only

@@ -36,7 +36,10 @@ from specdec.runtime.hf import HFModel, HFSequence
 BUCKETS = (1, 4, 16, 64)  # new entries per compiled forward; verify trees and chains pad up to these
 BATCHES = (1, 2, 4, 8, 16, 32)  # rows per compiled forward; a server's batch pads up to these
 DEFAULT_CONTEXT = 4096  # cells per row unless asked: every step attends over the whole row
-COMPILE_BACKENDS = ("inductor", "cudagraphs", "aot_eager", "eager")  # "eager": the static pool alone
+# graphs: each shape captured by hand as a CUDA graph (`_Graphs`; on the CPU the same buffers, replayed
+# eagerly); inductor: torch.compile's generated kernels, CUDA graphs on a GPU ("reduce-overhead");
+# aot_eager: traced by torch.compile, run eagerly (tests); static: the pool alone, nothing compiled
+COMPILE_BACKENDS = ("graphs", "inductor", "aot_eager", "static")
 
 
 class StaticHFModel(HFModel):
@@ -44,7 +47,7 @@ class StaticHFModel(HFModel):
 
     device_logits = True
 
-    def __init__(self, model, tokenizer, path: str = "", context: int | None = None, backend: str = "inductor", rows: int = 2):
+    def __init__(self, model, tokenizer, path: str = "", context: int | None = None, backend: str = "graphs", rows: int = 2):
         super().__init__(model, tokenizer, path)
         if backend not in COMPILE_BACKENDS:
             raise SpecDecError(f"unknown compile backend {backend!r}; choose one of {', '.join(COMPILE_BACKENDS)}")
@@ -53,7 +56,9 @@ class StaticHFModel(HFModel):
             raise SpecDecError(f"{path}: no static cache for this model ({refusal}); run it with compile off")
         self.capacity = self.max_length = min(self.max_length, context or DEFAULT_CONTEXT)
         self.compile_backend = backend
-        self.pool = _Pool(_cache_layout(self), max(1, rows), self.capacity + 1, self.device)
+        # cell `capacity` is the scratch cell; the row is rounded up to 16 cells (attention kernels pad the mask
+        # otherwise, every layer, every step); cells past the scratch one are never written nor seen
+        self.pool = _Pool(_cache_layout(self), max(1, rows), -(-(self.capacity + 1) // 16) * 16, self.device)
         self._holders: list[StaticSequence | None] = [None] * self.pool.rows  # who owns each row
         self._runner = None
         self.compile_seconds: dict[tuple[int, int], float] = {}  # (rows, tokens) -> seconds its first forward took
@@ -78,7 +83,7 @@ class StaticHFModel(HFModel):
         sequences = [self.sequence() for _ in range(max(rows))]
         try:
             for batch in rows:
-                for bucket in tokens:
+                for bucket in (b for b in tokens if b <= self.capacity):
                     for _ in range(3):  # CUDA graph trees record on the second or third call
                         self.forward_batch([base.Feed(s, [0] * bucket) for s in sequences[:batch]])
                         for sequence in sequences[:batch]:
@@ -95,6 +100,8 @@ class StaticHFModel(HFModel):
         base.check_distinct(feeds)
         if any(feed.sequence.owner is not self for feed in feeds):
             raise ValueError("a batched forward takes sequences of its own model only")
+        if any(feed.sequence.released for feed in feeds):
+            raise ValueError("a released sequence cannot be fed: its row may be another's now")
         placed = [(feed, *feed.sequence.place(feed.tokens, feed.parents)) for feed in feeds]
         most = max(len(tokens) for _, tokens, _, _ in placed)
         tokens_bucket = next((b for b in BUCKETS if b >= most), most)  # beyond the largest: eager, unpadded
@@ -103,7 +110,8 @@ class StaticHFModel(HFModel):
         if rows > self.pool.rows:
             self._grow(rows)
         self._to_first_rows([feed.sequence for feed in feeds])
-        step = _Step.of(self, placed, rows, tokens_bucket)
+        by_row = sorted(placed, key=lambda entry: entry[0].sequence.row)  # row r of the forward is the pool's row r
+        step = _Step.of(self, by_row, rows, tokens_bucket)
         self.pool.positions[:rows].scatter_(1, step.slots, step.positions)  # before the mask: windows compare them
         mask = step.mask(self)
         cache = self.pool.cache(rows)
@@ -120,32 +128,37 @@ class StaticHFModel(HFModel):
         return self._results(placed, logits)
 
     def _results(self, placed, logits: torch.Tensor) -> list[torch.Tensor]:
-        """Each feed's rows of logits (the tokenizer's columns, float32 or float64), committed."""
-        logits = logits[: len(placed), :, : self.vocab_size]
-        logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
-        on_host = logits.cpu() if any(not feed.on_device for feed, *_ in placed) else None  # one copy for every row that wants it
-        results = []
-        for r, (feed, tokens, positions, all_parents) in enumerate(placed):
-            feed.sequence.commit(tokens, positions, all_parents)
+        """Each feed's wanted rows of logits (the tokenizer's columns, float32 or float64), in feed
+        order; its entries committed. Copies: a CUDA graph's output is overwritten by its next replay."""
+        wanted = []
+        for feed, tokens, positions, all_parents in placed:
             n = len(tokens)
-            wanted = n if feed.last is None else min(feed.last, n)
-            # a copy: a CUDA graph's output is overwritten by its next replay
-            results.append(logits[r, n - wanted : n].clone() if feed.on_device else on_host[r, n - wanted : n])
-        return results
+            rows = logits[feed.sequence.row, n - (n if feed.last is None else min(feed.last, n)) : n, : self.vocab_size]
+            wanted.append(rows.to(torch.float64 if rows.dtype == torch.float64 else torch.float32))
+            feed.sequence.commit(tokens, positions, all_parents)
+        host = [i for i, (feed, *_) in enumerate(placed) if not feed.on_device]
+        if host:  # one copy to the host for every feed that wants its logits there
+            copied = torch.cat([wanted[i] for i in host]).cpu().split([wanted[i].shape[0] for i in host])
+            for i, rows in zip(host, copied):
+                wanted[i] = rows
+        return [rows if not feed.on_device else rows.clone() for rows, (feed, *_) in zip(wanted, placed)]
 
     def runner(self):
-        """The compiled forward (one entry per shape, compiled on its first call)."""
+        """The compiled forward (one graph or compiled entry per shape, made on its first call)."""
         if self._runner is None:
-            self._runner = self._compiled() if self.compile_backend != "eager" else self._forward_logits
+            self._runner = self._compiled()
         return self._runner
 
     def _compiled(self):
+        if self.compile_backend == "static":
+            return self._forward_logits
+        if self.compile_backend == "graphs":
+            return _Graphs(self._forward_logits, capture=self.device.type == "cuda")
         # every model's every shape is an entry of `_forward_logits`'s code: past dynamo's limit (8 by
         # default) a further one would silently run eagerly
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        cuda = self.device.type == "cuda"
         if self.compile_backend == "inductor":
-            return torch.compile(self._forward_logits, mode="reduce-overhead" if cuda else None, dynamic=False)
+            return torch.compile(self._forward_logits, mode="reduce-overhead" if self.device.type == "cuda" else None, dynamic=False)
         return torch.compile(self._forward_logits, backend=self.compile_backend, dynamic=False)
 
     def _forward_logits(self, tokens, positions, mask, cache):
@@ -153,20 +166,24 @@ class StaticHFModel(HFModel):
         return out.logits
 
     def _to_first_rows(self, sequences: list[StaticSequence]) -> None:
-        """Swap rows so that sequences[i] sits in row i (rows below i hold sequences[:i] already)."""
-        for i, sequence in enumerate(sequences):
-            if sequence.row != i:
-                other = self._holders[i]
-                self.pool.swap(i, sequence.row)
-                self._holders[i], self._holders[sequence.row] = sequence, other
-                if other is not None:
-                    other.row = sequence.row
-                sequence.row = i
+        """Swap rows so that the sequences hold rows 0 .. len - 1, moving only those outside them
+        (a batch that lost a row moves one sequence, not every one after it)."""
+        count = len(sequences)
+        free = iter(sorted(set(range(count)) - {s.row for s in sequences}))
+        for sequence in [s for s in sequences if s.row >= count]:
+            target = next(free)
+            other = self._holders[target]
+            self.pool.swap(target, sequence.row)
+            self._holders[target], self._holders[sequence.row] = sequence, other
+            if other is not None:
+                other.row = sequence.row
+            sequence.row = target
 
     def _grow(self, rows: int) -> None:
         """More rows (the pool is reallocated; graphs are captured again over the new one)."""
         self.pool.grow(rows)
         self._holders += [None] * (self.pool.rows - len(self._holders))
+        self._runner = None
 
     def _release(self, sequence: StaticSequence) -> None:
         self._holders[sequence.row] = None
@@ -180,12 +197,12 @@ class StaticSequence(HFSequence):
         super().__init__(owner)
         self._cache = None
         self.row = row
-        self._released = False
+        self.released = False
 
     def release(self) -> None:
-        if not self._released:
+        if not self.released:
             self.owner._release(self)
-        self._released = True
+        self.released = True
 
     def forward(self, tokens, parents=None, last: int | None = None, on_device: bool = False) -> torch.Tensor:
         """As `Sequence.forward`; on_device: the logits stay on the model's device."""
@@ -193,6 +210,7 @@ class StaticSequence(HFSequence):
 
     @torch.inference_mode()
     def keep(self, start: int, indices: list[int]) -> None:
+        self._check_held()
         indices = [int(i) for i in indices]
         base.check_kept_path(self._parents, start, indices, self.cache_len)
         if indices != list(range(start, start + len(indices))):  # a chain's path is already in place
@@ -205,6 +223,7 @@ class StaticSequence(HFSequence):
 
     @torch.inference_mode()
     def fork(self, length: int) -> StaticSequence:
+        self._check_held()
         if not 0 <= length <= self._trunk:
             raise ValueError(f"cannot fork the first {length} of {self.cache_len} entries: they must be committed text")
         other = self.owner.sequence()
@@ -215,6 +234,10 @@ class StaticSequence(HFSequence):
 
     def crosses_rope_switch(self, positions) -> bool:
         return False  # longrope models are refused (`static_refusal`)
+
+    def _check_held(self) -> None:
+        if self.released:
+            raise ValueError("a released sequence cannot be used: its row may be another's now")
 
     def cache_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         n, row = self.cache_len, self.row
@@ -237,6 +260,9 @@ class _Step:
             positions.append(row_positions + [0] * pad)
             slots.append(list(range(start, start + n)) + [scratch] * pad)
             ancestry = sequence.attends(all_parents, start, n)
+            if ancestry is not None:  # cells below `trunk` are seen whole: cut it where some new entry's path leaves the chain earlier
+                hidden = (~ancestry[:, :trunk].all(dim=0)).nonzero()
+                trunk = int(hidden[0]) if len(hidden) else trunk
             trunks.append(trunk)
             counts.append(n)
             # a chain after a chain (trunk == start): each entry sees the new ones up to itself
@@ -260,7 +286,7 @@ class _Step:
         """The model's attention mask(s), [rows, 1, bucket, cells]: entry j of row r sees its row's
         trunk (cells < trunk) and its ancestors from the trunk on; padding entries see the scratch cell only."""
         rows, bucket, width = self.tree.shape
-        cells = torch.arange(owner.capacity + 1, device=owner.device)
+        cells = torch.arange(owner.pool.cells, device=owner.device)
         allowed = (cells[None, None, :] < self.trunks[:, None, None]).expand(rows, bucket, -1).clone()
         columns = (self.trunks[:, None, None] + torch.arange(width, device=owner.device)).clamp(max=owner.capacity)
         allowed.scatter_(2, columns.expand(rows, bucket, width), self.tree)  # beyond a row's span: False, on cells it never sees
@@ -330,6 +356,68 @@ class _Pool:
         self.positions[target, :length] = self.positions[source, :length]
 
 
+class _Graphs:
+    """Forwards captured as CUDA graphs by hand, one per (rows, tokens) shape: a replay copies the
+    step's inputs into the graph's own buffers; the weights and the pool are read where they are
+    (torch.compile's "cudagraphs" backend instead copied every weight and the whole pool in as
+    inputs before each replay). A shape whose forward cannot be captured (a host sync inside the
+    model) runs eagerly, said once on stderr. capture=False (the CPU): the same buffers, no graph."""
+
+    def __init__(self, forward, capture: bool):
+        self.forward, self.capture = forward, capture
+        self.shapes: dict[tuple, tuple] = {}  # shape -> (graph or None, input buffers, output)
+        self.memory = torch.cuda.graph_pool_handle() if capture else None
+
+    def __call__(self, tokens, positions, mask, cache):
+        key = (tuple(tokens.shape), id(cache))
+        if key not in self.shapes:
+            self.shapes[key] = self._record(tokens, positions, mask, cache)
+        graph, buffers, output = self.shapes[key]
+        for buffer, value in zip(_flat(buffers), _flat((tokens, positions, mask, cache.slots))):
+            buffer.copy_(value)
+        cache.slots = buffers[3]
+        if graph is None:
+            return self.forward(*buffers[:3], cache)
+        graph.replay()
+        return output
+
+    def _record(self, tokens, positions, mask, cache):
+        buffers = (tokens.clone(), positions.clone(), _cloned(mask), cache.slots.clone())
+        cache.slots = buffers[3]
+        if not self.capture:
+            return None, buffers, None
+        import sys
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(side):  # warm-up runs write what the replay writes: the same keys at the same cells
+                for _ in range(2):
+                    self.forward(*buffers[:3], cache)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.memory):
+                output = self.forward(*buffers[:3], cache)
+        except RuntimeError as error:
+            torch.cuda.current_stream().wait_stream(side)
+            print(f"specdec: a forward of shape {tuple(tokens.shape)} runs without a CUDA graph: {' '.join(str(error).split())[:200]}",
+                  file=sys.stderr)
+            return None, buffers, None
+        return graph, buffers, output
+
+
+def _flat(values) -> list[torch.Tensor]:
+    """Tensors in order, a mask dict's by key."""
+    out = []
+    for value in values:
+        out.extend(value[k] for k in sorted(value)) if isinstance(value, dict) else out.append(value)
+    return out
+
+
+def _cloned(mask):
+    return {k: v.clone() for k, v in mask.items()} if isinstance(mask, dict) else mask.clone()
+
+
 class SlotLayer(CacheLayerMixin):
     is_compileable = True
     supports_early_init = False
@@ -364,11 +452,12 @@ class SlotCache(Cache):
         self.slots: torch.Tensor | None = None
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """key_states, value_states: [rows, heads, n, head dim], written at cells slots[r, j] of row r
+        in place (an index_put_: Inductor keeps it in place, where a scatter_ copied the whole pool)."""
         layer = self.layers[layer_idx]
-        rows, heads, n, dim = key_states.shape
-        index = self.slots[:, None, :, None].expand(rows, heads, n, dim)
-        layer.keys.scatter_(2, index, key_states.to(layer.keys.dtype))
-        layer.values.scatter_(2, index.expand(rows, heads, n, value_states.shape[-1]), value_states.to(layer.values.dtype))
+        rows = torch.arange(self.slots.shape[0], device=self.slots.device)[:, None]  # [rows, 1] beside slots [rows, n]
+        layer.keys[rows, :, self.slots] = key_states.transpose(1, 2).to(layer.keys.dtype)  # indexed: [rows, n, heads, dim]
+        layer.values[rows, :, self.slots] = value_states.transpose(1, 2).to(layer.values.dtype)
         return layer.keys, layer.values
 
 
@@ -393,7 +482,7 @@ class _Uploader:
             self._staging[: len(flat)] = torch.tensor(flat, dtype=torch.long)
             values = self._staging[: len(flat)].to(self.device, non_blocking=True)
             self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))
         return list(values.split([len(row) for row in rows]))
 
 
