@@ -84,7 +84,7 @@ class StaticHFModel(HFModel):
         try:
             for batch in rows:
                 for bucket in (b for b in tokens if b <= self.capacity):
-                    for _ in range(3):  # CUDA graph trees record on the second or third call
+                    for _ in range(3):  # Inductor's graph trees record on the second or third call (hand capture: the first)
                         self.forward_batch([base.Feed(s, [0] * bucket) for s in sequences[:batch]])
                         for sequence in sequences[:batch]:
                             sequence.truncate(0)
