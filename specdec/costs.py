@@ -185,10 +185,10 @@ def measure_curve(model: CausalLM, sizes=SIZES, max_rounds: int = MAX_ROUNDS) ->
             rounds += 1
             for k in sizes:
                 tokens = [(7 * i + 3) % model.vocab_size for i in range(k)]
-                sequence.forward(tokens)  # untimed: llama.cpp builds its graph for this size
+                forward_as_decoding(model, sequence, tokens)  # untimed: llama.cpp builds its graph for this size
                 sequence.truncate(prefix)
                 started = time.perf_counter()
-                sequence.forward(tokens)
+                forward_as_decoding(model, sequence, tokens)
                 times[k].append(time.perf_counter() - started)
                 sequence.truncate(prefix)
             curve = _monotone({k: _low_quartile(t) for k, t in times.items()})
@@ -198,6 +198,17 @@ def measure_curve(model: CausalLM, sizes=SIZES, max_rounds: int = MAX_ROUNDS) ->
     finally:
         sequence.release()
     return curve, rounds
+
+
+def forward_as_decoding(model: CausalLM, sequence, tokens: list[int]) -> None:
+    """A forward, done when the device is: a model that keeps logits on its device (a GPU's static
+    pool) leaves them there, as the engine has it, and is waited for; others return them on the CPU."""
+    if getattr(model, "device_logits", False):
+        sequence.forward(tokens, on_device=True)
+        if torch.device(model.device).type == "cuda":
+            torch.cuda.synchronize(model.device)
+    else:
+        sequence.forward(tokens)
 
 
 def prefix_length(model: CausalLM) -> int:
