@@ -255,3 +255,16 @@ def test_the_cost_curve_times_forwards_as_decoding_runs_them(static_llama, monke
     curve, rounds = costs.measure_curve(static_llama, sizes=(1, 2, 4), max_rounds=1)
     assert set(curve) == {1, 2, 4} and all(seconds > 0 for seconds in curve.values()) and rounds == 1
     assert asked[0] is False and set(asked[1:]) == {True}  # the prefix's logits come back; the timed ones stay
+
+
+def test_a_prefix_cache_keeps_few_rows(static_llama):
+    """Each kept sequence holds a whole row of the pool: a prefix cache keeps KEPT_ROWS of them."""
+    from specdec.runtime.prefix import PrefixCache
+    from specdec.runtime.static import KEPT_ROWS
+
+    cache = PrefixCache(static_llama, 4096, min_shared=2)
+    for i in range(KEPT_ROWS + 3):
+        sequence = static_llama.sequence()
+        sequence.forward([i % 16, 1, 2, 3])
+        cache.put(sequence, [i % 16, 1, 2, 3, 4][:4])
+    assert len(cache._kept) == KEPT_ROWS

@@ -45,7 +45,8 @@ class PrefixCache:
     its thread like every other call into the model.
 
     Invariant: every kept sequence's cache holds exactly its `tokens`, as a chain (committed text),
-    the kept tokens add up to at most `budget` and the kept sequences to at most MAX_KEPT. On
+    the kept tokens add up to at most `budget` and the kept sequences to at most MAX_KEPT (fewer on a
+    model that says `spare_sequences`). On
     llama.cpp the budget is also capped by the KV cells the model spares beyond its slots
     (`spare_cells`), so kept prefixes never crowd out a running generation."""
 
@@ -54,6 +55,8 @@ class PrefixCache:
             raise SpecDecError(f"a prefix cache's budget must be a number of tokens >= 0, got {budget!r}")
         spare = getattr(model, "spare_cells", None)
         self.model, self.budget, self.min_shared = model, budget if spare is None else min(budget, spare), max(1, min_shared)
+        # a model whose kept sequences each hold a whole row of a static pool keeps fewer (`static.KEPT_ROWS`)
+        self.max_kept = min(MAX_KEPT, getattr(model, "spare_sequences", None) or MAX_KEPT)
         self._kept: list[_Kept] = []  # least recently used first
         self._lock = threading.RLock()
         self.reused_tokens = 0  # prompt tokens served from kept sequences, since the start
@@ -130,8 +133,8 @@ class PrefixCache:
             newcomer = _Kept(None, tokens, scope)
             gone = [kept for kept in mine if common_prefix(kept.tokens, tokens) == len(kept.tokens)]
             staying = [kept for kept in self._kept if kept not in gone]
-            while len(staying) + 1 > MAX_KEPT or sum(len(kept.tokens) for kept in staying) + len(tokens) > self.budget:
-                weight = (lambda kept: 1) if len(staying) + 1 > MAX_KEPT else (lambda kept: len(kept.tokens))
+            while len(staying) + 1 > self.max_kept or sum(len(kept.tokens) for kept in staying) + len(tokens) > self.budget:
+                weight = (lambda kept: 1) if len(staying) + 1 > self.max_kept else (lambda kept: len(kept.tokens))
                 victim = evictee(staying + [newcomer], lambda kept: owner(kept.scope), weight)
                 if victim is newcomer:
                     return False

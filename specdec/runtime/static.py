@@ -36,6 +36,7 @@ from specdec.runtime.hf import HFModel, HFSequence
 BUCKETS = (1, 4, 16, 64)  # new entries per compiled forward; verify trees and chains pad up to these
 BATCHES = (1, 2, 4, 8, 16, 32)  # rows per compiled forward; a server's batch pads up to these
 DEFAULT_CONTEXT = 4096  # cells per row unless asked: every step attends over the whole row
+KEPT_ROWS = 4  # finished sequences a prefix cache keeps here: each holds a whole row (512 MB for an 8B model at 4096 cells)
 # graphs: each shape captured by hand as a CUDA graph (`_Graphs`; on the CPU the same buffers, replayed
 # eagerly); inductor: torch.compile's generated kernels, CUDA graphs on a GPU ("reduce-overhead");
 # aot_eager: traced by torch.compile, run eagerly (tests); static: the pool alone, nothing compiled
@@ -46,6 +47,7 @@ class StaticHFModel(HFModel):
     """An HFModel whose sequences live in rows of a static pool, with compiled forwards per shape."""
 
     device_logits = True
+    spare_sequences = KEPT_ROWS
 
     def __init__(self, model, tokenizer, path: str = "", context: int | None = None, backend: str = "graphs", rows: int = 2):
         super().__init__(model, tokenizer, path)
