@@ -517,10 +517,10 @@ def load_model(
 
     Never downloads, never runs remote code, never unpickles: `.bin` weights are refused.
     attn_implementation: "eager", "sdpa", "flex_attention" ... (default: what transformers picks).
-    compile_backend: static slots compiled with this torch.compile backend (`specdec.runtime.static`;
-    None: growing caches, eager kernels); a model the slots cannot take then keeps the eager path
-    and says why, unless `required`. context: a static slot's length; rows: sequences its pool holds
-    before it grows (a server's batch, and the prefixes it keeps).
+    compile_backend: run on a static pool whose forwards run this way (`static.COMPILE_BACKENDS`;
+    None: growing caches, eager kernels); a model the pool cannot take then keeps the eager path and
+    says why, unless `required`. context: a row's length; rows: sequences the pool holds before it
+    grows (a server's batch, and a kept prefix).
     """
     path = Path(path).expanduser()
     device = check_device(device or default_device())
