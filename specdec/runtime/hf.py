@@ -57,6 +57,8 @@ class HFModel:
         self.max_length = _context_length(model.config)
         self.rope_switch = _longrope_switch(model.config)  # None, or the first position that runs long factors
         self.device = model.device  # fixed: the model is moved before it is wrapped (HF's property is slow)
+        if self.device.type == "cuda":
+            avoid_cudnn_attention()
         self.torch_dtype = model.dtype
         self.dtype = str(model.dtype).removeprefix("torch.")
         self.parameters = sum(p.numel() for p in model.parameters())
@@ -559,8 +561,6 @@ def load_model(
         raise SpecDecError(f"{path}: the safetensors files lack weights {', '.join(missing[:3])}{more}")
     if torch.device(device).type == "cpu":
         use_small_batch_matmul(model)
-    else:
-        avoid_cudnn_attention()
     model = model.to(device)
     if compile_backend is None:
         return HFModel(model, tokenizer, str(path))
