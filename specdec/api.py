@@ -416,12 +416,11 @@ def demo_ngram_sources() -> list[Path]:
     splits them); less those under test, tests, idlelib and lib2to3; then every fifth from the first."""
     import sysconfig
 
-    from specdec.train import split_files
+    from specdec.train import split_files, stdlib_sources
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(str(p) for p in stdlib.rglob("*.py") if "site-packages" not in p.relative_to(stdlib).parts)
-    trained, _ = split_files(files, 0.02)
-    kept = [Path(f) for f in trained if not DEMO_NGRAM_SKIPPED.intersection(Path(f).relative_to(stdlib).parts[:-1])]
+    trained, _ = split_files(stdlib_sources(), 0.02)
+    kept = [f for f in trained if not DEMO_NGRAM_SKIPPED.intersection(f.relative_to(stdlib).parts[:-1])]
     if not kept:
         raise SpecDecError(f"this Python's standard library sources are not installed ({stdlib}); pass an n-gram file (--ngram)")
     return kept[::5]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import resource
-import sysconfig
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -104,10 +103,10 @@ class DistillConfig:
 def default_corpus() -> list[Path]:
     """The standard library's source, less the held-out files the bench suites are built from."""
     from specdec.bench.suites import heldout_sources
+    from specdec.train import stdlib_sources
 
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
     held = set(heldout_sources())
-    return [p for p in sorted(stdlib.rglob("*.py")) if "site-packages" not in p.relative_to(stdlib).parts and p not in held]
+    return sorted(p for p in stdlib_sources() if p not in held)  # ordered as Paths, as the corpus always was
 
 
 def build_corpus(config: DistillConfig, tokenizer) -> np.ndarray:

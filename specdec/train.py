@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import sysconfig
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -100,6 +101,13 @@ def expand_files(paths: Sequence[str]) -> list[Path]:
     if not files:
         raise SpecDecError("the training paths hold no .py, .txt or .md files")
     return files
+
+
+def stdlib_sources() -> list[Path]:
+    """This interpreter's standard library .py files outside site-packages, sorted by path text:
+    the demo pair's corpus, and the order its held-out files are counted in."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return [Path(f) for f in sorted(str(p) for p in stdlib.rglob("*.py") if "site-packages" not in p.relative_to(stdlib).parts)]
 
 
 def split_files(files: list[Path], holdout: float) -> tuple[list[Path], list[Path]]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import ast
 import builtins
 import re
-import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -48,9 +47,9 @@ class Task:
 
 def heldout_sources() -> list[Path]:
     """The standard library files the demo pair was not trained on, in a fixed order."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(str(p) for p in stdlib.rglob("*.py") if "site-packages" not in p.relative_to(stdlib).parts)
-    return [Path(f) for i, f in enumerate(files) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]
+    from specdec.train import stdlib_sources
+
+    return [f for i, f in enumerate(stdlib_sources()) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]
 
 
 def _trees() -> Iterator[tuple[str, ast.Module]]:
