@@ -33,7 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import specdec  # noqa: E402
 from specdec.runtime.hf import HFModel  # noqa: E402
-from specdec.runtime.static import BUCKETS, StaticHFModel, synchronize  # noqa: E402
+from specdec.runtime.base import synchronize  # noqa: E402
+from specdec.runtime.static import BUCKETS, StaticHFModel  # noqa: E402
 
 SMALL = os.environ.get("SMALL") == "1"
 DEVICE = os.environ.get("DEVICE", "cuda")

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from specdec.runtime import CausalLM
+from specdec.runtime.base import synchronize
 
 PREFIX = 256  # tokens cached before a timed forward (at most a quarter of the model's context)
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -205,8 +206,7 @@ def forward_as_decoding(model: CausalLM, sequence, tokens: list[int]) -> None:
     pool) leaves them there, as the engine has it, and is waited for; others return them on the CPU."""
     if getattr(model, "device_logits", False):
         sequence.forward(tokens, on_device=True)
-        if torch.device(model.device).type == "cuda":
-            torch.cuda.synchronize(model.device)
+        synchronize(model.device)
     else:
         sequence.forward(tokens)
 

@@ -190,6 +190,12 @@ def cut_at_stop(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
     return tokens
 
 
+def synchronize(device) -> None:
+    """Wait for the device (a no-op on the CPU): timings of forwards that return before it is done need it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def require_trees(model: CausalLM) -> None:
     reason = model.tree_refusal()
     if reason is not None:

@@ -3,8 +3,8 @@
 `HFModel` grows a DynamicCache per sequence and launches every kernel from Python: on a GPU a
 one-token step then costs several times what reading the weights does. Here instead
 - the model holds a *pool*: per layer, keys and values of `rows` sequences × `cells` entries,
-  allocated once. A sequence owns a row; its entries are written in place (a scatter at their cell
-  numbers) and rolled back by moving a count. The last cell of every row is scratch: padding
+  allocated once. A sequence owns a row; its entries are written in place (an index_put_ at their cell
+  numbers) and rolled back by moving a count. Cell `capacity` of every row is scratch: padding
   writes it and only padding sees it, so it stays finite and changes nothing;
 - a forward over several sequences (the server's batch, or one alone) first swaps their rows into
   rows 0, 1, ... (a copy only when the batch changes), then runs on the pool's first `batch` rows:
@@ -76,9 +76,6 @@ class StaticHFModel(HFModel):
     def describe(self) -> str:
         return f"{super().describe()[:-1]}, static cache of {self.capacity}, compiled with {self.compile_backend})"
 
-    def verify_room(self, root_position: int) -> int:
-        return max(0, self.max_length - 1 - root_position)
-
     def warm_up(self, tokens: tuple[int, ...] = BUCKETS, rows: tuple[int, ...] = (1,)) -> float:
         """Compile (capture) these shapes now rather than on first use; returns the seconds it took."""
         started = time.perf_counter()
@@ -93,7 +90,7 @@ class StaticHFModel(HFModel):
         finally:
             for sequence in sequences:
                 sequence.release()
-        synchronize(self.device)
+        base.synchronize(self.device)
         return time.perf_counter() - started
 
     @torch.inference_mode()
@@ -123,7 +120,7 @@ class StaticHFModel(HFModel):
             first = (rows, tokens_bucket) not in self.compile_seconds
             logits = self.runner()(step.tokens, step.positions, mask, cache)
             if first:
-                synchronize(self.device)
+                base.synchronize(self.device)
                 self.compile_seconds[(rows, tokens_bucket)] = time.perf_counter() - began
         else:
             logits = self._forward_logits(step.tokens, step.positions, mask, cache)
@@ -234,9 +231,6 @@ class StaticSequence(HFSequence):
         other._parents, other._trunk = base.chain_parents(0, length), length
         return other
 
-    def crosses_rope_switch(self, positions) -> bool:
-        return False  # longrope models are refused (`static_refusal`)
-
     def _check_held(self) -> None:
         if self.released:
             raise ValueError("a released sequence cannot be used: its row may be another's now")
@@ -288,11 +282,11 @@ class _Step:
         """The model's attention mask(s), [rows, 1, bucket, cells]: entry j of row r sees its row's
         trunk (cells < trunk) and its ancestors from the trunk on; padding entries see the scratch cell only."""
         rows, bucket, width = self.tree.shape
-        cells = torch.arange(owner.pool.cells, device=owner.device)
+        cells = owner.pool.cell_index  # width and bucket are at most the cells
         allowed = (cells[None, None, :] < self.trunks[:, None, None]).expand(rows, bucket, -1).clone()
-        columns = (self.trunks[:, None, None] + torch.arange(width, device=owner.device)).clamp(max=owner.capacity)
+        columns = (self.trunks[:, None, None] + cells[:width]).clamp(max=owner.capacity)
         allowed.scatter_(2, columns.expand(rows, bucket, width), self.tree)  # beyond a row's span: False, on cells it never sees
-        padding = torch.arange(bucket, device=owner.device)[None, :] >= self.counts[:, None]
+        padding = cells[:bucket][None, :] >= self.counts[:, None]
         allowed = torch.where(padding[:, :, None], (cells == owner.capacity)[None, None, :], allowed)
         window = owner.sliding_window
         if window is not None:
@@ -316,6 +310,7 @@ class _Pool:
 
     def __init__(self, layout: list, rows: int, cells: int, device: torch.device):
         self.layout, self.cells, self.device = layout, cells, device
+        self.cell_index = torch.arange(cells, device=device)
         self.rows = 0
         self.grow(rows)
 
@@ -452,14 +447,14 @@ class SlotCache(Cache):
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
         super().__init__(layers=[SlotLayer(k, v) for k, v in zip(keys, values)])
         self.slots: torch.Tensor | None = None
+        self.row_index = torch.arange(keys[0].shape[0], device=keys[0].device)[:, None]  # [rows, 1] beside slots [rows, n]
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [rows, heads, n, head dim], written at cells slots[r, j] of row r
         in place (an index_put_: Inductor keeps it in place, where a scatter_ copied the whole pool)."""
         layer = self.layers[layer_idx]
-        rows = torch.arange(self.slots.shape[0], device=self.slots.device)[:, None]  # [rows, 1] beside slots [rows, n]
-        layer.keys[rows, :, self.slots] = key_states.transpose(1, 2).to(layer.keys.dtype)  # indexed: [rows, n, heads, dim]
-        layer.values[rows, :, self.slots] = value_states.transpose(1, 2).to(layer.values.dtype)
+        layer.keys[self.row_index, :, self.slots] = key_states.transpose(1, 2).to(layer.keys.dtype)  # indexed: [rows, n, heads, dim]
+        layer.values[self.row_index, :, self.slots] = value_states.transpose(1, 2).to(layer.values.dtype)
         return layer.keys, layer.values
 
 
@@ -517,8 +512,3 @@ def _cache_layout(model: HFModel) -> list:
         layout.append((tuple(keys.shape), tuple(values.shape), keys.dtype))
     return layout
 
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device (a no-op on the CPU): timings of forwards that return early need it."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
