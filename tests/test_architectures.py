@@ -302,20 +302,21 @@ def test_the_self_check_refuses_a_mask_that_attention_ignores(arch_dirs, monkeyp
     assert load(arch_dirs["llama"], attn_implementation="sdpa").tree_refusal() is None
 
 
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_static_slots_decode_as_the_eager_path(arch, arch_dirs):
-    """The static pool (`specdec.runtime.static`, the GPU default) on every architecture: plain
-    decoding and every drafter give the eager path's plain greedy tokens; a model it cannot take is
-    refused by name when asked for, and kept on the eager path by "auto"."""
+def test_static_slots_decode_as_the_eager_path(arch, implementation, arch_dirs):
+    """The static pool (`specdec.runtime.static`, the GPU default) on every architecture and attention
+    implementation: plain decoding and every drafter give the eager path's plain greedy tokens; a
+    model it cannot take is refused by name when asked for."""
     from specdec.runtime.static import StaticHFModel, static_refusal
 
-    eager = load(arch_dirs[arch])
+    eager = load_or_skip(arch_dirs[arch], arch, implementation)
     refusal = static_refusal(eager.model.config)
     if refusal is not None:
         with pytest.raises(specdec.SpecDecError, match=rf"no static cache for this model \({re.escape(refusal)}\)"):
-            load(arch_dirs[arch], compile="static")
+            load(arch_dirs[arch], compile="static", attn_implementation=implementation)
         return
-    static = load(arch_dirs[arch], compile="static")
+    static = load(arch_dirs[arch], compile="static", attn_implementation=implementation)
     assert isinstance(static, StaticHFModel)
     plain = specdec.SpeculativeDecoder(eager).generate(PROMPT, max_new_tokens=NEW, temperature=0).tokens
     assert specdec.SpeculativeDecoder(static).generate(PROMPT, max_new_tokens=NEW, temperature=0).tokens == plain
