@@ -9,7 +9,7 @@ first --limit tasks of each suite, --max-new-tokens each: how many replies are t
 same.
 
     python benchmarks/batch_numerics.py --target $G [--suites edit extract complete --limit 8]
-    python benchmarks/batch_numerics.py --target "$(python -c 'from specdec.api import demo_gguf; print(demo_gguf("target"))')" --hf specdec/demo_pair/target
+    python benchmarks/batch_numerics.py --target "$(python -c 'from specdec.demo import demo_gguf; print(demo_gguf("target"))')" --hf specdec/demo_pair/target
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
-    from specdec.costs import cpu_name
+    from specdec.profiling import cpu_name
 
     print(f"{args.target} · {cpu_name()} · 1 thread\n")
     print("| runtime, configuration | " + " | ".join(f"max \\|Δlogit\\| k = {k}" for k in SIZES) + " | max \\|logit\\| |")

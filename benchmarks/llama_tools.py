@@ -5,7 +5,7 @@ vendored in llama-cpp-python's sdist (the same llama.cpp the installed ``llama_c
 This module is meant for benchmark scripts that compare them with specdec::
 
     import llama_tools
-    from specdec.api import demo_gguf
+    from specdec.demo import demo_gguf
     if llama_tools.available():
         run = llama_tools.run_tool("draft-simple", "def fibonacci(n):", 64, threads=1,
                                    target=str(demo_gguf("target")), draft=str(demo_gguf("draft")))
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", default="def fibonacci(n):")
     p.add_argument("--n-predict", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--target", help="default: the demo pair's target (specdec.api.demo_gguf)")
+    p.add_argument("--target", help="default: the demo pair's target (specdec.demo.demo_gguf)")
     p.add_argument("--draft", help="default: the demo pair's draft")
     p.add_argument("--draft-n-max", type=int, default=4)
     p.add_argument("--sampled", action="store_true", help="--check: also one sampled run each")
@@ -252,7 +252,7 @@ def main(argv=None) -> int:
         p.print_help()
         return 0
     if args.target is None or args.draft is None:
-        from specdec.api import demo_gguf
+        from specdec.demo import demo_gguf
 
         args.target, args.draft = args.target or str(demo_gguf("target")), args.draft or str(demo_gguf("draft"))
     return _check(args)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from specdec.api import demo_gguf
+from specdec.demo import demo_gguf
 from specdec.bench.prompts import humaneval_prompts
 
 HERE = Path(__file__).parent

@@ -15,7 +15,7 @@ import time
 
 import specdec
 from specdec import costs
-from specdec.api import demo_gguf
+from specdec.demo import demo_gguf
 from specdec.bench.suites import suite_tasks
 from specdec.drafters import AutoDrafter, ModelDrafter, PromptLookupDrafter
 from specdec.engine import Engine
@@ -51,7 +51,7 @@ def step_times(decoder: specdec.SpeculativeDecoder, ids: list[int], new: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", help="default: the demo pair's target (specdec.api.demo_gguf)")
+    parser.add_argument("--target", help="default: the demo pair's target (specdec.demo.demo_gguf)")
     parser.add_argument("--draft", help="default: the demo pair's draft")
     parser.add_argument("--suite", default="extract")
     parser.add_argument("--new", type=int, default=128)

@@ -1,13 +1,13 @@
 """What a k-token verify costs on llama.cpp's CPU backend, per configuration (issue 22).
 
 For each configuration, in a process of its own (batch invariance is process-wide in ggml), the
-cost curve the auto policy decides with (`specdec.costs.measure_curve`: a forward of k tokens,
+cost curve the auto policy decides with (`specdec.profiling.measure_curve`: a forward of k tokens,
 logits for all, after a 256-token prefix, as decoding pays it), and llama-cpp-python's own plain
 decoding step (Llama.generate, greedy, 64 tokens) for scale. Configurations alternate over
 --rounds rounds; the table gives each one's median and its spread (min-max over rounds).
 
     python benchmarks/verify_cost.py --target $G [--rounds 2] [--plot curves.png]
-    python benchmarks/verify_cost.py --target "$(python -c 'from specdec.api import demo_gguf; print(demo_gguf("target"))')" --site /path/to/a/no-llamafile/build
+    python benchmarks/verify_cost.py --target "$(python -c 'from specdec.demo import demo_gguf; print(demo_gguf("target"))')" --site /path/to/a/no-llamafile/build
 
 --site adds a configuration run with that directory first on PYTHONPATH (a llama-cpp-python
 installed there with `pip install --target DIR`, e.g. built with CMAKE_ARGS="-DGGML_LLAMAFILE=OFF").
@@ -34,11 +34,11 @@ def measure(target: str, options: dict, threads: int) -> dict:
 
     from llama_cpp import Llama
 
-    from specdec import costs
+    from specdec import profiling
     from specdec.runtime import load_model
 
     model = load_model(target, threads=threads, **options)
-    curve, _ = costs.measure_curve(model, sizes=SIZES)
+    curve, _ = profiling.measure_curve(model, sizes=SIZES)
     layer = model.output_layer
     del model
     llm = Llama(model_path=target, n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--site", help="a directory holding another llama-cpp-python build (see the module docstring)")
     parser.add_argument("--plot", metavar="FILE.png")
     args = parser.parse_args()
-    from specdec.costs import cpu_name, load_average
+    from specdec.profiling import cpu_name, load_average
 
     names = list(CONFIGS) + (["another build (--site), specdec output layer, batch-invariant"] if args.site else [])
     runs: dict[str, list[dict]] = {name: [] for name in names}

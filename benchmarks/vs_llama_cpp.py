@@ -34,7 +34,7 @@ import llama_tools  # noqa: E402
 
 import specdec  # noqa: E402
 from specdec import AutoDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, SpeculativeDecoder, TreeShape  # noqa: E402
-from specdec.api import demo_gguf, demo_ngram  # noqa: E402
+from specdec.demo import demo_gguf, demo_ngram  # noqa: E402
 from specdec.bench.prompts import humaneval_prompts  # noqa: E402
 from specdec.bench.runner import read_bandwidth  # noqa: E402
 from specdec.ngram import KatzTrigram  # noqa: E402
@@ -165,7 +165,7 @@ def save(out: Path, results: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", help="default: the demo pair's target (specdec.api.demo_gguf)")
+    parser.add_argument("--target", help="default: the demo pair's target (specdec.demo.demo_gguf)")
     parser.add_argument("--draft", help="default: the demo pair's draft")
     parser.add_argument("--limit", type=int, default=30)
     parser.add_argument("--max-new-tokens", type=int, default=128)

@@ -28,7 +28,7 @@ train(TrainConfig(files=files, output="runs/draft", distill_from="runs/target", 
                   eval_every=100, save_every=50, bf16=True))
 PY
 
-# 3. Katz trigram over the target's tokenizer, from every fifth non-test training file; specdec.api.demo_ngram builds
+# 3. Katz trigram over the target's tokenizer, from every fifth non-test training file; specdec.demo.demo_ngram builds
 #    the same one from the same files on first use (the package ships only the checkpoints)
 awk 'NR % 50 != 0' runs/stdlib_files.txt | grep -v -E '/(test|tests|idlelib|lib2to3)/' | awk 'NR % 5 == 1' > runs/ngram_files.txt
 python -m specdec ngram build $(cat runs/ngram_files.txt) --tokenizer runs/target -o runs/ngram.safetensors

@@ -1,560 +1,62 @@
-"""The Python API: load a target and a drafter, then generate text or stream it."""
+"""The Python API's front door: `load` a target and a drafter, then generate text or stream it.
+
+    decoder = specdec.load("path/to/target", draft="path/to/draft")
+    print(decoder.generate("def fibonacci(n):", max_new_tokens=64, temperature=0).text)
+
+`load` is a thin wrapper: its keywords become a `DecoderConfig` (`specdec.config`), which the one
+builder (`specdec.build`) turns into a `SpeculativeDecoder` (`specdec.decoder`).
+"""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Hashable, Iterator, Sequence
-
-from specdec import costs
-from specdec.drafters import AutoDrafter, Drafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
-from specdec.drafters.history import History
-from specdec.drafters.prediction import Prediction
-from specdec.engine import DecodeState, Engine, StepResult, TokenLogprob
-from specdec.errors import SpecDecError
-from specdec.ngram import KatzTrigram
-from specdec.runtime import CausalLM, check_same_vocabulary, choose_backend, load_draft, load_model, require_trees, tokenizer_fingerprint
-from specdec.runtime.prefix import DEFAULT_TOKENS as PREFIX_TOKENS, PrefixCache
-from specdec.policy import AUTO_MAX_DEPTH, MAX_DEPTH, BatchDepth, CostAwareDepth, CostAwarePolicy, FixedGamma, SharedAcceptance
-from specdec.sampling import RandomStreams
-from specdec.scopes import PerScope, Scope, check_scope, owner
-from specdec.stops import StopStrings
-from specdec.text import check_text, continuation_decoder
-from specdec.types import GenerationStats, SamplingParams
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    # generated ids, prompt and stop excluded; they decode to a prefix of `text`: all of it, unless a stop
-    # string begins inside a token, whose characters before the stop are then in `text` but the token is not
-    tokens: list[int]
-    finish_reason: str  # "length", "stop" (EOS or a stop string)
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
-    prediction: Prediction | None = field(default=None, repr=False)  # the prediction it was drafted from, if any
-
-    def prediction_usage(self) -> tuple[int, int] | None:
-        """(accepted, rejected) prediction tokens, OpenAI's meaning (see `Prediction.usage`); None without one.
-        Costs an alignment of the prediction's tokens with the output's: computed when asked."""
-        return self.prediction.usage(self.tokens) if self.prediction is not None else None
-
-    def to_dict(self) -> dict:
-        out = {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
-        if self.logprobs is not None:
-            out["logprobs"] = [{"token": lp.token, "logprob": lp.logprob, "top": lp.top} for lp in self.logprobs]
-        if self.prediction is not None:
-            out["prediction_tokens"] = dict(zip(("accepted", "rejected"), self.prediction_usage()))
-        return out
-
-
-class Stream:
-    """Iterate for text deltas; afterwards `.result` holds the whole GenerationResult."""
-
-    def __init__(self, deltas: Iterator[str]):
-        self._deltas = deltas
-        self.result: GenerationResult | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        self.result = yield from self._deltas
-
-
-class SpeculativeDecoder:
-    """A target model plus an optional drafter; with no drafter it decodes plainly (γ = 0).
-
-    gamma: draft length per iteration (a tree's depth), or "auto": chosen every iteration from
-    measured forward costs and the acceptance so far (`specdec.policy`); an `AutoDrafter` is
-    always shaped by the cost-aware policy, at most `gamma` deep when that is a number.
-    explore: the auto drafter's policy tries prompt lookup on a probe schedule when its estimate
-    does not pay (False: lookup only when it pays by the estimate).
-    history: earlier generations' prompts and outputs, drafted from by the auto drafter (suffix
-    decoding; a `History`, or True for one with the default budget, or None); per tenant, as
-    each request says (`request(tenant=...)`).
-    prefix_cache: finished generations' caches kept (a `PrefixCache`, or its budget in tokens, for
-    the cache every decoder on this target shares; 0 or None: none), so a request starts from the
-    longest prefix it shares with them: a conversation's next turn does not compute the earlier
-    ones again. On llama.cpp it needs KV cells beyond the
-    slots' (`load_model(prefix_cells=...)`; `load` reserves them). Off on a batch-invariant target
-    (as trees are: both would put KV cells out of position order).
-    """
-
-    def __init__(self, target: CausalLM, drafter: Drafter | None = None, gamma: int | str = "auto", explore: bool = True,
-                 history: History | bool | None = True, prefix_cache: PrefixCache | int | None = PREFIX_TOKENS):
-        check_gamma(gamma)
-        _check_drafter(drafter, target)
-        if isinstance(drafter, AutoDrafter):  # it drafts trees (a prediction and lookup branching too) only where every model scores them exactly
-            drafter.trees = drafter.trees and target.tree_refusal() is None and (drafter.model is None or drafter.model.model.tree_refusal() is None)
-        self.target, self.drafter, self.gamma, self.explore = target, drafter, gamma, explore
-        if history is True:
-            history = History() if isinstance(drafter, AutoDrafter) else None
-        if history is not None and not isinstance(drafter, AutoDrafter):
-            raise SpecDecError("a history is drafted from by the default (auto) drafter; this decoder has " + _drafter_name(drafter))
-        self.history: History | None = history or None
-        if getattr(target, "batch_invariant", False):
-            prefix_cache = None  # a fork's new tokens could take freed cells below the shared ones: out of position order
-        if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
-            prefix_cache = PrefixCache.of(target, prefix_cache) if prefix_cache else None
-        self.prefixes = prefix_cache if prefix_cache is not None and prefix_cache.budget else None
-        self.shared_acceptance: PerScope[SharedAcceptance] | None = None  # a server's: what each owner's earlier requests saw, for its new ones
-        self._busy = False  # one generation at a time: the caches belong to it
-        self._profile: costs.LiveCosts | None = None
-
-    @property
-    def draft_model(self) -> CausalLM | None:
-        drafter = self.drafter.model if isinstance(self.drafter, AutoDrafter) else self.drafter
-        return drafter.model if isinstance(drafter, ModelDrafter) else None
-
-    @property
-    def uses_profile(self) -> bool:
-        """Whether decoding needs measured forward costs (any cost-aware choice)."""
-        return isinstance(self.drafter, AutoDrafter) or (self.drafter is not None and self.gamma == "auto")
-
-    def profile(self) -> costs.LiveCosts:
-        """The models' forward costs on this machine: cached on disk, measured on first use, then
-        corrected by what this decoder's steps pay (`costs.LiveCosts`, shared by its generations)."""
-        if self._profile is None:
-            self._profile = costs.LiveCosts.of(costs.profile(self.target, self.draft_model))
-        return self._profile
-
-    def policy(self, scope: Scope = None):
-        """A fresh draft policy for one generation of `scope` (it starts from what that scope's
-        earlier generations saw, on a server)."""
-        if self.drafter is None:
-            return FixedGamma(0)
-        if isinstance(self.drafter, AutoDrafter):
-            shared = self.shared_acceptance[owner(scope)] if self.shared_acceptance is not None else None
-            return CostAwarePolicy(self.profile(), AUTO_MAX_DEPTH if self.gamma == "auto" else self.gamma, explore=self.explore, shared=shared)
-        limit = MAX_DEPTH if self.gamma == "auto" else self.gamma
-        if self.gamma == "auto":
-            return self.depth_policy(CostAwareDepth, limit)
-        return FixedGamma(self.gamma)
-
-    def depth_policy(self, kind: type[BatchDepth], max_gamma: int) -> BatchDepth:
-        """A depth policy (`BatchDepth` or a subclass) for this decoder's drafter, with measured costs."""
-        width = self.drafter.tree.width if isinstance(self.drafter, ModelDrafter) and self.drafter.tree else 1
-        return kind(self.profile(), max_gamma, models_draft=isinstance(self.drafter, ModelDrafter), width=width)
-
-    @property
-    def tokenizer(self):
-        return self.target.tokenizer
-
-    def generate(self, prompt: str | Sequence[int], **options) -> GenerationResult:
-        """Options as for `stream`. Returns text, tokens and stats."""
-        return self.run(self.request(prompt, **options))
-
-    def run(self, generation: Generation) -> GenerationResult:
-        """Run a generation made by `request` to its end."""
-        stream = Stream(self._deltas(generation))
-        for _ in stream:
-            pass
-        return stream.result
-
-    def stream(self, prompt: str | Sequence[int], **options) -> Stream:
-        """Text deltas as they are committed; options as for `request`."""
-        return Stream(self._deltas(self.request(prompt, **options)))
-
-    def request(
-        self,
-        prompt: str | Sequence[int],
-        max_new_tokens: int = 128,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        logprobs: int | None = None,
-        prediction: str | None = None,
-        tenant: Hashable = None,
-        scope: Scope = None,
-    ) -> Generation:
-        """A checked generation, not started: run it with `stream`, or in a batch with an `Engine`.
-        Temperature 0 is greedy. logprobs: the result also holds each token's log-probability under
-        the target (its raw distribution) and this many most likely alternatives. prediction: the
-        text the output is expected to be (OpenAI's Predicted Outputs), drafted from by the default
-        drafter; it changes the speed, never the output. scope: who may reuse what this generation
-        leaves (its kept cache, its history; `specdec.scopes`), and whose it may reuse; tenant:
-        whose history, within the scope, it drafts from and joins (see `History`). Both any hashable.
-
-        seed: sampling is repeatable. Under the default drafter, or with none, a seeded sampled
-        generation draws its i-th token as argmax(p / E_i), with noise E_i fixed by (seed, i), and
-        drafts point masses only, a draft model's ranked by the same noise, verified by that draw
-        (`verify.verify_tree_coupled`): its text is plain decoding's with the same seed, whatever
-        was drafted, so neither what the decoder learnt before (its history, the costs its steps
-        paid) nor the batch it runs in changes it, except where a runtime's numerics move with the
-        batch (llama.cpp; bfloat16 on a GPU: see the README) and nudge a draw that lay on a
-        boundary. A fixed drafter (a draft model's chain or tree, an n-gram) keeps Chen's rejection
-        sampling of drawn drafts: its seeded text repeats when its drafting does, i.e. with a
-        numeric gamma. `Generation.drawn` runs a seeded request the unseeded way."""
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        prompt_ids = self.prompt_ids(prompt)
-        check_scope(tenant, "tenant")
-        check_scope(scope, "scope")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise SpecDecError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise SpecDecError(f"seed must be a non-negative integer, got {seed!r}")
-        stop = [stop] if isinstance(stop, str) else list(stop)
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise SpecDecError("stop strings must be non-empty strings")
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20):
-            raise SpecDecError(f"logprobs must be an integer from 0 to 20, got {logprobs!r}")
-        if prediction is not None:
-            if not isinstance(prediction, str):
-                raise SpecDecError(f"a prediction must be text, got {type(prediction).__name__}")
-            if not isinstance(self.drafter, AutoDrafter):
-                raise SpecDecError("a prediction is drafted by the default (auto) drafter; this decoder has " + _drafter_name(self.drafter))
-        try:
-            chains = (Prediction(prediction, self.tokenizer, prompt_ids),) if prediction else ()
-        except SpecDecError as error:
-            raise SpecDecError(str(error), param="prediction") from None
-        if self.history is not None:
-            chains += (self.history.view(tenant, scope),)
-        keyed = seed is not None and not sampling.greedy and (self.drafter is None or isinstance(self.drafter, AutoDrafter))
-        state = DecodeState(prompt_ids, sampling, max_new_tokens, self.policy(scope), RandomStreams(seed, keyed),
-                            GenerationStats(prompt_tokens=len(prompt_ids)), self.stop_token_ids, logprobs=logprobs, chains=chains, scope=scope)
-        return Generation(state, TextAssembler(self.tokenizer, prompt_ids, stop))
-
-    def engine(self) -> Engine:
-        return Engine(self.target, self.drafter, self.prefixes)
-
-    def prompt_ids(self, prompt) -> list[int]:
-        """Token ids of a prompt (text or ids), checked: not empty, in the vocabulary, shorter than the context."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise SpecDecError("the prompt is empty")
-            check_text(prompt, "prompt")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        else:
-            ids = [int(i) for i in prompt]
-            if any(not 0 <= i < self.target.vocab_size for i in ids):
-                raise SpecDecError(f"prompt token ids must be in [0, {self.target.vocab_size})")
-        if not ids:
-            raise SpecDecError("the prompt is empty" if not len(prompt) else "the prompt encodes to no tokens (the tokenizer knows none of its characters)")
-        # only the target's context limits the prompt: a draft model with a shorter one stops drafting
-        limit = self.target.max_length
-        if len(ids) >= limit:
-            raise SpecDecError(f"the prompt has {len(ids)} tokens; the context holds {limit}, leaving no room to generate")
-        return ids
-
-    @property
-    def stop_token_ids(self) -> frozenset[int]:
-        return self.target.stop_token_ids
-
-    def _deltas(self, generation: Generation) -> Iterator[str]:
-        if self._busy:
-            raise SpecDecError("this decoder is already generating; finish the other stream first")
-        self._busy = True
-        generation.started = time.perf_counter()
-        steps = self.engine().run(generation.state)
-        try:
-            for step in steps:
-                delta = generation.add(step)
-                if delta:
-                    yield delta
-                if generation.done:
-                    break
-            return generation.result()
-        finally:
-            steps.close()  # gives the slots back
-            self._busy = False
-
-
-class Generation:
-    """One request: its decoding state and its text so far. `add` each step's result until `done`."""
-
-    def __init__(self, state: DecodeState, text: TextAssembler):
-        self.state, self.text = state, text
-        self.started = 0.0
-
-    def drawn(self, seed: int) -> Generation:
-        """Draw as an unseeded request does (drafts drawn from the draft model, rejection sampling),
-        from generators seeded by `seed`: repeatable samples of that path, for the tools that
-        measure it (the losslessness check, the benchmark). Returns itself."""
-        self.state.streams = RandomStreams(seed)
-        return self
-
-    def open(self, engine: Engine, prefill: bool = True) -> None:
-        """Start on `engine` (which must `close` the state when the generation ends), the prompt
-        prefilled, or (prefill False) left for `engine.prefill` to feed in chunks."""
-        self.started = time.perf_counter()
-        if prefill:
-            engine.open(self.state)
-        else:
-            engine.start(self.state)
-
-    @property
-    def done(self) -> bool:
-        return self.text.finish_reason is not None or self.state.finish_reason is not None
-
-    def add(self, step: StepResult) -> str:
-        """The text delta this step's tokens make visible ('' when none)."""
-        return self.text.add(step)
-
-    def result(self) -> GenerationResult:
-        stats = self.state.stats
-        stats.generated_tokens = len(self.text.tokens)
-        stats.total_seconds = time.perf_counter() - self.started
-        return GenerationResult(text=self.text.text, tokens=self.text.tokens, finish_reason=self.text.finish_reason or self.state.finish_reason or "length",
-                                stats=stats, logprobs=self.text.logprobs if self.state.logprobs is not None else None,
-                                prediction=next((c for c in self.state.chains if isinstance(c, Prediction)), None))
-
-
-class TextAssembler:
-    """Committed tokens to text deltas: a stop string cuts the text (and the tokens) where it
-    begins; a half-decoded character or a possible start of a stop string is held back."""
-
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
-        self.decode_text = continuation_decoder(tokenizer, prompt_ids)
-        self.stops = StopStrings(stop)
-        self.tokens: list[int] = []
-        self.logprobs: list[TokenLogprob] = []  # one per token, when the generation records them
-        self.text = ""
-        self.emitted = 0  # characters of text already given out
-        self.finish_reason: str | None = None
-        self._settled = 0
-
-    def settled(self) -> int:
-        """How many tokens have had all their text given out: a stop string can no longer cut them
-        (text that could begin one is held back)."""
-        while self._settled < len(self.tokens) and len(self.decode_text(self.tokens[: self._settled + 1])) <= self.emitted:
-            self._settled += 1
-        return min(self._settled, len(self.tokens))
-
-    def add(self, step: StepResult) -> str:
-        """The text delta this step's tokens make visible: no half-decoded character at the end, and
-        nothing that could still begin a stop string, until the generation ends."""
-        self.tokens += step.tokens
-        self.logprobs += step.logprobs or []
-        text = self.decode_text(self.tokens)
-        whole = text.rstrip("\ufffd")  # a character still missing bytes is not text yet
-        cut, held = self.stops.scan(whole)
-        if cut is not None:
-            text, self.finish_reason = text[:cut], "stop"
-            self.tokens = _tokens_within(self.decode_text, self.tokens, text)
-            del self.logprobs[len(self.tokens):]
-        elif step.finish_reason:
-            self.finish_reason = step.finish_reason
-        self.text = text
-        safe = len(text) if self.finish_reason else len(whole) - held
-        delta = text[self.emitted:safe] if safe > self.emitted else ""
-        self.emitted = max(self.emitted, safe)
-        return delta
-
-
-def _tokens_within(decode_text, tokens: list[int], text: str) -> list[int]:
-    """The longest prefix of tokens whose text is a prefix of `text` (the text before a stop string).
-    A prefix's text grows with it (but for a character still missing bytes, a few replacement
-    characters): bisect to the longest prefix whose text is not longer than `text` allows, then
-    walk back, so a long stop string costs a few decodes, not one per token it spans."""
-    low, high = 0, len(tokens)
-    while low < high:
-        middle = (low + high + 1) // 2
-        if len(decode_text(tokens[:middle])) <= len(text) + 4:
-            low = middle
-        else:
-            high = middle - 1
-    n = low
-    while n and not text.startswith(decode_text(tokens[:n])):
-        n -= 1
-    return tokens[:n]
-
-
-DEMO_DIR = Path(__file__).parent / "demo_pair"  # target/, draft/ (checkpoints), MODELS.md
-DEMO_NGRAM_SKIPPED = {"test", "tests", "idlelib", "lib2to3"}  # standard library folders the demo n-gram leaves out
-
-
-def demo_dir() -> Path:
-    if not (DEMO_DIR / "target" / "config.json").is_file():
-        raise SpecDecError("no target model given and the demo pair is not installed; pass --target DIR")
-    return DEMO_DIR
-
-
-def demo_models(backend: str = "auto") -> tuple[str, str]:
-    """(target, draft) of the demo pair: GGUF files on llama.cpp unless transformers is asked for."""
-    demo = demo_dir()
-    if backend == "transformers":
-        return str(demo / "target"), str(demo / "draft")
-    return str(demo_gguf("target")), str(demo_gguf("draft"))
-
-
-def demo_gguf(name: str) -> Path:
-    """The demo pair's `name` ("target" or "draft") as an f16 GGUF file for llama.cpp, the very file
-    llama.cpp's converter made of its checkpoint (specdec.gguf_files), written into specdec's cache
-    the first time it is needed. It is named NAME.gguf, the name a server reports for the model."""
-    from specdec import gguf_files
-    from specdec.cache import cache_dir, made_once, source_digest
-
-    if name not in ("target", "draft"):
-        raise ValueError(f"the demo pair has a target and a draft, not {name!r}")
-    checkpoint = demo_dir() / name
-    folder = cache_dir() / "demo_pair" / source_digest(checkpoint, Path(gguf_files.__file__))  # a new writer writes anew
-    return made_once(folder / f"{name}.gguf", lambda out: gguf_files.convert_checkpoint(checkpoint, out, "f16"),
-                     f"the demo pair's {name}.gguf")
-
-
-def demo_ngram() -> Path:
-    """The demo pair's Katz trigram (`specdec ngram build` over `demo_ngram_sources()` with the
-    target's tokenizer), built into specdec's cache the first time it is needed; it depends on this
-    interpreter's standard library, so its folder is keyed by the Python version too."""
-    import sys
-    import sysconfig
-
-    from specdec import ngram
-    from specdec.cache import cache_dir, made_once, source_digest
-
-    tokenizer = demo_dir() / "target"
-    stdlib = f"{sys.implementation.name} {sys.version} {sysconfig.get_paths()['stdlib']}"
-    sources = (tokenizer / "tokenizer.json", tokenizer / "tokenizer_config.json", Path(ngram.__file__))
-    folder = cache_dir() / "demo_pair" / source_digest(*sources, salt=stdlib)
-    return made_once(folder / "ngram.safetensors", lambda out: _build_demo_ngram(tokenizer, out), "the demo pair's n-gram model")
-
-
-def demo_ngram_sources() -> list[Path]:
-    """The files scripts/make_demo_pair.sh built the demo n-gram from: the standard library's .py
-    files outside site-packages, sorted; less every 50th (held out from training, as `specdec train`
-    splits them); less those under test, tests, idlelib and lib2to3; then every fifth from the first."""
-    import sysconfig
-
-    from specdec.train import split_files, stdlib_sources
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    trained, _ = split_files(stdlib_sources(), 0.02)
-    kept = [f for f in trained if not DEMO_NGRAM_SKIPPED.intersection(f.relative_to(stdlib).parts[:-1])]
-    if not kept:
-        raise SpecDecError(f"this Python's standard library sources are not installed ({stdlib}); pass an n-gram file (--ngram)")
-    return kept[::5]
-
-
-def _build_demo_ngram(tokenizer_dir: Path, out: Path) -> None:
-    from transformers import AutoTokenizer
-
-    from specdec.ngram import build_from_files
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    build_from_files(demo_ngram_sources(), tokenizer, fingerprint=tokenizer_fingerprint(tokenizer)).save(out)
+from dataclasses import replace
+
+from specdec.build import build_decoder
+from specdec.config import DecoderConfig, DrafterSpec
+from specdec.decoder import Generation, GenerationResult, SpeculativeDecoder, Stream, TextAssembler
+from specdec.drafters import TreeShape
+from specdec.runtime import RuntimeConfig
+from specdec.runtime.prefix import DEFAULT_TOKENS as PREFIX_TOKENS
+
+__all__ = ["load", "SpeculativeDecoder", "GenerationResult", "Generation", "Stream", "TextAssembler"]
 
 
 def load(
     target: str | None = None,
     draft: str | None = None,
+    *,
     ngram: str | None = None,
     prompt_lookup: bool = False,
-    gamma: int | str = "auto",
-    device: str | None = None,
-    dtype: str | None = None,
-    ngram_stochastic: bool = True,
     tree: int | TreeShape | None = None,
     staged: bool = False,
-    inner_gamma: int = 4,
-    attn_implementation: str | None = None,
-    backend: str = "auto",
-    threads: int | None = None,
-    gpu_layers: int | None = None,
-    context: int | None = None,
-    tokenizer: str | None = None,
-    slots: int = 1,
     plain: bool = False,
+    gamma: int | str = "auto",
     explore: bool = True,
     prefix_cache: int | None = PREFIX_TOKENS,
-    output_layer: str = "auto",
-    batch_invariant: bool = False,
-    compile: str = "auto",
+    slots: int = 1,
+    runtime: RuntimeConfig | None = None,
+    **runtime_options,
 ) -> SpeculativeDecoder:
-    """Load a target checkpoint and a drafter.
+    """Load a target and a drafter.
 
     The default (gamma "auto", no n-gram, tree or staging): the `AutoDrafter`, prompt lookup and
     the draft model (when there is one) in one tree shaped every iteration by the cost-aware policy.
-    With a fixed gamma, one drafter: a draft model, an n-gram file or prompt lookup, or none (plain
-    decoding). `plain`: no drafter at all. `tree` (a node budget or a
-    TreeShape) makes the draft model draft token trees `gamma` deep. `staged` makes the draft model
-    draft with the n-gram model or prompt lookup as its own drafter (draft², Spector & Ré).
-    With no target, the demo pair shipped with specdec is used (its GGUF files on llama.cpp unless
-    backend="transformers"), drafting with its draft model (and, when staged, its n-gram model)
-    unless told otherwise. A .gguf path runs on llama.cpp, a checkpoint directory on transformers;
-    `backend` overrides. The model options (see `specdec.runtime.load_model`; `slots`: generations
-    that may run at once, for a server's batch) apply to both models, `batch_invariant` to the target;
-    trees are refused on a model that cannot score them exactly. `explore`, `prefix_cache` (tokens
-    kept between generations; on llama.cpp that many KV cells more): see SpeculativeDecoder.
+    With a fixed gamma, one drafter: a draft model, an n-gram file or prompt lookup, or none.
+    `plain`: no drafter at all. `tree` (a node budget or a TreeShape) makes the draft model draft
+    token trees `gamma` deep. `staged` makes the draft model draft with the n-gram model or prompt
+    lookup as its own drafter (draft², Spector & Ré). With no target, the demo pair shipped with
+    specdec (`specdec.demo`). `explore`, `prefix_cache` (tokens kept between generations): see
+    `SpeculativeDecoder`; `slots`: generations that may run at once. How the models run: a
+    `RuntimeConfig`, or its fields as keywords (backend, device, dtype, threads, ...), which apply
+    to both models (`batch_invariant` to the target only). Refused: drafter combinations that mean
+    nothing, and trees on a model that cannot score them exactly. Extra drafter options:
+    `inner_gamma` (draft² tokens per draft-model forward) and `ngram_stochastic`.
     """
-    check_gamma(gamma)
-    if target is None:
-        choose_backend("", backend)  # validates the name before the demo pair is looked for
-    options = dict(backend=backend, device=device, dtype=dtype, attn_implementation=attn_implementation,
-                   threads=threads, gpu_layers=gpu_layers, context=context, tokenizer=tokenizer, slots=slots, output_layer=output_layer,
-                   compile=compile)
-    on_llamacpp = choose_backend(target or demo_models(backend)[0], backend) == "llamacpp"
-    # batch invariance matters for the target's logits only: a draft's numerics never change what is accepted
-    target_options = dict(options, prefix_cells=(prefix_cache or 0) if on_llamacpp and not batch_invariant else 0, batch_invariant=batch_invariant)
-    if plain:
-        return SpeculativeDecoder(load_model(target or demo_models(backend)[0], **target_options), None, gamma, prefix_cache=prefix_cache)
-    auto = gamma == "auto" and ngram is None and tree is None and not staged
-    draft, ngram = _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged, backend, auto)
+    drafter_options = {k: runtime_options.pop(k) for k in ("inner_gamma", "ngram_stochastic") if k in runtime_options}
     if tree is not None and not isinstance(tree, TreeShape):
         tree = TreeShape(nodes=tree)  # validates the budget
-    target_model = load_model(target or demo_models(backend)[0], **target_options)
-    inner: Drafter | None = None
-    if ngram is not None:
-        inner = NgramDrafter(KatzTrigram.load(ngram), stochastic=ngram_stochastic)
-    elif prompt_lookup:
-        inner = PromptLookupDrafter()
-    if draft is None:
-        return SpeculativeDecoder(target_model, AutoDrafter(None, PromptLookupDrafter()) if auto else inner, gamma, explore, prefix_cache=prefix_cache)
-    if device is None and target_model.backend == "transformers" and choose_backend(draft, backend) == "transformers":
-        options["device"] = str(target_model.device)  # the draft runs beside the target
-    draft_model = load_draft(draft, target_model, **options)
-    drafter = ModelDrafter(draft_model, tree=tree, inner=inner if staged else None, inner_gamma=inner_gamma)
-    return SpeculativeDecoder(target_model, AutoDrafter(drafter, PromptLookupDrafter()) if auto else drafter, gamma, explore, prefix_cache=prefix_cache)
-
-
-def _choose_drafters(target, draft, ngram, prompt_lookup, tree, staged, backend="auto", auto=False):
-    """Which draft model and which n-gram file to load, with the demo pair's as defaults; refuses
-    combinations that mean nothing (the auto drafter combines a draft model and prompt lookup).
-    Returns (draft, ngram)."""
-    if ngram is not None and prompt_lookup:
-        raise SpecDecError("choose at most one of an n-gram file and prompt lookup")
-    if target is None:
-        if draft is None and (staged or (ngram is None and not prompt_lookup)):
-            draft = demo_models(backend)[1]
-        if staged and ngram is None and not prompt_lookup:
-            ngram = demo_ngram()
-    if staged and (draft is None or (ngram is None and not prompt_lookup)):
-        raise SpecDecError("staged drafting needs a draft model and a draft² for it: a draft model plus an n-gram file or prompt lookup")
-    if not staged and draft is not None and (ngram is not None or (prompt_lookup and not auto)):
-        raise SpecDecError("choose at most one drafter: a draft model, an n-gram file or prompt lookup (or stage them)")
-    if tree is not None and draft is None:
-        raise SpecDecError("token trees are drafted by a draft model; give one (--draft DIR)")
-    return draft, ngram
-
-
-def _check_drafter(drafter: Drafter | None, target: CausalLM) -> None:
-    """A draft model or an n-gram model (also as a staged draft model's draft²) must speak the target's
-    vocabulary; a tree drafter needs two models that score token trees exactly."""
-    if isinstance(drafter, AutoDrafter):
-        _check_drafter(drafter.model, target)
-    if isinstance(drafter, ModelDrafter):
-        check_same_vocabulary(target.tokenizer, drafter.model.tokenizer, f"draft model ({drafter.model.path})")
-        if drafter.tree is not None:  # both models score trees: each must do so exactly, or refuse
-            require_trees(target)
-            require_trees(drafter.model)
-        _check_drafter(drafter.inner, target)
-    if isinstance(drafter, NgramDrafter):
-        check_ngram(drafter.model, target)
-
-
-def _drafter_name(drafter: Drafter | None) -> str:
-    return drafter.name if drafter is not None else "no drafter"
-
-
-def check_gamma(gamma) -> None:
-    if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
-        raise SpecDecError(f"gamma must be a positive integer or 'auto', got {gamma!r}")
-
-
-def check_ngram(model: KatzTrigram, target: CausalLM) -> None:
-    """The n-gram must count the target's token ids: same tokenizer (when recorded), same vocabulary size."""
-    expected = tokenizer_fingerprint(target.tokenizer)
-    if model.fingerprint and model.fingerprint != expected:
-        raise SpecDecError(f"the n-gram model was built with another tokenizer than the target's (fingerprint {model.fingerprint} vs {expected})")
-    if model.vocab_size != target.vocab_size:
-        raise SpecDecError(f"the n-gram model covers {model.vocab_size} tokens; the target's tokenizer has {target.vocab_size}")
+    spec = DrafterSpec.choose(target_given=target is not None, draft=draft, ngram=ngram, prompt_lookup=prompt_lookup, tree=tree,
+                              staged=staged, gamma=gamma, plain=plain, **drafter_options)
+    config = DecoderConfig(target=target, drafter=spec, runtime=replace(runtime or RuntimeConfig(), **runtime_options),
+                           gamma=gamma, explore=explore, prefix_cache=prefix_cache or 0, slots=slots)
+    return build_decoder(config)

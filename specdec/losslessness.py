@@ -1,4 +1,4 @@
-"""`specdec verify`: check on your own models and settings that speculative decoding is lossless.
+"""The losslessness check behind `specdec verify`: check on your own models and settings that speculative decoding is lossless.
 
 For every prompt, `samples` continuations of `length` tokens are drawn with plain decoding (the
 same target, no drafter) and `samples` with the speculative decoder; the two empirical
@@ -37,7 +37,6 @@ request under the default drafter draws by position instead, exactly plain decod
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from specdec.api import SpeculativeDecoder
+from specdec.decoder import SpeculativeDecoder
 from specdec.errors import SpecDecError
 from specdec.types import SamplingParams
 
@@ -379,44 +378,11 @@ def tv_permutation_test(
 # ---- the `specdec verify` command ---------------------------------------------------------------
 
 
-def add_parser(commands) -> None:
-    """Add `verify` to the subparsers object of specdec.cli.build_parser()."""
-    from specdec.cli import add_decoding_arguments  # here, not at import time: cli.py imports this module
-
-    v = commands.add_parser(
-        "verify", help="check that speculative decoding matches plain decoding on your models and settings",
-        description="Sample short continuations with plain and with speculative decoding and compare their "
-                    "distributions (chi-square and total variation, Bonferroni over prompts); print PASS or FAIL. "
-                    "Exits 1 on FAIL. Temperature 0 compares the greedy continuations token for token.",
-    )
-    v.add_argument("--prompt", action="append", default=None, help="prompt (repeatable; default: three short code prompts)")
-    add_decoding_arguments(v)
-    v.add_argument("--seed", type=int, default=0, help="base seed; every sample gets its own (default 0)")
-    v.add_argument("--samples", type=int, default=1000, help="continuations per prompt and decoder (default 1000)")
-    v.add_argument("--length", type=int, default=None,
-                   help="tokens per continuation (default: the draft depth + 1, so every draft position is verified)")
-    v.add_argument("--alpha", type=float, default=1e-3, help="probability that a lossless decoder fails the check (default 0.001)")
-    v.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
-    v.set_defaults(run=run_verify)
-
-
-def run_verify(args) -> None:
-    from specdec.cli import load_decoder
-
-    check_settings(args.samples, 1 if args.length is None else args.length, args.alpha, args.seed)
-    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # fail before loading
-    decoder = load_decoder(args)
-    report = check_lossless(
-        decoder, args.prompt or DEFAULT_PROMPTS, samples=args.samples, length=args.length,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, alpha=args.alpha,
-    )
-    print(json.dumps(report.to_dict()) if args.json else format_report(report))
-    if not report.passed:
-        failed = [c for c in report.checks if not c.passed]
-        raise SpecDecError(
-            f"losslessness check failed: speculative decoding differs from plain decoding on {len(failed)} of "
-            f"{len(report.checks)} prompts ({_short(failed[0].prompt)}: {_evidence(failed[0], report.level)})"
-        )
+def failure_summary(report: LosslessnessReport) -> str:
+    """One line on why a report failed: how many prompts, and the first one's evidence."""
+    failed = [c for c in report.checks if not c.passed]
+    return (f"losslessness check failed: speculative decoding differs from plain decoding on {len(failed)} of "
+            f"{len(report.checks)} prompts ({_short(failed[0].prompt)}: {_evidence(failed[0], report.level)})")
 
 
 def format_report(report: LosslessnessReport) -> str:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import specdec
-from specdec import costs
-from specdec.api import DEMO_DIR, demo_gguf
+from specdec import costs, profiling
+from specdec.demo import DEMO_DIR, demo_gguf
 from gguf_data import made_test_models
 from tiny import save_tiny_model
 
@@ -22,7 +22,7 @@ os.environ["SPECDEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdec-profiles-")
 # itself use `measured_profile`
 CHEAP_VERIFY = costs.Profile(target={1: 1.0, 4: 1.05, 8: 1.15, 16: 1.5, 64: 4.0}, draft={1: 0.12, 4: 0.13, 16: 0.2, 64: 0.5},
                              step_overhead=0.05, level_overhead=0.01)
-measured_profile = costs.profile
+measured_profile = profiling.profile
 live_observe = costs.LiveCosts.observe  # the real one, for the tests of it (the fixture below makes it a no-op)
 
 
@@ -31,7 +31,7 @@ def cheap_verify_profile(monkeypatch):
     """Every decoder decides with CHEAP_VERIFY, as given: what its steps take on the test machine
     (a tiny model, a loaded CI runner) does not reshape it, so what the policy drafts does not
     depend on timing. `test_policy` checks the live correction (`costs.LiveCosts`) itself."""
-    monkeypatch.setattr(costs, "profile", lambda target, draft=None, refresh=False: CHEAP_VERIFY)
+    monkeypatch.setattr(profiling, "profile", lambda target, draft=None, refresh=False: CHEAP_VERIFY)
     monkeypatch.setattr(costs.LiveCosts, "observe", lambda self, tokens, seconds: None)
 
 ARCHS = ["llama", "qwen2", "gpt2", "neox", "mistral"]
@@ -59,7 +59,7 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 def gguf_models() -> dict[str, str]:
     """GGUF files for llama.cpp: the demo pair (f16), its draft model in float32 and in Q8_0, a
     perturbed copy of it in f16, and a random 256-wide model whose output matrix is Q6_K, made in
-    specdec's cache the first time they are needed (specdec.api.demo_gguf, tests/gguf_data.py)."""
+    specdec's cache the first time they are needed (specdec.demo.demo_gguf, tests/gguf_data.py)."""
     made = made_test_models()
     return {"gguf-f16": str(demo_gguf("target")), "gguf-draft-f16": str(demo_gguf("draft")), "hf-draft": str(DEMO_DIR / "draft"),
             "gguf-f32": made["draft-f32"], "gguf-near": made["near-f16"], "gguf-q8_0": made["draft-q8_0"], "gguf-wide-q6_k": made["wide-q6_k"]}

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from specdec import gguf_files
-from specdec.api import DEMO_DIR
+from specdec.demo import DEMO_DIR
 from specdec.cache import cache_dir, made_once, source_digest
 from specdec.gguf_files import convert_checkpoint
 

@@ -63,7 +63,7 @@ def test_stats_are_consistent(decoder):
 def test_a_stop_string_inside_a_token_leaves_that_token_out():
     """Finding: `tokens` covered more text than `text` when a stop string began inside a token.
     The rule: `text` is exactly the text before the stop; `tokens` decode to a prefix of it."""
-    from specdec.api import demo_dir
+    from specdec.demo import demo_dir
 
     decoder = specdec.SpeculativeDecoder(specdec.load_model(demo_dir() / "target", device="cpu"))
     full = decoder.generate("def fibonacci(n):", max_new_tokens=40, temperature=0)

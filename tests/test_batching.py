@@ -12,7 +12,8 @@ import pytest
 import specdec
 from conftest import ARCHS
 from specdec.engine import Engine
-from specdec.costs import Profile, interpolate, measure_curve
+from specdec.costs import Profile, interpolate
+from specdec.profiling import measure_curve
 from specdec.policy import BatchDepth, expected_tokens
 from specdec.types import SamplingParams
 from test_statistical import LENGTH, PROMPT, SETTINGS, chi_square_pvalue, exact_joint

@@ -334,9 +334,9 @@ def test_missing_arguments(capsys):
 
 
 def test_no_target_uses_the_demo_pair_with_its_draft(model_dirs, tmp_path, monkeypatch, capsys):
-    import specdec.api
+    import specdec.demo
 
-    monkeypatch.setattr(specdec.api, "DEMO_DIR", tmp_path / "demo")
+    monkeypatch.setattr(specdec.demo, "DEMO_DIR", tmp_path / "demo")
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     assert main(["generate", "abc"]) == 1
     assert "demo pair is not installed" in capsys.readouterr().err

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import specdec
-from specdec.api import DEMO_DIR, demo_gguf, demo_ngram, demo_ngram_sources
+from specdec.demo import DEMO_DIR, demo_gguf, demo_ngram, demo_ngram_sources
 from specdec.cache import cache_dir, made_once, source_digest
 from specdec.gguf_files import convert_checkpoint
 

@@ -323,14 +323,16 @@ def test_an_invalid_utf8_byte_in_a_cli_prompt_is_a_clean_error(model_dirs, capsy
 
 
 def test_api_key_files_are_read_before_anything_loads(tmp_path, capsys, monkeypatch):
-    from specdec.cli import api_keys, build_parser, main
+    from specdec.cli import build_parser, main
+    from specdec.cli.arguments import config_options
+    from specdec.config import serve_config
 
     monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
     assert main(["serve", "--api-key-file", str(tmp_path / "missing")]) == 1
     assert "cannot read the API key file" in capsys.readouterr().err
     (tmp_path / "keys").write_text("# tenants\nalpha\n\n  beta  \nalpha\n")
-    assert api_keys(build_parser().parse_args(["serve", "--api-key", "gamma", "--api-key-file", str(tmp_path / "keys")])) == \
-        ["gamma", "alpha", "beta"]
+    args = build_parser().parse_args(["serve", "--api-key", "gamma", "--api-key-file", str(tmp_path / "keys")])
+    assert serve_config(config_options(args)).api_keys == ("gamma", "alpha", "beta")
     (tmp_path / "empty").write_text("# none yet\n")
     assert main(["serve", "--api-key-file", str(tmp_path / "empty")]) == 1 and "holds no key" in capsys.readouterr().err
 

@@ -17,8 +17,9 @@ import torch
 from scipy.stats import chisquare
 
 import specdec
+import specdec.decoder
 from specdec import AutoDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, SpeculativeDecoder, TreeShape
-from specdec.api import demo_ngram
+from specdec.demo import demo_ngram
 from specdec.ngram import KatzTrigram
 from specdec.sampling import probs_from_logits
 from specdec.engine import decode
@@ -227,7 +228,7 @@ def test_a_checkpoint_directory_on_the_llamacpp_backend_is_refused(model_dirs):
 def test_tokenizer_round_trips_and_matches_transformers(gguf, gguf_models):
     hf = specdec.load_model(gguf_models["hf-draft"], device="cpu").tokenizer
     ours = gguf["draft"].tokenizer
-    text = open(specdec.api.__file__, encoding="utf-8").read()
+    text = open(specdec.decoder.__file__, encoding="utf-8").read()
     ids = ours.encode(text)
     assert ids == hf.encode(text) and ours.decode(ids) == text
     assert ours.decode(ids[:5] + [0] + ids[5:10], skip_special_tokens=True) == hf.decode(ids[:5] + [0] + ids[5:10], skip_special_tokens=True)

@@ -8,7 +8,6 @@ seeds and fail by a wide margin (chi-square p ~ 1e-15 against a per-test level o
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections import Counter
 
@@ -34,7 +33,6 @@ SAMPLES = 400
 REPEATING = [1, 2, 3, 1, 2, 3, 1, 2]  # prompt lookup has drafts to offer
 PROMPTS = [REPEATING, [5, 9, 4, 12]]
 EXACT = ["--device", "cpu", "--dtype", "float64"]
-_build_parser = specdec.cli.build_parser
 
 
 @pytest.fixture(scope="module")
@@ -281,19 +279,11 @@ def test_default_length_covers_the_whole_draft_depth(target, near, load64, model
 # ---- the `specdec verify` command --------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """specdec's parser, with `verify` registered here if cli.py does not register it yet."""
-    parser = _build_parser()
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    if "verify" not in commands.choices:
-        losslessness.add_parser(commands)
-    return parser
+build_parser = specdec.cli.build_parser
 
 
 @pytest.fixture
-def cli(monkeypatch, capsys):
-    monkeypatch.setattr(specdec.cli, "build_parser", build_parser)
-
+def cli(capsys):
     def run(*argv) -> tuple[int, str, str]:
         code = specdec.cli.main([str(a) for a in argv])
         out, err = capsys.readouterr()

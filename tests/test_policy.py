@@ -11,7 +11,7 @@ import torch
 import specdec
 import specdec.drafters.auto as auto_module
 from conftest import CHEAP_VERIFY, live_observe, measured_profile, reference_greedy
-from specdec import costs
+from specdec import costs, profiling
 from specdec.drafters import AutoDrafter, ModelDrafter, PromptLookupDrafter
 from specdec.drafters.base import DraftRequest
 from specdec.policy import BatchDepth, Budget, CostAwareDepth, CostAwarePolicy, confidence_bin, expected_tokens
@@ -209,21 +209,21 @@ def test_profile_is_measured_once_and_cached(model_dirs, tmp_path, monkeypatch):
     first = measured_profile(target, draft)
     files = list(tmp_path.glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["target"]
-    assert sorted(first.target) == sorted(k for k in costs.SIZES if costs.prefix_length(target) + k <= target.max_length)
+    assert sorted(first.target) == sorted(k for k in profiling.SIZES if profiling.prefix_length(target) + k <= target.max_length)
     assert all(a <= b for a, b in zip(list(first.target.values()), list(first.target.values())[1:]))  # non-decreasing
-    assert first.draft and first.rounds >= costs.MIN_ROUNDS and first.step_overhead >= 0
+    assert first.draft and first.rounds >= profiling.MIN_ROUNDS and first.step_overhead >= 0
     calls = []
-    monkeypatch.setattr(costs, "measure", lambda *args, **kw: calls.append(1))
+    monkeypatch.setattr(profiling, "measure", lambda *args, **kw: calls.append(1))
     again = measured_profile(target, draft)
     assert not calls and again.target == first.target  # from the cache
-    other = costs.cache_key(specdec.load_model(model_dirs["qwen2"], device="cpu"), None)
-    assert other != costs.cache_key(target, draft) != costs.cache_key(target, None)
+    other = profiling.cache_key(specdec.load_model(model_dirs["qwen2"], device="cpu"), None)
+    assert other != profiling.cache_key(target, draft) != profiling.cache_key(target, None)
 
 
 def test_a_damaged_cache_file_is_measured_again(model_dirs, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
     target = specdec.load_model(model_dirs["llama-draft"], device="cpu")
-    (tmp_path / f"{costs.cache_key(target, None)}.json").write_text("{not json")
+    (tmp_path / f"{profiling.cache_key(target, None)}.json").write_text("{not json")
     assert measured_profile(target).target[1] > 0
 
 

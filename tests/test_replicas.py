@@ -18,7 +18,9 @@ import httpx
 import pytest
 
 import specdec
-from specdec.server.replicas import REPLICA_HEADER, RESUBMITS_HEADER, Relay, affinity, prompt_text, serve_argv
+from specdec.config import serve_config
+from specdec.errors import SpecDecError
+from specdec.server.replicas import REPLICA_HEADER, RESUBMITS_HEADER, Relay, affinity, prompt_text
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
@@ -49,9 +51,11 @@ def offline():
 def deploy(url: str, *argv: str) -> None:
     """`specdec serve --threads 1 *argv` as the app, up and answering."""
     from specdec.cli import build_parser
+    from specdec.cli.arguments import config_options
     from specdec.server.replicas import application
 
-    serve.run(application(build_parser().parse_args(["serve", "--threads", "1", *argv])), name=APP, route_prefix="/")
+    args = build_parser().parse_args(["serve", "--threads", "1", *argv])
+    serve.run(application(serve_config(config_options(args))), name=APP, route_prefix="/")
     deadline = time.time() + 120
     while httpx.get(url + "/health", timeout=10).status_code != 200:
         assert time.time() < deadline, "the app did not come up"
@@ -143,21 +147,28 @@ def test_the_relay_holds_back_what_carries_no_text_so_a_chat_stream_can_be_resub
     assert sent[1] == role and sent[2] == token and (RESUBMITS_HEADER, b"0") in sent[0]["headers"]
 
 
-def test_the_serve_config_is_valid_and_its_args_are_specdec_serves_options():
+def test_the_serve_config_is_valid_and_its_args_are_specdec_serves_options(monkeypatch):
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
-    from specdec.cli import build_parser
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
     config = yaml.safe_load((Path(__file__).parent.parent / "deploy" / "serve.yaml").read_text())
     ServeDeploySchema.model_validate(config)
     app = config["applications"][0]
-    args = build_parser().parse_args(serve_argv(app["args"]))
-    assert (args.threads, args.replicas, args.max_batch) == (1, 2, 16)
+    parsed = serve_config(app["args"])  # what `build` hands the replicas: the CLI's reader of options
+    assert (parsed.decoder.runtime.threads, parsed.replicas, parsed.max_batch) == (1, 2, 16)
     replica = next(d for d in app["deployments"] if d["name"] == "specdec-replica")
-    assert replica["ray_actor_options"]["num_cpus"] == args.threads and replica["max_ongoing_requests"] == args.max_batch
-    assert build_parser().parse_args(serve_argv({"api_key": ["k1", "k2"]})).api_key == ["k1", "k2"], "a list of keys: each a tenant"
-    assert serve_argv({"share_history": True, "allowed_origins": ["http://a", "http://b"], "draft": None, "prefix_cache_tokens": 0}) == \
-        ["serve", "--share-history", "--allowed-origins", "http://a", "http://b", "--prefix-cache-tokens", "0"]
+    assert replica["ray_actor_options"]["num_cpus"] == parsed.decoder.runtime.threads and replica["max_ongoing_requests"] == parsed.max_batch
+    assert serve_config({"api_key": ["k1", "k2"]}).api_keys == ("k1", "k2"), "a list of keys: each a tenant"
+    given = serve_config({"share_history": True, "allowed_origins": ["http://a", "http://b"], "draft": None, "prefix_cache_tokens": 0})
+    assert given.share_history and given.allowed_origins == ("http://a", "http://b") and given.decoder.prefix_cache == 0
+    assert given.decoder.drafter.draft is None and not given.public_metrics, "null is not given; false flags stay off"
+    text = serve_config({"threads": "2", "share_history": "true", "public_metrics": "false", "max_batch": "8", "gamma": "3"})  # key=value
+    assert (text.decoder.runtime.threads, text.share_history, text.public_metrics, text.max_batch, text.decoder.gamma) == (2, True, False, 8, 3)
+    with pytest.raises(SpecDecError, match="unknown option.*--max-bacth"):
+        serve_config({"max_bacth": 8})
+    with pytest.raises(SpecDecError, match="--threads: expected a positive integer"):
+        serve_config({"threads": "0"})
 
 
 def test_two_replicas_answer_as_offline_and_keep_conversations_on_their_replica(cluster, offline):

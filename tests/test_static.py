@@ -247,12 +247,12 @@ def test_logprobs_from_device_logits_equal_the_eager_paths(static_llama, load64,
 def test_the_cost_curve_times_forwards_as_decoding_runs_them(static_llama, monkeypatch):
     """On the pool the timed forwards leave their logits on the device, as the engine does (a copy
     of k rows of logits to the host is not what a verify pays)."""
-    from specdec import costs
+    from specdec import profiling
 
     asked = []
     forward = StaticHFModel.forward_batch
     monkeypatch.setattr(StaticHFModel, "forward_batch", lambda self, feeds: asked.extend(f.on_device for f in feeds) or forward(self, feeds))
-    curve, rounds = costs.measure_curve(static_llama, sizes=(1, 2, 4), max_rounds=1)
+    curve, rounds = profiling.measure_curve(static_llama, sizes=(1, 2, 4), max_rounds=1)
     assert set(curve) == {1, 2, 4} and all(seconds > 0 for seconds in curve.values()) and rounds == 1
     assert asked[0] is False and set(asked[1:]) == {True}  # the prefix's logits come back; the timed ones stay
 

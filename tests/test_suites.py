@@ -15,6 +15,7 @@ from specdec.bench.report import markdown, write_report
 from specdec.bench.suites import SUITES, heldout_sources, suite_tasks
 from specdec.cli import main
 from specdec.errors import SpecDecError
+from specdec.runtime import RuntimeConfig
 from specdec.train import split_files
 
 
@@ -65,7 +66,7 @@ def test_unknown_suites_are_refused_before_loading():
 def test_a_bench_over_several_suites_reports_each(tmp_path):
     """The demo pair on transformers, two suites, two rounds: per-suite summaries, what the default
     chose, the overview table and the suites plot."""
-    config = BenchConfig(backend="transformers", suites=("edit", "prose"), limit=2, rounds=2, max_new_tokens=8, modes=("greedy",),
+    config = BenchConfig(runtime=RuntimeConfig(backend="transformers"), suites=("edit", "prose"), limit=2, rounds=2, max_new_tokens=8, modes=("greedy",),
                          gammas=(2,), trees=(), staged=False, peers=False, progress=False)
     data = run_bench(config)
     assert list(data["suites"]) == ["edit", "prose"]

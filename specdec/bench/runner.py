@@ -12,20 +12,24 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
 from tqdm import tqdm
 
-from specdec import costs
+from specdec import profiling
 from specdec.analysis import expected_tokens, weight_bytes_per_token
-from specdec.api import SpeculativeDecoder, load
+from specdec.build import Parts, assemble, build_decoder, with_demo_paths
+from specdec.config import DecoderConfig, DrafterSpec
+from specdec.decoder import SpeculativeDecoder
+from specdec.demo import demo_ngram
 from specdec.bench.prompts import file_prompts
 from specdec.bench.suites import WITH_REFERENCES, suite_tasks
-from specdec.drafters import AutoDrafter, History, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
+from specdec.drafters import History, ModelDrafter, TreeShape
 from specdec.errors import SpecDecError
-from specdec.runtime import CausalLM, choose_backend
+from specdec.ngram import KatzTrigram
+from specdec.runtime import CausalLM, RuntimeConfig, choose_backend
 from specdec.types import GenerationStats, SamplingParams
 
 # every run prefills its whole prompt, as the peers' do: no strategy starts from another's kept prefix
@@ -58,16 +62,7 @@ class BenchConfig:
     inner_gamma: int = 4  # draft² tokens per draft-model forward when staged
     peers: bool = True
     seed: int = 0
-    device: str | None = None  # transformers: cpu unless asked
-    dtype: str | None = None
-    backend: str = "auto"
-    threads: int | None = None
-    gpu_layers: int | None = None
-    context: int | None = None
-    tokenizer: str | None = None
-    output_layer: str = "auto"
-    batch_invariant: bool = False
-    compile: str = "auto"  # transformers: static slots and compiled forwards on a GPU (runtime.load_model)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # transformers: on the CPU unless a device is given
     progress: bool = True
 
     @classmethod
@@ -128,74 +123,67 @@ def peer_strategy(peer) -> Strategy:
 
 
 def build_strategies(config: BenchConfig):
-    """Load the models once and make every strategy over them."""
-    target_path, draft_path, ngram_path = config.target, config.draft, config.ngram
-    if target_path is None:
-        from specdec.api import demo_models, demo_ngram
-
-        target_path, demo_draft = demo_models(config.backend)
-        draft_path = draft_path or demo_draft
-        ngram_path = ngram_path or str(demo_ngram())
-    device = config.device  # transformers: the CPU unless asked (not CUDA just because it is there)
-    if device is None and choose_backend(target_path, config.backend) == "transformers":
-        device = "cpu"
-    base = load(target_path, draft=draft_path, gamma=1, device=device, dtype=config.dtype, backend=config.backend,
-                threads=config.threads, gpu_layers=config.gpu_layers, context=config.context, tokenizer=config.tokenizer,
-                output_layer=config.output_layer, batch_invariant=config.batch_invariant, compile=config.compile)
-    target, model_drafter = base.target, base.drafter
+    """Load the models once and make every strategy over them, each drafter assembled by the
+    builder's registry (`specdec.build.DRAFTERS`) from those models."""
+    paths = with_demo_paths(DecoderConfig(config.target, DrafterSpec("model", draft=config.draft), config.runtime, gamma=1))
+    runtime = bench_runtime(config.runtime, paths.target)
+    draft_path = paths.drafter.draft
+    base = build_decoder(replace(paths, runtime=runtime, drafter=DrafterSpec("model", draft=draft_path) if draft_path else DrafterSpec("plain")))
+    target, draft = base.target, base.draft_model
+    ngram_path = config.ngram or (str(demo_ngram()) if config.target is None else None)
+    parts = Parts(draft, KatzTrigram.load(ngram_path) if ngram_path else None)
     new = config.max_new_tokens
-    default = lambda **options: Decoder(target, AutoDrafter(model_drafter, PromptLookupDrafter()), **{"history": None, **options})
+    auto = lambda **options: Decoder(target, assemble(DrafterSpec("auto"), parts), **{"history": None, **options})
     strategies = [specdec_strategy("plain", "plain", Decoder(target), new),
-                  specdec_strategy("default (auto)", "auto", default(), new),
-                  specdec_strategy("default, no exploring", "auto", default(explore=False), new)]
+                  specdec_strategy("default (auto)", "auto", auto(), new),
+                  specdec_strategy("default, no exploring", "auto", auto(explore=False), new)]
     if config.history:
-        strategies.append(specdec_strategy("default + history", "auto", default(history=History()), new))
+        strategies.append(specdec_strategy("default + history", "auto", auto(history=History()), new))
     if config.predictions and not config.prompts and set(config.suites) & set(WITH_REFERENCES):
-        strategies.append(specdec_strategy("default + prediction", "auto", default(), new, predicts=True))
-    if model_drafter is not None:
-        for gamma in config.gammas:
-            strategies.append(specdec_strategy(f"chain γ={gamma}", "chain", Decoder(target, model_drafter, gamma), new))
-        strategies.append(specdec_strategy("chain γ=auto", "chain", Decoder(target, model_drafter, "auto"), new))
-    ngram = None
-    if ngram_path is not None:
-        from specdec.ngram import KatzTrigram
-
-        ngram = KatzTrigram.load(ngram_path)
-    if model_drafter is not None and (config.trees or config.staged):
-        strategies += tree_strategies(config, target, model_drafter.model, ngram)
-    strategies.append(specdec_strategy(f"prompt lookup γ={config.lookup_gamma}", "lookup",
-                                       Decoder(target, PromptLookupDrafter(), config.lookup_gamma), new))
-    if ngram is not None:
-        strategies.append(specdec_strategy(f"n-gram γ={config.ngram_gamma}", "ngram",
-                                           Decoder(target, NgramDrafter(ngram), config.ngram_gamma), new))
+        strategies.append(specdec_strategy("default + prediction", "auto", auto(), new, predicts=True))
+    if draft is not None:
+        strategies += [drafted(f"chain γ={gamma}", "chain", DrafterSpec("model"), gamma, target, parts, new) for gamma in (*config.gammas, "auto")]
+        if config.trees or config.staged:
+            strategies += tree_strategies(config, target, draft, parts.ngram)
+    strategies.append(drafted(f"prompt lookup γ={config.lookup_gamma}", "lookup", DrafterSpec("lookup"), config.lookup_gamma, target, parts, new))
+    if parts.ngram is not None:
+        strategies.append(drafted(f"n-gram γ={config.ngram_gamma}", "ngram", DrafterSpec("ngram"), config.ngram_gamma, target, parts, new))
     if config.peers:
-        strategies += [peer_strategy(peer) for peer in target.peers(model_drafter.model if model_drafter else None, new)]
-    return target, model_drafter.model if model_drafter else None, strategies
+        strategies += [peer_strategy(peer) for peer in target.peers(draft, new)]
+    return target, draft, strategies
+
+
+def drafted(name: str, family: str, spec: DrafterSpec, gamma, target: CausalLM, parts: Parts, max_new_tokens: int) -> Strategy:
+    """A strategy of one fixed drafter, assembled from loaded models by the builder's registry."""
+    return specdec_strategy(name, family, Decoder(target, assemble(spec, parts), gamma), max_new_tokens)
+
+
+def bench_runtime(runtime: RuntimeConfig, target: str) -> RuntimeConfig:
+    """transformers: the CPU unless a device is asked for (not CUDA just because it is there)."""
+    if runtime.device is None and choose_backend(target, runtime.backend) == "transformers":
+        return replace(runtime, device="cpu")
+    return runtime
 
 
 def tree_strategies(config: BenchConfig, target: CausalLM, draft: CausalLM, ngram) -> list[Strategy]:
     """Token trees of the draft model, and staged drafting with each draft² (n-gram, prompt lookup),
     as a chain and as a tree."""
-    new, out = config.max_new_tokens, []
+    parts, out = Parts(draft, ngram), []
+    make = lambda name, family, spec, gamma: drafted(name, family, spec, gamma, target, parts, config.max_new_tokens)
     refusal = target.tree_refusal() or draft.tree_refusal()
     if refusal is not None:  # chains still run; trees would be refused (never scored wrong)
         print(f"bench: token-tree strategies skipped: {refusal}", file=sys.stderr)
-    trees = config.trees if refusal is None else ()
-    for nodes, depth in trees:
-        drafter = ModelDrafter(draft, tree=TreeShape(nodes, config.tree_width))
-        out.append(specdec_strategy(f"tree {nodes} γ={depth}", "tree", Decoder(target, drafter, depth), new))
+    for nodes, depth in config.trees if refusal is None else ():
+        out.append(make(f"tree {nodes} γ={depth}", "tree", DrafterSpec("model", tree=TreeShape(nodes, config.tree_width)), depth))
     if not config.staged:
         return out
-    inners = {"lookup": PromptLookupDrafter}
-    if ngram is not None:
-        inners = {"n-gram": lambda: NgramDrafter(ngram), **inners}
-    gamma = config.staged_gamma
-    staged_shapes = (None,) if refusal is not None else (None, TreeShape(config.staged_tree, config.tree_width))
+    inners = {"n-gram": "ngram", "lookup": "lookup"} if ngram is not None else {"lookup": "lookup"}
+    shapes = (None,) if refusal is not None else (None, TreeShape(config.staged_tree, config.tree_width))
     for inner_name, inner in inners.items():
-        for tree in staged_shapes:
-            drafter = ModelDrafter(draft, tree=tree, inner=inner(), inner_gamma=config.inner_gamma)
-            name = f"staged {'tree ' + str(tree.nodes) + ' ' if tree else ''}γ={gamma} ({inner_name})"
-            out.append(specdec_strategy(name, "staged", Decoder(target, drafter, gamma), new))
+        for tree in shapes:
+            name = f"staged {'tree ' + str(tree.nodes) + ' ' if tree else ''}γ={config.staged_gamma} ({inner_name})"
+            spec = DrafterSpec("model", tree=tree, inner=inner, inner_gamma=config.inner_gamma)
+            out.append(make(name, "staged", spec, config.staged_gamma))
     return out
 
 
@@ -210,7 +198,7 @@ class LoadMonitor:
         self.own_threads, self.samples = own_threads, []
 
     def sample(self) -> None:
-        load = costs.load_average()
+        load = profiling.load_average()
         if load is not None:
             self.samples.append(load)
 
@@ -281,7 +269,7 @@ def run_bench(config: BenchConfig) -> dict:
     monitor = LoadMonitor(own_threads(target))
     monitor.sample()
     # measured now, under this run's conditions, until stable; cached, so the default policy decides with it
-    profile = costs.profile(target, draft, refresh=True)
+    profile = profiling.profile(target, draft, refresh=True)
     cost_curves = {"target": profile.target, **({"draft": profile.draft} if profile.draft else {})}
     runs = {suite: {mode: {s.name: [] for s in strategies} for mode in config.modes} for suite in suites}
     total = len(config.modes) * config.rounds * sum(map(len, suites.values())) * len(strategies)
@@ -346,7 +334,7 @@ def read_bandwidth(threads: int = 1, megabytes: int = 256, repeats: int = 5) -> 
 def machine_description() -> dict:
     import platform
 
-    return {"cpu": costs.cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {"cpu": profiling.cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "python": platform.python_version()}
 
 

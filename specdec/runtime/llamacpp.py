@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from specdec.errors import SpecDecError
-from specdec.runtime import OUTPUT_LAYERS, base, cpu_head
+from specdec.runtime import base, cpu_head
+from specdec.runtime.config import OUTPUT_LAYERS
 
 MAX_SEQUENCE_IDS = 128  # branch ids shared by all sequences of a model (llama.cpp reserves logits rows for as many)
 DEFAULT_CONTEXT = 4096  # positions per sequence unless asked (the training context when shorter)

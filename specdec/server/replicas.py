@@ -29,7 +29,6 @@ or `specdec serve --replicas N` (a local Ray instance).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import json
@@ -39,7 +38,7 @@ import signal
 import sys
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from ray import serve
@@ -48,8 +47,10 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from specdec.errors import SpecDecError
+from specdec.build import build_decoder, ensure_profile
+from specdec.config import ServeConfig, serve_config, with_runtime
 from specdec.server.app import MAX_BODY_BYTES, error_event
+from specdec.server.build import build_app, build_service, max_batch
 from specdec.server.openai import error_response
 
 RESUBMITS = 2  # further replicas a request whose replica died before answering is tried on
@@ -202,14 +203,11 @@ def _affinity(request: PendingRequest | None) -> Affinity | None:
 class Replica:
     """One replica: `specdec serve`'s service and routes, on cores of its own."""
 
-    def __init__(self, args: argparse.Namespace):
-        from specdec.cli import server_service
-        from specdec.server import routes
-
-        self.shutdown_timeout = args.shutdown_timeout
-        pin_cores(args.threads, replica_rank())
-        self.service, http = server_service(args, measure=False)  # the profile was measured before replicas started
-        self.app = routes(self.service, **http)
+    def __init__(self, config: ServeConfig):
+        self.shutdown_timeout = config.shutdown_timeout
+        pin_cores(config.decoder.runtime.threads, replica_rank())
+        self.service = build_service(config, measure=False)  # the profile was measured before replicas started
+        self.app = build_app(config, self.service)
         self.name = replica_name().encode()
 
     async def forward(self, request: Forwarded, affinity: Affinity | None = None):
@@ -458,50 +456,35 @@ def pin_cores(threads: int, rank: int) -> None:
 def build(options: dict) -> serve.Application:
     """The app builder for `serve run specdec.server.replicas:build key=value ...` (or a Serve
     config's `args`): the keys are `specdec serve`'s long options (target, draft, threads,
-    max_batch, replicas, max_replicas, api_key, ...)."""
-    from specdec.cli import build_parser
-
-    return application(build_parser().parse_args(serve_argv(options)))
+    max_batch, replicas, max_replicas, api_key, ...), read as the CLI reads them (`config.serve_config`)."""
+    return application(serve_config(options))
 
 
-def serve_argv(options: dict) -> list[str]:
-    """`specdec serve`'s command line for builder arguments: true is a bare flag, false or null leaves
-    it out, a list (allowed_origins) is several values."""
-    argv = ["serve"]
-    for key, value in options.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True or value == "true":
-            argv.append(flag)
-        elif not (value is False or value is None or value == "false"):  # 0 is a value, not false
-            argv += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
-    return argv
+def replica_threads(config: ServeConfig) -> int:
+    """--threads, else the cores this process may use shared by the most replicas that may run."""
+    return config.decoder.runtime.threads or max(1, len(os.sched_getaffinity(0)) // (config.max_replicas or config.replicas or 1))
 
 
-def application(args: argparse.Namespace) -> serve.Application:
-    """The ingress bound to the replicas `args` describe. Each replica gets `--threads` cores
+def application(config: ServeConfig) -> serve.Application:
+    """The ingress bound to the replicas `config` describes. Each replica gets --threads cores
     (default: the machine's cores / replicas); the cost profile is measured here, once, before any
     replica starts (replicas timing themselves at once would spoil each other's figures)."""
-    from specdec.cli import DEFAULT_BATCH, check_serve_arguments, load_decoder
-
-    check_serve_arguments(args)
-    replicas = args.replicas or 1
-    if args.max_replicas is not None and args.max_replicas < replicas:
-        raise SpecDecError("--max-replicas must be at least --replicas")
-    args.threads = args.threads or max(1, len(os.sched_getaffinity(0)) // (args.max_replicas or replicas))
+    replicas, threads = config.replicas or 1, replica_threads(config)
     # the batch each replica runs, decided here once: Ray's max_ongoing_requests must be the same
-    args.max_batch = max_batch = args.max_batch or DEFAULT_BATCH["gpu" if args.gpu_layers or str(args.device or "").startswith("cuda") else "cpu"]
-    load_decoder(args, slots=1, measure=True)  # reads or measures the profile the replicas will read
-    scaling = ({"autoscaling_config": {"min_replicas": replicas, "max_replicas": args.max_replicas, "initial_replicas": replicas,
-                                       "target_ongoing_requests": max(1, max_batch // 2), "upscale_delay_s": 2, "downscale_delay_s": 10}}
-               if args.max_replicas else {"num_replicas": replicas})
-    replica = serve.deployment(Replica, name="specdec-replica", max_ongoing_requests=max_batch, max_queued_requests=args.max_queue,
-                               health_check_period_s=5, graceful_shutdown_timeout_s=args.shutdown_timeout + 5,
-                               ray_actor_options={"num_cpus": args.threads, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(args.threads)}}},
+    config = replace(config, decoder=with_runtime(config.decoder, threads=threads), max_batch=max_batch(config))
+    ensure_profile(build_decoder(config.decoder))  # reads or measures the profile the replicas will read
+    scaling = ({"autoscaling_config": {"min_replicas": replicas, "max_replicas": config.max_replicas, "initial_replicas": replicas,
+                                       "target_ongoing_requests": max(1, config.max_batch // 2), "upscale_delay_s": 2, "downscale_delay_s": 10}}
+               if config.max_replicas else {"num_replicas": replicas})
+    replica = serve.deployment(Replica, name="specdec-replica", max_ongoing_requests=config.max_batch, max_queued_requests=config.max_queue,
+                               health_check_period_s=5, graceful_shutdown_timeout_s=config.shutdown_timeout + 5,
+                               ray_actor_options={"num_cpus": threads, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}},
                                request_router_config=RequestRouterConfig(request_router_class=ConversationRouter), **scaling)
     # the ingress holds every request until a replica answers it: those running and those waiting (and a drain call)
-    ingress = serve.deployment(IngressHost, name="specdec-ingress", max_ongoing_requests=args.max_queue + max_batch * (args.max_replicas or replicas) + 1,
-                               graceful_shutdown_timeout_s=args.shutdown_timeout + 5, ray_actor_options={"num_cpus": 0})
-    return ingress.bind(replica.bind(args))
+    ingress = serve.deployment(IngressHost, name="specdec-ingress",
+                               max_ongoing_requests=config.max_queue + config.max_batch * (config.max_replicas or replicas) + 1,
+                               graceful_shutdown_timeout_s=config.shutdown_timeout + 5, ray_actor_options={"num_cpus": 0})
+    return ingress.bind(replica.bind(config))
 
 
 @serve.ingress()
@@ -520,19 +503,20 @@ class IngressHost:
 
 
 # ---------------------------------------------------------------------------- specdec serve --replicas
-def run_local(args: argparse.Namespace) -> None:
+def run_local(config: ServeConfig) -> None:
     """`specdec serve --replicas N`: a local Ray instance (no dashboard: its jobs API runs arbitrary
     code), the app on --host:--port; runs until SIGTERM or Ctrl-C, then drains (`Ingress.drain`,
     up to --shutdown-timeout); a second signal stops at once."""
     import ray
 
-    app = application(args)
+    app = application(config)
+    threads = replica_threads(config)
     ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
              log_to_driver=False, configure_logging=False)
-    serve.start(http_options={"host": args.host, "port": args.port}, logging_config={"log_level": "WARNING"})
+    serve.start(http_options={"host": config.host, "port": config.port}, logging_config={"log_level": "WARNING"})
     serve.run(app, name="specdec", route_prefix="/")
-    print(f"specdec: serving on http://{args.host}:{args.port}/v1 with {args.replicas} Ray Serve replica(s) of "
-          f"{args.threads} thread(s)" + (f", up to {args.max_replicas}" if args.max_replicas else ""), file=sys.stderr)
+    print(f"specdec: serving on http://{config.host}:{config.port}/v1 with {config.replicas} Ray Serve replica(s) of "
+          f"{threads} thread(s)" + (f", up to {config.max_replicas}" if config.max_replicas else ""), file=sys.stderr)
     stop = threading.Event()
 
     def on_signal(*_):
@@ -545,7 +529,7 @@ def run_local(args: argparse.Namespace) -> None:
     try:
         while not stop.wait(1):
             pass
-        ended = serve.get_app_handle("specdec").drain.remote(args.shutdown_timeout).result(timeout_s=args.shutdown_timeout + 30)
+        ended = serve.get_app_handle("specdec").drain.remote(config.shutdown_timeout).result(timeout_s=config.shutdown_timeout + 30)
         print(f"specdec: drained; {ended} request(s) still running at the deadline were ended", file=sys.stderr)
     except KeyboardInterrupt:
         pass

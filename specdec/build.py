@@ -1,0 +1,98 @@
+"""The one builder: configurations (`specdec.config`) into loaded models, drafters and a decoder.
+
+`DRAFTERS` maps a drafter kind to the function that assembles it from loaded parts; `specdec.load`,
+the CLI, the server and the bench all assemble drafters through it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from specdec import profiling
+from specdec.config import DecoderConfig, DrafterSpec
+from specdec.decoder import SpeculativeDecoder
+from specdec.drafters import AutoDrafter, Drafter, ModelDrafter, NgramDrafter, PromptLookupDrafter
+from specdec.ngram import KatzTrigram
+from specdec.runtime import CausalLM, RuntimeConfig, choose_backend, load_draft, load_model
+
+
+@dataclass
+class Parts:
+    """Loaded models a drafter is assembled from (None where the spec needs none)."""
+
+    draft: CausalLM | None = None
+    ngram: KatzTrigram | None = None
+
+
+def _model_drafter(spec: DrafterSpec, parts: Parts) -> ModelDrafter:
+    inner = DRAFTERS[spec.inner](replace(spec, kind=spec.inner, tree=None, inner=None), parts) if spec.inner else None
+    return ModelDrafter(parts.draft, tree=spec.tree, inner=inner, inner_gamma=spec.inner_gamma)
+
+
+DRAFTERS: dict[str, Callable[[DrafterSpec, Parts], Drafter | None]] = {
+    "plain": lambda spec, parts: None,
+    "auto": lambda spec, parts: AutoDrafter(_model_drafter(spec, parts) if parts.draft is not None else None, PromptLookupDrafter()),
+    "model": _model_drafter,
+    "ngram": lambda spec, parts: NgramDrafter(parts.ngram, stochastic=spec.ngram_stochastic),
+    "lookup": lambda spec, parts: PromptLookupDrafter(),
+}
+
+
+def assemble(spec: DrafterSpec, parts: Parts) -> Drafter | None:
+    """The drafter `spec` names, over models already loaded."""
+    return DRAFTERS[spec.kind](spec, parts)
+
+
+def with_demo_paths(config: DecoderConfig) -> DecoderConfig:
+    """`config` with the demo pair's files wherever it names no target (its draft model, and its
+    n-gram model where the spec drafts with one)."""
+    if config.target is not None:
+        return config
+    from specdec.demo import demo_models, demo_ngram
+
+    target, draft = demo_models(config.runtime.backend)
+    spec = config.drafter
+    if spec.uses_draft_model and spec.draft is None and spec.demo_draft:
+        spec = replace(spec, draft=draft)
+    if spec.uses_ngram and spec.ngram is None:
+        spec = replace(spec, ngram=str(demo_ngram()))
+    return replace(config, target=target, drafter=spec)
+
+
+def build_decoder(config: DecoderConfig) -> SpeculativeDecoder:
+    """Load the models `config` names and assemble its decoder."""
+    if config.target is None:
+        choose_backend("", config.runtime.backend)  # validates the name before the demo pair is looked for
+    config = with_demo_paths(config)
+    spec, runtime = config.drafter, config.runtime
+    on_llamacpp = choose_backend(config.target, runtime.backend) == "llamacpp"
+    # a llama.cpp target keeps prefixes in KV cells of its own, but not when batch invariant (cells out of position order)
+    prefix_cells = config.prefix_cache if on_llamacpp and not runtime.batch_invariant else 0
+    target = load_model(config.target, runtime, slots=config.slots, prefix_cells=prefix_cells)
+    parts = Parts()
+    if spec.uses_draft_model and spec.draft is not None:
+        parts.draft = load_draft(spec.draft, target, draft_runtime(runtime, target, spec.draft), slots=config.slots)
+    if spec.uses_ngram:
+        parts.ngram = KatzTrigram.load(spec.ngram)
+    return SpeculativeDecoder(target, assemble(spec, parts), config.gamma, config.explore, prefix_cache=config.prefix_cache)
+
+
+def draft_runtime(runtime: RuntimeConfig, target: CausalLM, draft_path: str) -> RuntimeConfig:
+    """How the draft model runs: as the target, beside it (a transformers draft on the target's
+    device unless one is given), and never batch invariant (a draft's numerics never change what
+    is accepted)."""
+    device = runtime.device
+    if device is None and target.backend == "transformers" and choose_backend(draft_path, runtime.backend) == "transformers":
+        device = str(target.device)
+    return replace(runtime, device=device, batch_invariant=False)
+
+
+def ensure_profile(decoder: SpeculativeDecoder) -> None:
+    """Time the forwards the auto policy needs now, with a notice, if they are not cached yet (not
+    in the middle of the first request)."""
+    if decoder.uses_profile and not profiling.cache_path(decoder.target, decoder.draft_model).is_file():
+        print("specdec: timing the models' forwards for the auto policy (once per model and machine; `specdec profile` shows them)",
+              file=sys.stderr)
+        decoder.profile()

@@ -1,0 +1,164 @@
+"""`specdec generate`, `specdec profile` and `specdec ngram build`."""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+from pathlib import Path
+
+from specdec import profiling
+from specdec.build import build_decoder, ensure_profile
+from specdec.cli.arguments import add_model_arguments, add_sampling_arguments, decoder_config
+from specdec.errors import SpecDecError
+
+
+def add_parsers(commands) -> None:
+    gen = commands.add_parser("generate", help="generate text from a prompt", description="Stream a continuation of PROMPT, then a one-line stats summary (on stderr).")
+    gen.add_argument("prompt")
+    add_model_arguments(gen)
+    add_sampling_arguments(gen)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--prediction", metavar="FILE",
+                     help="a file holding the text the output is expected to be (e.g. the edited file): the default drafter proposes it")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    gen.set_defaults(run=run_generate)
+
+    ngram = commands.add_parser("ngram", help="n-gram drafter tools").add_subparsers(dest="ngram_command", required=True)
+    build = ngram.add_parser("build", help="build a Katz-backoff trigram over a tokenizer's ids from text files")
+    build.add_argument("files", nargs="+")
+    build.add_argument("--tokenizer", required=True, help="directory with the target's tokenizer files")
+    build.add_argument("-o", "--output", required=True, help="output file (.safetensors)")
+    build.set_defaults(run=run_ngram_build)
+
+    prof = commands.add_parser("profile", help="measure (or show the cached) forward costs the auto policy decides with",
+                               description="Time one forward of k new tokens for the target (and the draft model), k = 1 ... 128, "
+                                           "plus the engine's own time per iteration; cached per model, backend, threads and device.")
+    add_model_arguments(prof)
+    prof.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
+    prof.add_argument("--plot", metavar="FILE.png", help="also draw the cost curves")
+    prof.add_argument("--json", action="store_true", help="print the profile as JSON")
+    prof.add_argument("--breakdown", action="store_true",
+                      help="GGUF: also time the target's forwards per kind of op (output layer, matmuls, attention, other) "
+                           "at k = 1, 4, 8, 16 (specdec/runtime/op_times.py)")
+    prof.set_defaults(run=run_profile)
+
+
+def run_generate(args) -> None:
+    prediction = None
+    if args.prediction is not None:
+        try:
+            prediction = Path(args.prediction).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise SpecDecError(f"cannot read the prediction file {args.prediction}: {error}") from None
+    decoder = build_decoder(decoder_config(args, prefix_cache=0))
+    ensure_profile(decoder)
+    stream = decoder.stream(
+        args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop, prediction=prediction or None,
+    )
+    if args.json:
+        for _ in stream:
+            pass
+        print(json.dumps(stream.result.to_dict()))
+        return
+    for delta in stream:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print(format_stats(stream.result.stats, decoder), file=sys.stderr)
+
+
+def run_profile(args) -> None:
+    decoder = build_decoder(decoder_config(args, prefix_cache=0))
+    profile = profiling.profile(decoder.target, decoder.draft_model, refresh=args.refresh)
+    if args.json:
+        print(json.dumps(profile.to_json()))
+    else:
+        print(format_profile(profile, decoder, profiling.cache_dir()))
+    if args.plot:
+        print(f"wrote {plot_profile(profile, args.plot)}", file=sys.stderr)
+    if args.breakdown:
+        if decoder.target.backend != "llamacpp":
+            raise SpecDecError("--breakdown times llama.cpp's ops: it takes a GGUF target")
+        from specdec.runtime.op_times import breakdown, format_breakdown
+
+        note = decoder.target.output_layer_note
+        print(f"\nwhere the target's forward goes (output layer: {decoder.target.output_layer}{f'; {note}' if note else ''}):\n")
+        print(format_breakdown(breakdown(decoder.target)))
+
+
+def format_profile(profile, decoder, cache) -> str:
+    """The cost curves as a table: milliseconds and the ratio to a one-token forward."""
+    load = f", load {profile.load:.2f}" if profile.load is not None else ""
+    lines = [f"target: {decoder.target.describe()}" + (f" · draft: {decoder.draft_model.describe()}" if decoder.draft_model else ""),
+             f"measured {profile.measured} in {profile.rounds} rounds{load} · cache: {cache}", "",
+             "| k | target ms | × k=1 | draft ms |", "|---|---|---|---|"]
+    for k, seconds in sorted(profile.target.items()):
+        draft = profile.draft.get(k) if profile.draft else None
+        lines.append(f"| {k} | {seconds * 1e3:.2f} | {seconds / profile.target[min(profile.target)]:.2f} | "
+                     + (f"{draft * 1e3:.2f}" if draft is not None else "–") + " |")
+    lines += ["", f"engine time per iteration outside the target's forward: {profile.step_overhead * 1e3:.2f} ms"]
+    if profile.draft:
+        lines.append(f"time per draft level outside the draft model's forward: {profile.level_overhead * 1e3:.2f} ms")
+    return "\n".join(lines)
+
+
+def plot_profile(profile, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, curve in (("target", profile.target), ("draft", profile.draft)):
+        if curve:
+            ax.plot(sorted(curve), [curve[k] * 1e3 for k in sorted(curve)], marker="o", label=name)
+    ax.set(xscale="log", xlabel="new tokens per forward (k)", ylabel="ms per forward", title="forward cost t(k)")
+    ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as error:
+        raise SpecDecError(f"could not write {path}: {error}") from None
+    finally:
+        plt.close(fig)
+    return path
+
+
+def format_stats(stats, decoder) -> str:
+    parts = [f"{stats.generated_tokens} tokens", f"{stats.total_seconds:.2f} s", f"{stats.tokens_per_second or 0:.1f} tok/s"]
+    parts.append(f"{stats.target_forwards} target forwards")
+    if decoder.drafter is not None:
+        rate = stats.acceptance_rate
+        parts += [
+            f"drafter {decoder.drafter.name}, " + (f"depth {decoder.gamma}" if getattr(decoder.drafter, "tree", None) else f"gamma {decoder.gamma}"),
+            f"{stats.draft_forwards} draft forwards",
+            f"acceptance {rate:.1%}" if rate is not None else "acceptance n/a",
+        ]
+    if stats.tree_nodes and (getattr(decoder.drafter, "tree", None) or stats.drafters):
+        parts.append(f"{sum(stats.tree_nodes) / len(stats.tree_nodes):.1f} draft nodes/iteration")
+    if stats.drafters and decoder.gamma == "auto":
+        counts = collections.Counter(stats.drafters)
+        parts.append("drafted by " + ", ".join(f"{name} {count / len(stats.drafters):.0%}" for name, count in counts.most_common()))
+    if stats.source_trials:
+        parts.append("accepted by source " + ", ".join(f"{source} {accepted}/{tried}" for source, (tried, accepted) in sorted(stats.source_trials.items())))
+    parts.append(f"{stats.tokens_per_target_forward or 0:.2f} tokens/target forward")
+    return "[specdec] " + " · ".join(parts)
+
+
+def run_ngram_build(args) -> None:
+    from transformers import AutoTokenizer
+
+    from specdec.ngram import build_from_files
+    from specdec.runtime import tokenizer_fingerprint
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True, trust_remote_code=False)
+    except Exception as error:
+        raise SpecDecError(f"could not load a tokenizer from {args.tokenizer}: {error}") from error
+    model = build_from_files(args.files, tokenizer, fingerprint=tokenizer_fingerprint(tokenizer))
+    model.save(args.output)
+    print(f"wrote {args.output} (vocabulary {model.vocab_size})", file=sys.stderr)

@@ -1,0 +1,379 @@
+"""What to build, as data: a drafter spec, a decoder config and a serve config (frozen dataclasses),
+and the one reader that turns a mapping of options into them.
+
+Every front end builds these once and hands them to one builder (`specdec.build`): the CLI from its
+argv (argparse leaves out what was not given), the Ray Serve builder from its key=value options,
+`specdec.load` from its keywords, the bench from its own settings. A default lives in one place:
+the dataclass field.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Mapping
+
+from specdec.drafters.model import TreeShape
+from specdec.errors import SpecDecError
+from specdec.runtime.config import RuntimeConfig
+from specdec.runtime.prefix import DEFAULT_TOKENS as PREFIX_TOKENS
+
+# drafter kinds (the registry's names, `specdec.build.DRAFTERS`)
+DRAFTERS = ("auto", "plain", "model", "ngram", "lookup")
+INNER_DRAFTERS = ("ngram", "lookup")  # what may draft for a staged draft model (draft², Spector & Ré)
+SERVER_PREFIX_TOKENS = 16_384  # a server keeps more than one process's generations do
+DEFAULT_BATCH = {"cpu": 16, "gpu": 64}  # a server's generations at once (`ServeConfig.batch`)
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """What drafts, by kind:
+
+    "auto" (the default): prompt lookup and the draft model (when there is one), with the
+    history and any prediction, in one tree shaped every iteration by the cost-aware policy.
+    "plain": no drafter. "model": the draft model's chain, or its token tree (`tree`), staged with
+    `inner` ("ngram" or "lookup") as its own drafter. "ngram": an n-gram model. "lookup": prompt lookup.
+    draft and ngram are paths; None with no target given: the demo pair's (`specdec.demo`), its draft
+    model unless `demo_draft` is False (the auto drafter asked for prompt lookup alone).
+    """
+
+    kind: str = "auto"
+    draft: str | None = None
+    ngram: str | None = None
+    tree: TreeShape | None = None
+    inner: str | None = None
+    inner_gamma: int = 4  # draft² tokens per draft-model forward when staged
+    ngram_stochastic: bool = True  # sample n-gram drafts (False: the most likely token)
+    demo_draft: bool = True
+
+    def __post_init__(self):
+        if self.kind not in DRAFTERS:
+            raise SpecDecError(f"unknown drafter {self.kind!r}; choose one of {', '.join(DRAFTERS)}")
+        if self.inner not in (None, *INNER_DRAFTERS):
+            raise SpecDecError(f"a staged draft model drafts with one of {', '.join(INNER_DRAFTERS)}, not {self.inner!r}")
+        if (self.tree is not None or self.inner is not None) and self.kind != "model":
+            raise SpecDecError("token trees and staging shape a draft model's drafts (kind 'model')")
+        check_positive(self.inner_gamma, "inner_gamma")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.kind in ("auto", "model")
+
+    @property
+    def uses_ngram(self) -> bool:
+        return self.kind == "ngram" or self.inner == "ngram"
+
+    @classmethod
+    def choose(cls, *, target_given: bool, draft: str | None = None, ngram: str | None = None, prompt_lookup: bool = False,
+               tree: TreeShape | None = None, staged: bool = False, gamma: int | str = "auto", plain: bool = False,
+               inner_gamma: int = 4, ngram_stochastic: bool = True) -> DrafterSpec:
+        """The spec the drafter flags describe (`specdec generate --draft ... --staged ...`), refusing
+        combinations that mean nothing. A numeric gamma with one drafter runs that drafter; gamma
+        "auto" with no n-gram, tree or staging is the auto drafter (which also looks up the prompt)."""
+        if plain:
+            if draft or ngram or prompt_lookup or tree or staged:
+                raise SpecDecError("--plain decodes without a drafter: drop the drafter flags")
+            return cls("plain")
+        if ngram is not None and prompt_lookup:
+            raise SpecDecError("choose at most one of an n-gram file and prompt lookup")
+        auto = gamma == "auto" and ngram is None and tree is None and not staged
+        demo_draft = not target_given and draft is None and (staged or (ngram is None and not prompt_lookup))
+        has_draft = draft is not None or demo_draft
+        if staged and (not has_draft or (ngram is None and not prompt_lookup and target_given)):
+            raise SpecDecError("staged drafting needs a draft model and a draft² for it: a draft model plus an n-gram file or prompt lookup")
+        if not staged and draft is not None and (ngram is not None or (prompt_lookup and not auto)):
+            raise SpecDecError("choose at most one drafter: a draft model, an n-gram file or prompt lookup (or stage them)")
+        if tree is not None and not has_draft:
+            raise SpecDecError("token trees are drafted by a draft model; give one (--draft DIR)")
+        shared = dict(draft=draft, inner_gamma=inner_gamma, ngram_stochastic=ngram_stochastic)
+        if auto:
+            return cls("auto", demo_draft=demo_draft, **shared)
+        if has_draft:
+            inner = ("lookup" if prompt_lookup else "ngram") if staged else None
+            return cls("model", ngram=ngram, tree=tree, inner=inner, **shared)
+        if ngram is not None:
+            return cls("ngram", ngram=ngram, **shared)
+        return cls("lookup" if prompt_lookup else "plain", **shared)
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """A target, its drafter and how they decode (`specdec.build.build_decoder`).
+
+    target: a checkpoint directory or a .gguf file; None: the demo pair (its GGUF files on llama.cpp
+    unless the runtime's backend is "transformers"). gamma: draft length per iteration (a tree's
+    depth), or "auto": chosen every iteration from measured costs. explore: the auto drafter probes
+    prompt lookup when its estimate does not pay. prefix_cache: tokens of finished generations kept
+    for later ones to start from (0: none). slots: generations that may run at once (a server's
+    batch).
+    """
+
+    target: str | None = None
+    drafter: DrafterSpec = field(default_factory=DrafterSpec)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    gamma: int | str = "auto"
+    explore: bool = True
+    prefix_cache: int = PREFIX_TOKENS
+    slots: int = 1
+
+    def __post_init__(self):
+        check_gamma(self.gamma)
+        check_positive(self.slots, "slots")
+        if isinstance(self.prefix_cache, bool) or not isinstance(self.prefix_cache, int) or self.prefix_cache < 0:
+            raise SpecDecError(f"the prefix cache must be a number of tokens >= 0, got {self.prefix_cache!r}")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """`specdec serve`: the decoder, and how the server runs it (`specdec.server.build`).
+
+    max_batch: generations that run together (None: `DEFAULT_BATCH` by the device, `batch`).
+    batch_depth: "measured" (a numeric gamma's depth is capped per step for the batch size) or
+    "fixed". api_keys: each a tenant (none: one tenant). history_tokens: the auto drafter's history
+    per tenant (None: the default; 0: off). replicas / max_replicas: Ray Serve replicas (None: one
+    process, no Ray). chat_template: the template's text (read and checked when parsed).
+    """
+
+    decoder: DecoderConfig = field(default_factory=lambda: DecoderConfig(prefix_cache=SERVER_PREFIX_TOKENS))
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None
+    max_queue: int = 64
+    max_batch: int | None = None
+    batch_depth: str = "measured"
+    shutdown_timeout: float = 10.0
+    api_keys: tuple[str, ...] = ()
+    keys_share_caches: bool = False
+    public_metrics: bool = False
+    allowed_origins: tuple[str, ...] = ()
+    chat_template: str | None = None
+    max_connections: int = 256
+    history_tokens: int | None = None
+    share_history: bool = False
+    replicas: int | None = None
+    max_replicas: int | None = None
+
+    def __post_init__(self):
+        for name in ("max_queue", "max_connections", "max_batch", "replicas", "max_replicas"):
+            if getattr(self, name) is not None:
+                check_positive(getattr(self, name), name)
+        if self.batch_depth not in ("measured", "fixed"):
+            raise SpecDecError(f"batch depth must be 'measured' or 'fixed', got {self.batch_depth!r}")
+        if not 0 <= self.shutdown_timeout <= 3600:
+            raise SpecDecError("--shutdown-timeout must be between 0 and 3600 seconds")
+        if self.history_tokens is not None and self.history_tokens < 0:
+            raise SpecDecError("--history-tokens must be >= 0")
+        if self.max_replicas is not None and self.replicas is None:
+            raise SpecDecError("--max-replicas autoscales Ray Serve replicas: give --replicas too")
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise SpecDecError("--max-replicas must be at least --replicas")
+        if any(not (key.isascii() and key.isprintable()) or " " in key or not key for key in self.api_keys):
+            raise SpecDecError("an API key must be printable ASCII without spaces (it is sent as `Authorization: Bearer KEY`)")
+
+    @property
+    def loopback(self) -> bool:
+        """Bound to loopback only: then only loopback Host headers are accepted (no DNS rebinding)."""
+        return self.host in ("127.0.0.1", "localhost", "::1")
+
+    def batch(self, on_gpu: bool) -> int:
+        """The one rule for the batch: --max-batch, else `DEFAULT_BATCH` for where the target runs."""
+        return self.max_batch or DEFAULT_BATCH["gpu" if on_gpu else "cpu"]
+
+
+# ---------------------------------------------------------------------------------- checks
+
+
+def check_gamma(gamma) -> None:
+    if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
+        raise SpecDecError(f"gamma must be a positive integer or 'auto', got {gamma!r}")
+
+
+def check_positive(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecDecError(f"{name} must be a positive integer, got {value!r}")
+
+
+# ------------------------------------------------------------------- options -> configurations
+# Option names are `specdec serve`'s long options with underscores (--max-batch: max_batch). A
+# value may come typed (argparse converted it, a YAML file held a number) or as text (`serve run
+# ... key=value`); the parsers below read both, so the CLI and Ray Serve's builder share them.
+
+
+def parse_gamma(value) -> int | str:
+    if value == "auto":
+        return value
+    gamma = _integer(value)
+    if gamma is None or gamma < 1:
+        raise ValueError(f"expected a positive integer or 'auto', got {value!r}")
+    return gamma
+
+
+def parse_positive(value) -> int:
+    number = _integer(value)
+    if number is None or number < 1:
+        raise ValueError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def parse_integer(value) -> int:
+    number = _integer(value)
+    if number is None:
+        raise ValueError(f"expected an integer, got {value!r}")
+    return number
+
+
+def parse_number(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number, got {value!r}") from None
+
+
+def parse_flag(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "false"):
+        return str(value).lower() == "true"
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def parse_words(value) -> tuple[str, ...]:
+    """A list of strings, or one string of words separated by spaces or commas."""
+    if isinstance(value, str):
+        return tuple(value.replace(",", " ").split())
+    return tuple(str(v) for v in value)
+
+
+def _integer(value) -> int | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+_text = str
+RUNTIME_OPTIONS: dict[str, Callable] = {
+    "backend": _text, "device": _text, "dtype": _text, "attn_implementation": _text, "compile": _text, "threads": parse_positive,
+    "context": parse_positive, "gpu_layers": parse_integer, "tokenizer": _text, "output_layer": _text, "batch_invariant": parse_flag}
+DRAFTER_OPTIONS: dict[str, Callable] = {
+    "draft": _text, "ngram": _text, "prompt_lookup": parse_flag, "ngram_top1": parse_flag, "plain": parse_flag, "no_explore": parse_flag,
+    "gamma": parse_gamma, "tree": parse_positive, "depth": parse_gamma, "tree_width": parse_positive, "tree_children": _text,
+    "staged": parse_flag, "inner_gamma": parse_positive}
+SERVE_OPTIONS: dict[str, Callable] = {
+    "host": _text, "port": parse_integer, "model_name": _text, "max_queue": parse_positive, "max_batch": parse_positive,
+    "batch_depth": _text, "shutdown_timeout": parse_number, "api_key": parse_words, "api_key_file": _text,
+    "keys_share_caches": parse_flag, "public_metrics": parse_flag, "allowed_origins": parse_words, "chat_template": _text,
+    "max_connections": parse_positive, "history_tokens": parse_integer, "share_history": parse_flag,
+    "prefix_cache_tokens": parse_integer, "replicas": parse_positive, "max_replicas": parse_positive}
+TREE_WIDTH, TREE_CHILDREN = 3, "sampled"  # the CLI's defaults for --tree-width and --tree-children
+
+
+class Options:
+    """A mapping of options being read: `take` converts the ones given (None is not given), and
+    `finish` refuses any left over, so a misspelt option is an error, not a silent default."""
+
+    def __init__(self, mapping: Mapping[str, object]):
+        self.left = {str(k).replace("-", "_"): v for k, v in mapping.items() if v is not None}
+
+    def take(self, parsers: Mapping[str, Callable]) -> dict:
+        taken = {}
+        for name, parse in parsers.items():
+            if name in self.left:
+                value = self.left.pop(name)
+                try:
+                    taken[name] = parse(value)
+                except ValueError as error:
+                    raise SpecDecError(f"--{name.replace('_', '-')}: {error}") from None
+        return taken
+
+    def finish(self) -> None:
+        if self.left:
+            raise SpecDecError("unknown option(s): " + ", ".join("--" + k.replace("_", "-") for k in sorted(self.left)))
+
+
+def runtime_config(options: Options) -> RuntimeConfig:
+    return RuntimeConfig(**options.take(RUNTIME_OPTIONS))
+
+
+def decoder_config(options: Options, **defaults) -> DecoderConfig:
+    """A DecoderConfig from the model, drafter and runtime options (`defaults`: DecoderConfig
+    fields the front end sets, e.g. a server's larger prefix cache)."""
+    target = options.take({"target": _text}).get("target")
+    runtime = runtime_config(options)
+    given = options.take(DRAFTER_OPTIONS)
+    tree_options = {k: given.pop(k) for k in ("depth", "tree_width", "tree_children") if k in given}
+    tree = None
+    if "tree" in given:
+        width, children = tree_options.get("tree_width", TREE_WIDTH), tree_options.get("tree_children", TREE_CHILDREN)
+        if children not in ("sampled", "top"):
+            raise SpecDecError(f"--tree-children is sampled or top, not {children!r}")
+        tree = TreeShape(nodes=given.pop("tree"), width=width, sampled=children == "sampled")
+    elif tree_options:
+        raise SpecDecError("--depth, --tree-width and --tree-children shape a tree: add --tree NODES")
+    if not given.get("staged") and given.get("inner_gamma", 4) != 4:
+        raise SpecDecError("--inner-gamma sets the draft² length of --staged drafting: add --staged")
+    gamma = tree_options.get("depth", given.get("gamma", "auto"))
+    spec = DrafterSpec.choose(target_given=target is not None, draft=given.get("draft"), ngram=given.get("ngram"),
+                              prompt_lookup=given.get("prompt_lookup", False), tree=tree, staged=given.get("staged", False),
+                              gamma=gamma, plain=given.get("plain", False), inner_gamma=given.get("inner_gamma", 4),
+                              ngram_stochastic=not given.get("ngram_top1", False))
+    return DecoderConfig(target=target, drafter=spec, runtime=runtime, gamma=gamma, explore=not given.get("no_explore", False),
+                         **defaults)
+
+
+def serve_config(mapping: Mapping[str, object]) -> ServeConfig:
+    """`specdec serve`'s options (argv parsed, or Ray Serve's builder arguments) as a ServeConfig:
+    API keys gathered (--api-key, --api-key-file, $SPECDEC_API_KEY) and the chat template read and
+    checked, so what cannot work fails here, before any model loads."""
+    options = Options(mapping)
+    given = options.take(SERVE_OPTIONS)
+    prefix_tokens = given.pop("prefix_cache_tokens", SERVER_PREFIX_TOKENS)
+    if prefix_tokens < 0:
+        raise SpecDecError("--prefix-cache-tokens must be >= 0")
+    decoder = decoder_config(options, prefix_cache=prefix_tokens)
+    options.finish()
+    keys = api_keys(given.pop("api_key", ()), given.pop("api_key_file", None))
+    if "chat_template" in given:
+        given["chat_template"] = read_template(given["chat_template"])
+    return ServeConfig(decoder=decoder, api_keys=keys, **given)
+
+
+def api_keys(keys: tuple[str, ...], key_file: str | None) -> tuple[str, ...]:
+    """The server's API keys: those given, the lines of `key_file`, $SPECDEC_API_KEY; each a tenant."""
+    keys = list(keys)
+    if os.environ.get("SPECDEC_API_KEY"):
+        keys.append(os.environ["SPECDEC_API_KEY"])
+    if key_file:
+        try:
+            lines = Path(key_file).expanduser().read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            raise SpecDecError(f"cannot read the API key file {key_file}: {error}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not keys:
+            raise SpecDecError(f"the API key file {key_file} holds no key")
+    return tuple(dict.fromkeys(keys))
+
+
+def read_template(path: str) -> str:
+    """A Jinja chat template's text, checked to parse."""
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise SpecDecError(f"could not read the chat template {path}: {error}") from None
+    import jinja2.sandbox
+
+    try:
+        jinja2.sandbox.ImmutableSandboxedEnvironment().parse(text)
+    except jinja2.TemplateSyntaxError as error:
+        raise SpecDecError(f"{path} is not a valid Jinja template: {error}") from None
+    return text
+
+
+def with_runtime(config: DecoderConfig, **changes) -> DecoderConfig:
+    """`config` with some runtime options changed (e.g. a replica's threads)."""
+    return replace(config, runtime=replace(config.runtime, **changes))
+
+

@@ -1,0 +1,388 @@
+"""A decoder: a target model and a drafter, generating text (whole or streamed) through the engine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Hashable, Iterator, Sequence
+
+from specdec import costs, profiling
+from specdec.config import check_gamma
+from specdec.drafters import AutoDrafter, Drafter, ModelDrafter, NgramDrafter
+from specdec.drafters.history import History
+from specdec.drafters.prediction import Prediction
+from specdec.engine import DecodeState, Engine, StepResult, TokenLogprob
+from specdec.errors import SpecDecError
+from specdec.ngram import KatzTrigram
+from specdec.runtime import CausalLM, check_same_vocabulary, require_trees, tokenizer_fingerprint
+from specdec.runtime.prefix import DEFAULT_TOKENS as PREFIX_TOKENS, PrefixCache
+from specdec.policy import AUTO_MAX_DEPTH, MAX_DEPTH, BatchDepth, CostAwareDepth, CostAwarePolicy, FixedGamma, SharedAcceptance
+from specdec.sampling import RandomStreams
+from specdec.scopes import PerScope, Scope, check_scope, owner
+from specdec.stops import StopStrings
+from specdec.text import check_text, continuation_decoder
+from specdec.types import GenerationStats, SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    # generated ids, prompt and stop excluded; they decode to a prefix of `text`: all of it, unless a stop
+    # string begins inside a token, whose characters before the stop are then in `text` but the token is not
+    tokens: list[int]
+    finish_reason: str  # "length", "stop" (EOS or a stop string)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
+    prediction: Prediction | None = field(default=None, repr=False)  # the prediction it was drafted from, if any
+
+    def prediction_usage(self) -> tuple[int, int] | None:
+        """(accepted, rejected) prediction tokens, OpenAI's meaning (see `Prediction.usage`); None without one.
+        Costs an alignment of the prediction's tokens with the output's: computed when asked."""
+        return self.prediction.usage(self.tokens) if self.prediction is not None else None
+
+    def to_dict(self) -> dict:
+        out = {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
+        if self.logprobs is not None:
+            out["logprobs"] = [{"token": lp.token, "logprob": lp.logprob, "top": lp.top} for lp in self.logprobs]
+        if self.prediction is not None:
+            out["prediction_tokens"] = dict(zip(("accepted", "rejected"), self.prediction_usage()))
+        return out
+
+
+class Stream:
+    """Iterate for text deltas; afterwards `.result` holds the whole GenerationResult."""
+
+    def __init__(self, deltas: Iterator[str]):
+        self._deltas = deltas
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        self.result = yield from self._deltas
+
+
+class SpeculativeDecoder:
+    """A target model plus an optional drafter; with no drafter it decodes plainly (γ = 0).
+
+    gamma: draft length per iteration (a tree's depth), or "auto": chosen every iteration from
+    measured forward costs and the acceptance so far (`specdec.policy`); an `AutoDrafter` is
+    always shaped by the cost-aware policy, at most `gamma` deep when that is a number.
+    explore: the auto drafter's policy tries prompt lookup on a probe schedule when its estimate
+    does not pay (False: lookup only when it pays by the estimate).
+    history: earlier generations' prompts and outputs, drafted from by the auto drafter (suffix
+    decoding; a `History`, or True for one with the default budget, or None); per tenant, as
+    each request says (`request(tenant=...)`).
+    prefix_cache: finished generations' caches kept (a `PrefixCache`, or its budget in tokens, for
+    the cache every decoder on this target shares; 0 or None: none), so a request starts from the
+    longest prefix it shares with them: a conversation's next turn does not compute the earlier
+    ones again. On llama.cpp it needs KV cells beyond the
+    slots' (`load_model(prefix_cells=...)`; `load` reserves them). Off on a batch-invariant target
+    (as trees are: both would put KV cells out of position order).
+    """
+
+    def __init__(self, target: CausalLM, drafter: Drafter | None = None, gamma: int | str = "auto", explore: bool = True,
+                 history: History | bool | None = True, prefix_cache: PrefixCache | int | None = PREFIX_TOKENS):
+        check_gamma(gamma)
+        _check_drafter(drafter, target)
+        if isinstance(drafter, AutoDrafter):  # it drafts trees (a prediction and lookup branching too) only where every model scores them exactly
+            drafter.trees = drafter.trees and target.tree_refusal() is None and (drafter.model is None or drafter.model.model.tree_refusal() is None)
+        self.target, self.drafter, self.gamma, self.explore = target, drafter, gamma, explore
+        if history is True:
+            history = History() if isinstance(drafter, AutoDrafter) else None
+        if history is not None and not isinstance(drafter, AutoDrafter):
+            raise SpecDecError("a history is drafted from by the default (auto) drafter; this decoder has " + _drafter_name(drafter))
+        self.history: History | None = history or None
+        if getattr(target, "batch_invariant", False):
+            prefix_cache = None  # a fork's new tokens could take freed cells below the shared ones: out of position order
+        if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
+            prefix_cache = PrefixCache.of(target, prefix_cache) if prefix_cache else None
+        self.prefixes = prefix_cache if prefix_cache is not None and prefix_cache.budget else None
+        self.shared_acceptance: PerScope[SharedAcceptance] | None = None  # a server's: what each owner's earlier requests saw, for its new ones
+        self._busy = False  # one generation at a time: the caches belong to it
+        self._profile: costs.LiveCosts | None = None
+
+    @property
+    def draft_model(self) -> CausalLM | None:
+        drafter = self.drafter.model if isinstance(self.drafter, AutoDrafter) else self.drafter
+        return drafter.model if isinstance(drafter, ModelDrafter) else None
+
+    @property
+    def uses_profile(self) -> bool:
+        """Whether decoding needs measured forward costs (any cost-aware choice)."""
+        return isinstance(self.drafter, AutoDrafter) or (self.drafter is not None and self.gamma == "auto")
+
+    def profile(self) -> costs.LiveCosts:
+        """The models' forward costs on this machine: cached on disk, measured on first use, then
+        corrected by what this decoder's steps pay (`costs.LiveCosts`, shared by its generations)."""
+        if self._profile is None:
+            self._profile = costs.LiveCosts.of(profiling.profile(self.target, self.draft_model))
+        return self._profile
+
+    def policy(self, scope: Scope = None):
+        """A fresh draft policy for one generation of `scope` (it starts from what that scope's
+        earlier generations saw, on a server)."""
+        if self.drafter is None:
+            return FixedGamma(0)
+        if isinstance(self.drafter, AutoDrafter):
+            shared = self.shared_acceptance[owner(scope)] if self.shared_acceptance is not None else None
+            return CostAwarePolicy(self.profile(), AUTO_MAX_DEPTH if self.gamma == "auto" else self.gamma, explore=self.explore, shared=shared)
+        limit = MAX_DEPTH if self.gamma == "auto" else self.gamma
+        if self.gamma == "auto":
+            return self.depth_policy(CostAwareDepth, limit)
+        return FixedGamma(self.gamma)
+
+    def depth_policy(self, kind: type[BatchDepth], max_gamma: int) -> BatchDepth:
+        """A depth policy (`BatchDepth` or a subclass) for this decoder's drafter, with measured costs."""
+        width = self.drafter.tree.width if isinstance(self.drafter, ModelDrafter) and self.drafter.tree else 1
+        return kind(self.profile(), max_gamma, models_draft=isinstance(self.drafter, ModelDrafter), width=width)
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    def generate(self, prompt: str | Sequence[int], **options) -> GenerationResult:
+        """Options as for `stream`. Returns text, tokens and stats."""
+        return self.run(self.request(prompt, **options))
+
+    def run(self, generation: Generation) -> GenerationResult:
+        """Run a generation made by `request` to its end."""
+        stream = Stream(self._deltas(generation))
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(self, prompt: str | Sequence[int], **options) -> Stream:
+        """Text deltas as they are committed; options as for `request`."""
+        return Stream(self._deltas(self.request(prompt, **options)))
+
+    def request(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 128,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        logprobs: int | None = None,
+        prediction: str | None = None,
+        tenant: Hashable = None,
+        scope: Scope = None,
+    ) -> Generation:
+        """A checked generation, not started: run it with `stream`, or in a batch with an `Engine`.
+        Temperature 0 is greedy. logprobs: the result also holds each token's log-probability under
+        the target (its raw distribution) and this many most likely alternatives. prediction: the
+        text the output is expected to be (OpenAI's Predicted Outputs), drafted from by the default
+        drafter; it changes the speed, never the output. scope: who may reuse what this generation
+        leaves (its kept cache, its history; `specdec.scopes`), and whose it may reuse; tenant:
+        whose history, within the scope, it drafts from and joins (see `History`). Both any hashable.
+
+        seed: sampling is repeatable. Under the default drafter, or with none, a seeded sampled
+        generation draws its i-th token as argmax(p / E_i), with noise E_i fixed by (seed, i), and
+        drafts point masses only, a draft model's ranked by the same noise, verified by that draw
+        (`verify.verify_tree_coupled`): its text is plain decoding's with the same seed, whatever
+        was drafted, so neither what the decoder learnt before (its history, the costs its steps
+        paid) nor the batch it runs in changes it, except where a runtime's numerics move with the
+        batch (llama.cpp; bfloat16 on a GPU: see the README) and nudge a draw that lay on a
+        boundary. A fixed drafter (a draft model's chain or tree, an n-gram) keeps Chen's rejection
+        sampling of drawn drafts: its seeded text repeats when its drafting does, i.e. with a
+        numeric gamma. `Generation.drawn` runs a seeded request the unseeded way."""
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        prompt_ids = self.prompt_ids(prompt)
+        check_scope(tenant, "tenant")
+        check_scope(scope, "scope")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise SpecDecError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise SpecDecError(f"seed must be a non-negative integer, got {seed!r}")
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise SpecDecError("stop strings must be non-empty strings")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20):
+            raise SpecDecError(f"logprobs must be an integer from 0 to 20, got {logprobs!r}")
+        if prediction is not None:
+            if not isinstance(prediction, str):
+                raise SpecDecError(f"a prediction must be text, got {type(prediction).__name__}")
+            if not isinstance(self.drafter, AutoDrafter):
+                raise SpecDecError("a prediction is drafted by the default (auto) drafter; this decoder has " + _drafter_name(self.drafter))
+        try:
+            chains = (Prediction(prediction, self.tokenizer, prompt_ids),) if prediction else ()
+        except SpecDecError as error:
+            raise SpecDecError(str(error), param="prediction") from None
+        if self.history is not None:
+            chains += (self.history.view(tenant, scope),)
+        keyed = seed is not None and not sampling.greedy and (self.drafter is None or isinstance(self.drafter, AutoDrafter))
+        state = DecodeState(prompt_ids, sampling, max_new_tokens, self.policy(scope), RandomStreams(seed, keyed),
+                            GenerationStats(prompt_tokens=len(prompt_ids)), self.stop_token_ids, logprobs=logprobs, chains=chains, scope=scope)
+        return Generation(state, TextAssembler(self.tokenizer, prompt_ids, stop))
+
+    def engine(self) -> Engine:
+        return Engine(self.target, self.drafter, self.prefixes)
+
+    def prompt_ids(self, prompt) -> list[int]:
+        """Token ids of a prompt (text or ids), checked: not empty, in the vocabulary, shorter than the context."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise SpecDecError("the prompt is empty")
+            check_text(prompt, "prompt")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = [int(i) for i in prompt]
+            if any(not 0 <= i < self.target.vocab_size for i in ids):
+                raise SpecDecError(f"prompt token ids must be in [0, {self.target.vocab_size})")
+        if not ids:
+            raise SpecDecError("the prompt is empty" if not len(prompt) else "the prompt encodes to no tokens (the tokenizer knows none of its characters)")
+        # only the target's context limits the prompt: a draft model with a shorter one stops drafting
+        limit = self.target.max_length
+        if len(ids) >= limit:
+            raise SpecDecError(f"the prompt has {len(ids)} tokens; the context holds {limit}, leaving no room to generate")
+        return ids
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        return self.target.stop_token_ids
+
+    def _deltas(self, generation: Generation) -> Iterator[str]:
+        if self._busy:
+            raise SpecDecError("this decoder is already generating; finish the other stream first")
+        self._busy = True
+        generation.started = time.perf_counter()
+        steps = self.engine().run(generation.state)
+        try:
+            for step in steps:
+                delta = generation.add(step)
+                if delta:
+                    yield delta
+                if generation.done:
+                    break
+            return generation.result()
+        finally:
+            steps.close()  # gives the slots back
+            self._busy = False
+
+
+class Generation:
+    """One request: its decoding state and its text so far. `add` each step's result until `done`."""
+
+    def __init__(self, state: DecodeState, text: TextAssembler):
+        self.state, self.text = state, text
+        self.started = 0.0
+
+    def drawn(self, seed: int) -> Generation:
+        """Draw as an unseeded request does (drafts drawn from the draft model, rejection sampling),
+        from generators seeded by `seed`: repeatable samples of that path, for the tools that
+        measure it (the losslessness check, the benchmark). Returns itself."""
+        self.state.streams = RandomStreams(seed)
+        return self
+
+    def open(self, engine: Engine, prefill: bool = True) -> None:
+        """Start on `engine` (which must `close` the state when the generation ends), the prompt
+        prefilled, or (prefill False) left for `engine.prefill` to feed in chunks."""
+        self.started = time.perf_counter()
+        if prefill:
+            engine.open(self.state)
+        else:
+            engine.start(self.state)
+
+    @property
+    def done(self) -> bool:
+        return self.text.finish_reason is not None or self.state.finish_reason is not None
+
+    def add(self, step: StepResult) -> str:
+        """The text delta this step's tokens make visible ('' when none)."""
+        return self.text.add(step)
+
+    def result(self) -> GenerationResult:
+        stats = self.state.stats
+        stats.generated_tokens = len(self.text.tokens)
+        stats.total_seconds = time.perf_counter() - self.started
+        return GenerationResult(text=self.text.text, tokens=self.text.tokens, finish_reason=self.text.finish_reason or self.state.finish_reason or "length",
+                                stats=stats, logprobs=self.text.logprobs if self.state.logprobs is not None else None,
+                                prediction=next((c for c in self.state.chains if isinstance(c, Prediction)), None))
+
+
+class TextAssembler:
+    """Committed tokens to text deltas: a stop string cuts the text (and the tokens) where it
+    begins; a half-decoded character or a possible start of a stop string is held back."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
+        self.decode_text = continuation_decoder(tokenizer, prompt_ids)
+        self.stops = StopStrings(stop)
+        self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # one per token, when the generation records them
+        self.text = ""
+        self.emitted = 0  # characters of text already given out
+        self.finish_reason: str | None = None
+        self._settled = 0
+
+    def settled(self) -> int:
+        """How many tokens have had all their text given out: a stop string can no longer cut them
+        (text that could begin one is held back)."""
+        while self._settled < len(self.tokens) and len(self.decode_text(self.tokens[: self._settled + 1])) <= self.emitted:
+            self._settled += 1
+        return min(self._settled, len(self.tokens))
+
+    def add(self, step: StepResult) -> str:
+        """The text delta this step's tokens make visible: no half-decoded character at the end, and
+        nothing that could still begin a stop string, until the generation ends."""
+        self.tokens += step.tokens
+        self.logprobs += step.logprobs or []
+        text = self.decode_text(self.tokens)
+        whole = text.rstrip("\ufffd")  # a character still missing bytes is not text yet
+        cut, held = self.stops.scan(whole)
+        if cut is not None:
+            text, self.finish_reason = text[:cut], "stop"
+            self.tokens = _tokens_within(self.decode_text, self.tokens, text)
+            del self.logprobs[len(self.tokens):]
+        elif step.finish_reason:
+            self.finish_reason = step.finish_reason
+        self.text = text
+        safe = len(text) if self.finish_reason else len(whole) - held
+        delta = text[self.emitted:safe] if safe > self.emitted else ""
+        self.emitted = max(self.emitted, safe)
+        return delta
+
+
+def _tokens_within(decode_text, tokens: list[int], text: str) -> list[int]:
+    """The longest prefix of tokens whose text is a prefix of `text` (the text before a stop string).
+    A prefix's text grows with it (but for a character still missing bytes, a few replacement
+    characters): bisect to the longest prefix whose text is not longer than `text` allows, then
+    walk back, so a long stop string costs a few decodes, not one per token it spans."""
+    low, high = 0, len(tokens)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if len(decode_text(tokens[:middle])) <= len(text) + 4:
+            low = middle
+        else:
+            high = middle - 1
+    n = low
+    while n and not text.startswith(decode_text(tokens[:n])):
+        n -= 1
+    return tokens[:n]
+
+
+def _check_drafter(drafter: Drafter | None, target: CausalLM) -> None:
+    """A draft model or an n-gram model (also as a staged draft model's draft²) must speak the target's
+    vocabulary; a tree drafter needs two models that score token trees exactly."""
+    if isinstance(drafter, AutoDrafter):
+        _check_drafter(drafter.model, target)
+    if isinstance(drafter, ModelDrafter):
+        check_same_vocabulary(target.tokenizer, drafter.model.tokenizer, f"draft model ({drafter.model.path})")
+        if drafter.tree is not None:  # both models score trees: each must do so exactly, or refuse
+            require_trees(target)
+            require_trees(drafter.model)
+        _check_drafter(drafter.inner, target)
+    if isinstance(drafter, NgramDrafter):
+        check_ngram(drafter.model, target)
+
+
+def _drafter_name(drafter: Drafter | None) -> str:
+    return drafter.name if drafter is not None else "no drafter"
+
+
+def check_ngram(model: KatzTrigram, target: CausalLM) -> None:
+    """The n-gram must count the target's token ids: same tokenizer (when recorded), same vocabulary size."""
+    expected = tokenizer_fingerprint(target.tokenizer)
+    if model.fingerprint and model.fingerprint != expected:
+        raise SpecDecError(f"the n-gram model was built with another tokenizer than the target's (fingerprint {model.fingerprint} vs {expected})")
+    if model.vocab_size != target.vocab_size:
+        raise SpecDecError(f"the n-gram model covers {model.vocab_size} tokens; the target's tokenizer has {target.vocab_size}")

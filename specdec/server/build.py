@@ -1,0 +1,86 @@
+"""A ServeConfig (`specdec.config`) into a running Service and its routes: what `specdec serve` and
+each Ray Serve replica start from."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from fastapi import FastAPI
+
+from specdec.build import build_decoder, ensure_profile
+from specdec.config import ServeConfig
+from specdec.decoder import SpeculativeDecoder
+from specdec.drafters import AutoDrafter, History, ModelDrafter
+from specdec.errors import SpecDecError
+from specdec.runtime import choose_backend
+from specdec.server.app import routes
+from specdec.server.service import Service
+
+
+def on_gpu(config: ServeConfig) -> bool:
+    """Whether the target will run on a GPU, known before it loads (llama.cpp sizes its KV cells by
+    the batch at load, and Ray Serve needs the batch before any replica starts)."""
+    runtime = config.decoder.runtime
+    if runtime.gpu_layers:
+        return True
+    if config.decoder.target is None and runtime.backend != "transformers":
+        return False  # the demo pair's GGUF files, on the CPU
+    if choose_backend(config.decoder.target or "", runtime.backend) != "transformers":
+        return False
+    from specdec.runtime.hf import default_device
+
+    return str(runtime.device or default_device()).startswith("cuda")
+
+
+def max_batch(config: ServeConfig) -> int:
+    return config.batch(on_gpu(config))
+
+
+def build_service(config: ServeConfig, measure: bool = True) -> Service:
+    """The Service `config` describes: models loaded, the batch thread started. With `measure`, the
+    forward costs the auto policy needs are timed now if they are not cached yet."""
+    batch = max_batch(config)
+    decoder = build_decoder(replace(config.decoder, slots=batch))
+    if measure:
+        ensure_profile(decoder)
+    check_sequence_ids(decoder, batch)
+    if config.chat_template is not None:
+        decoder.tokenizer.chat_template = config.chat_template
+    decoder.history = server_history(decoder, config.history_tokens, config.share_history)
+    name = config.model_name or os.path.basename(os.path.normpath(decoder.target.path))
+    return Service(decoder, name, max_queue=config.max_queue, max_batch=batch, depth="measure" if config.batch_depth == "measured" else None)
+
+
+def build_app(config: ServeConfig, service: Service) -> FastAPI:
+    """The routes over `service`, secured as `config` says."""
+    return routes(service, api_keys=config.api_keys, allowed_origins=config.allowed_origins, keys_share_caches=config.keys_share_caches,
+                  public_metrics=config.public_metrics, allowed_hosts=["127.0.0.1", "localhost", "::1"] if config.loopback else None)
+
+
+def server_history(decoder: SpeculativeDecoder, tokens: int | None, shared: bool) -> History | None:
+    """The server's history of earlier requests, or None (off, or a fixed strategy, which does not draft from one)."""
+    if not isinstance(decoder.drafter, AutoDrafter):
+        if tokens or shared:
+            raise SpecDecError("--history-tokens and --share-history are for the default drafter; this server runs a fixed strategy")
+        return None
+    if tokens == 0:
+        return None
+    return History(tokens, shared=shared) if tokens is not None else History(shared=shared)
+
+
+def check_sequence_ids(decoder: SpeculativeDecoder, batch: int) -> None:
+    """On llama.cpp every running generation takes a sequence id of each model, and every tree branch one more."""
+    from specdec.runtime.llamacpp import MAX_SEQUENCE_IDS
+    from specdec.runtime.prefix import MAX_KEPT
+
+    drafter = decoder.drafter
+    tree = drafter.tree if isinstance(drafter, ModelDrafter) else None
+    models = [decoder.target] + ([decoder.draft_model] if decoder.draft_model else [])
+    per_generation = tree.nodes + 1 if tree is not None else drafter.max_branches + 1 if isinstance(drafter, AutoDrafter) else 1
+    kept = MAX_KEPT if decoder.prefixes is not None else 0  # the prefix cache's sequences, on the target
+    if any(model.backend == "llamacpp" for model in models) and batch * per_generation + kept > MAX_SEQUENCE_IDS:
+        what = f"with {tree.nodes}-node trees " if tree is not None else ""
+        raise SpecDecError(f"{batch} generations {what}need up to {batch * per_generation + kept} llama.cpp sequence ids; it has "
+                           f"{MAX_SEQUENCE_IDS}: use --max-batch {(MAX_SEQUENCE_IDS - kept) // per_generation} or fewer"
+                           + (", or a smaller --tree" if tree is not None else ""))
