@@ -203,7 +203,8 @@ class SpeculativeDecoder:
             if not isinstance(prediction, str):
                 raise SpecDecError(f"a prediction must be text, got {type(prediction).__name__}")
             if not isinstance(self.drafter, AutoDrafter):
-                raise SpecDecError("a prediction is drafted by the default (auto) drafter; this decoder has " + _drafter_name(self.drafter))
+                raise SpecDecError("a prediction is drafted by the default (auto) drafter; this decoder has " + _drafter_name(self.drafter),
+                                   param="prediction")
         try:
             chains = (Prediction(prediction, self.tokenizer, prompt_ids),) if prediction else ()
         except SpecDecError as error:

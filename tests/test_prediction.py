@@ -178,6 +178,9 @@ def test_the_server_takes_a_prediction_and_reports_its_tokens(model_dirs):
     try:
         refused = httpx.post(fixed.url + "/v1/completions", json=body, timeout=30)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "prediction"
+        assert "default (auto) drafter" in refused.json()["error"]["message"]
+        empty = httpx.post(fixed.url + "/v1/completions", json={**body, "prediction": {"type": "content", "content": ""}}, timeout=30)
+        assert empty.status_code == 400 and empty.json()["error"]["param"] == "prediction"  # an empty one too
     finally:
         fixed.stop()
 

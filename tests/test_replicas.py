@@ -98,6 +98,8 @@ def test_affinity_names_a_conversation_by_session_then_user_then_prompt_start():
     assert affinity(alice, chat).text != affinity(mallory, chat).text, "another key's conversations are not followed"
     assert affinity(alice, chat).session != affinity(alice, chat.replace(b'"user"', b'"cache_salt": "s", "user"')).session
     assert prompt_text({"prompt": [1, 2, 3]}) == "1 2 3"
+    unchecked = {"messages": [{"content": [{"text": 5}, "x", {"type": "text", "text": "ok"}]}, {"content": 7}, "junk"]}
+    assert prompt_text(unchecked) == "ok", "a body not yet checked gives its text parts, and nothing for the rest"
 
 
 class Replies:

@@ -18,9 +18,9 @@ from prometheus_client import generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdec.api import Generation, SpeculativeDecoder
+from specdec.api import Generation, GenerationResult, SpeculativeDecoder
 from specdec.policy import BatchDepth
-from specdec.server.batch import Job
+from specdec.server.batch import Batcher, Job
 from specdec.server.openai import (ERROR_RESPONSES, BadRequest, ChatRequest, CompletionRequest, Reply, SamplingFields,
                                    chat_prompt, error_response)
 from specdec.server.service import Service
@@ -28,11 +28,12 @@ from specdec.server.service import Service
 MAX_BODY_BYTES = 1 << 20
 LONG_PROMPT_CHARS = 20_000  # tokenized on a thread of its own, not on the event loop
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-KEY_STATE = "specdec_api_key"  # where `Guard` leaves an accepted request's API key (its index; None: no scope of its own)
+KEY_STATE = "specdec_api_key"  # where `Admission` leaves an accepted request's API key (its index; None: no scope of its own)
 HOST_HEADER = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9.-]+))(?::[0-9]{1,5})?")  # host[:port], nothing else
 STREAM_OR_JSON = {200: {"description": "The whole reply as JSON, or with `stream: true` server-sent events: one `data: {chunk}` "
                         "per text delta (an error event if the generation fails), then `data: [DONE]`",
                         "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+HEALTH_RESPONSES = {503: {"description": "The server is shutting down, or its batch is not making progress: send no more requests here"}}
 
 
 def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16, max_batch: int = 16,
@@ -52,194 +53,244 @@ def routes(service: Service, max_body_bytes: int = MAX_BODY_BYTES, api_keys: Seq
     allowed_origins: browser origins allowed by CORS. allowed_hosts: accepted Host header names
     (None: any). body_timeout: seconds a request body may take to arrive."""
     app = FastAPI(title="specdec", description="OpenAI-compatible lossless speculative decoding", version="1")
-    decoder, model_name, metrics, batcher = service.decoder, service.model_name, service.metrics, service.batcher
-    app.state.service, app.state.batcher = service, batcher
+    app.state.service, app.state.batcher = service, service.batcher
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
+    app.add_exception_handler(RequestValidationError, invalid_body)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(BadRequest, bad_request)
+    endpoints = Endpoints(service)
+    app.add_api_route("/health", endpoints.health, methods=["GET"], responses=HEALTH_RESPONSES)
+    app.add_api_route("/health", endpoints.health, methods=["HEAD"], include_in_schema=False)
+    app.add_api_route("/metrics", endpoints.prometheus, methods=["GET"], response_class=PlainTextResponse)
+    app.add_api_route("/v1/models", endpoints.models, methods=["GET"], responses={401: ERROR_RESPONSES[401]})
+    app.add_api_route("/v1/completions", endpoints.completions, methods=["POST"], responses={**STREAM_OR_JSON, **ERROR_RESPONSES})
+    app.add_api_route("/v1/chat/completions", endpoints.chat, methods=["POST"], responses={**STREAM_OR_JSON, **ERROR_RESPONSES})
+    app.openapi = lambda: schema_without_422(app)
+    app.add_middleware(BodyDeadline, timeout=body_timeout)
+    # outermost: it counts what the client is sent, a BodyDeadline 408 included
+    admission = Admission(max_body_bytes, api_keys, allowed_hosts, keys_share_caches, public_metrics)
+    app.add_middleware(Guard, refusal=admission.refusal, count=lambda path, status: service.metrics.requests.labels(path, str(status)).inc())
+    return app
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, error: RequestValidationError):
-        first = error.errors()[0] if error.errors() else {}
-        if first.get("type") == "json_invalid":  # its loc holds a character offset, not a field
-            reason = first.get("ctx", {}).get("error", "JSON decode error")
-            return error_response(f"the request body is not valid JSON: {reason} (at character {first['loc'][-1]})", 400)
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", "invalid request body"))
-        return error_response(message, 400, param=where or None)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException):
-        return error_response(str(error.detail), error.status_code, headers=getattr(error, "headers", None))  # 405 keeps Allow
+# ---------------------------------------------------------------------------- errors
 
-    @app.exception_handler(BadRequest)
-    async def bad_request(request: Request, error: BadRequest):
-        return error_response(str(error), error.status, error.code, error.param)
 
-    expected = [f"Bearer {key}".encode() for key in api_keys]
-    # long texts are tokenized one at a time: however many arrive at once, they take one core, and
-    # the batch keeps the others (twelve 900 kB predictions tokenized side by side slowed every stream)
-    tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenize")
+async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
+    """A body the wire format refuses: a 400 naming its first wrong field (FastAPI would send a 422)."""
+    first = error.errors()[0] if error.errors() else {}
+    if first.get("type") == "json_invalid":  # its loc holds a character offset, not a field
+        reason = first.get("ctx", {}).get("error", "JSON decode error")
+        return error_response(f"the request body is not valid JSON: {reason} (at character {first['loc'][-1]})", 400)
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", "invalid request body"))
+    return error_response(message, 400, param=where or None)
 
-    def key_index(given: str) -> int | None:
+
+async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    return error_response(str(error.detail), error.status_code, headers=getattr(error, "headers", None))  # 405 keeps Allow
+
+
+async def bad_request(request: Request, error: BadRequest) -> JSONResponse:
+    return error_response(str(error), error.status, error.code, error.param)
+
+
+def schema_without_422(app: FastAPI) -> dict:
+    """The app's schema without FastAPI's 422 (validation errors are answered with 400, documented per route)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+# ---------------------------------------------------------------------------- before routing
+
+
+class Admission:
+    """What a request must pass before any route sees it: an allowed Host header, an API key on
+    the guarded paths, and a Content-Length within `max_body_bytes` (see `routes` for the rest)."""
+
+    def __init__(self, max_body_bytes: int, api_keys: Sequence[str], allowed_hosts: Sequence[str] | None,
+                 keys_share_caches: bool, public_metrics: bool):
+        self.max_body_bytes, self.allowed_hosts = max_body_bytes, allowed_hosts
+        self.keys_share_caches, self.public_metrics = keys_share_caches, public_metrics
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
+
+    def key_index(self, given: str) -> int | None:
         """Which key the Authorization header holds (compared with every key, in constant time each)."""
-        matches = [i for i, key in enumerate(expected) if hmac.compare_digest(given.encode(), key)]
+        matches = [i for i, key in enumerate(self.expected) if hmac.compare_digest(given.encode(), key)]
         return matches[0] if matches else None
 
-    def refusal(request: Request):
+    def refusal(self, request: Request) -> JSONResponse | None:
         """An error response for a request refused before routing, or None. An accepted request's
         API key (its index) is left in its scope's state for the routes."""
-        if allowed_hosts is not None and not host_allowed(request, allowed_hosts):
+        if self.allowed_hosts is not None and not host_allowed(request, self.allowed_hosts):
             return error_response(f"the Host header {request.headers.get('host')!r} is not one this server answers to", 400)
-        guarded = request.url.path.startswith("/v1/") or (request.url.path == "/metrics" and not public_metrics)
-        if expected and guarded and request.method != "OPTIONS":
-            key = key_index(request.headers.get("authorization", ""))
+        path = request.url.path
+        guarded = path.startswith("/v1/") or (path == "/metrics" and not self.public_metrics)
+        if self.expected and guarded and request.method != "OPTIONS":
+            key = self.key_index(request.headers.get("authorization", ""))
             if key is None:
                 return error_response("a valid API key is needed: Authorization: Bearer <key>", 401, "invalid_api_key",
                                       headers={"WWW-Authenticate": "Bearer"})
-            request.scope.setdefault("state", {})[KEY_STATE] = None if keys_share_caches else key
+            request.scope.setdefault("state", {})[KEY_STATE] = None if self.keys_share_caches else key
         length = request.headers.get("content-length")
         if request.method == "POST" and length is None:  # a chunked body could be any size
             return error_response("a request body needs a Content-Length header", 411)
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            return error_response(f"the request body is larger than {max_body_bytes} bytes", 413)
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return error_response(f"the request body is larger than {self.max_body_bytes} bytes", 413)
         return None
 
-    @app.head("/health", include_in_schema=False)
-    @app.get("/health", responses={503: {"description": "The server is shutting down, or its batch is not making progress: send "
-                                             "no more requests here"}})
-    async def health():
-        status, body = service.health()
+
+# ---------------------------------------------------------------------------- endpoints
+
+
+class Endpoints:
+    """One method per route, over one service. The generation endpoints share the way in
+    (`_checked_request`) and the way out (`_serve`)."""
+
+    def __init__(self, service: Service):
+        self.service = service
+        # long texts are tokenized one at a time: however many arrive at once, they take one core, and
+        # the batch keeps the others (twelve 900 kB predictions tokenized side by side slowed every stream)
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenize")
+
+    async def health(self) -> JSONResponse:
+        status, body = self.service.health()
         return JSONResponse(body, status_code=status)
 
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def prometheus():
-        return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
+    async def prometheus(self) -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(self.service.metrics.registry).decode(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", responses={401: ERROR_RESPONSES[401]})
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": service.created, "owned_by": "specdec"}]}
+    async def models(self):  # no return annotation: FastAPI would make it the response's model
+        service = self.service
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": service.created, "owned_by": "specdec"}]}
 
-    @app.post("/v1/completions", responses={**STREAM_OR_JSON, **ERROR_RESPONSES})
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(self, body: CompletionRequest, request: Request):
+        decoder = self.service.decoder
         prompt = body.prompt_input()
         size = len(prompt) if isinstance(prompt, str) else 0
-        generation = await _checked_request(request, body, size, lambda: decoder.prompt_ids(prompt), "prompt")
+        generation = await self._checked_request(request, body, size, lambda: decoder.prompt_ids(prompt), "prompt")
         echo = "" if not body.echo else prompt if isinstance(prompt, str) else decoder.tokenizer.decode(prompt, skip_special_tokens=True)
-        return await _serve(request, body, generation, Reply("text_completion", model_name, len(generation.state.prompt), decoder.tokenizer, echo))
+        return await self._serve(request, body, generation, self._reply("text_completion", generation, echo))
 
-    @app.post("/v1/chat/completions", responses={**STREAM_OR_JSON, **ERROR_RESPONSES})
-    async def chat(body: ChatRequest, request: Request):
+    async def chat(self, body: ChatRequest, request: Request):
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         size = sum(len(m.for_template()["content"]) for m in body.messages)
-        generation = await _checked_request(request, body, size, lambda: chat_prompt(decoder, body.messages), "messages")
-        return await _serve(request, body, generation, Reply("chat.completion", model_name, len(generation.state.prompt), decoder.tokenizer))
+        generation = await self._checked_request(request, body, size, lambda: chat_prompt(self.service.decoder, body.messages), "messages")
+        return await self._serve(request, body, generation, self._reply("chat.completion", generation))
 
-    async def _checked_request(request: Request, body: SamplingFields, size: int, encode, param: str) -> Generation:
+    def _reply(self, kind: str, generation: Generation, echo: str = "") -> Reply:
+        return Reply(kind, self.service.model_name, len(generation.state.prompt), self.service.decoder.tokenizer, echo)
+
+    async def _checked_request(self, request: Request, body: SamplingFields, size: int, encode, param: str) -> Generation:
         """Check everything before the request may wait for the model; a full queue is refused
         before the prompt is tokenized. Long texts (a prompt, a prediction) are tokenized off the
         event loop, one request at a time; short ones inline (a thread hop costs more than they do)."""
-        if body.model != model_name:
-            raise BadRequest(f"the model {body.model!r} does not exist; this server has {model_name!r}", 404, "model_not_found", "model")
+        service = self.service
+        if body.model != service.model_name:
+            raise BadRequest(f"the model {body.model!r} does not exist; this server has {service.model_name!r}", 404, "model_not_found", "model")
         body.refuse_unsupported()
-        batcher.check_room()
+        service.batcher.check_room()
         key = request.scope.get("state", {}).get(KEY_STATE)
         check = lambda: service.generation(body, encode, param, key)
         size += len(body.predicted_text() or "")
-        return await asyncio.get_running_loop().run_in_executor(tokenizing, check) if size > LONG_PROMPT_CHARS else check()
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, check) if size > LONG_PROMPT_CHARS else check()
 
-    async def _serve(request: Request, body: SamplingFields, generation: Generation, reply: Reply):
-        job = service.submit(generation)
+    async def _serve(self, request: Request, body: SamplingFields, generation: Generation, reply: Reply):
+        """The generation's reply: a stream of events, or the whole reply once it has finished."""
+        batcher = self.service.batcher
+        job = self.service.submit(generation)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return CancellingStream(lambda: batcher.cancel(job), _sse(job, reply, include_usage), media_type="text/event-stream")
+            return CancellingStream(lambda: batcher.cancel(job), _sse(batcher, job, reply, include_usage), media_type="text/event-stream")
         try:
             result = await _result(request, job)
         finally:  # whatever ends this handler, the batch stops working for it
             batcher.cancel(job)
-        if result is None:
-            return error_response("the client disconnected", 499)
-        if isinstance(result, tuple):
-            kind, message = result
-            return error_response(message, 503) if kind == "unavailable" else error_response(f"generation failed: {message}", 500)
-        try:
-            if result.logprobs or result.prediction:  # a decode per token and alternative, an alignment: not on the event loop
-                return await run_in_threadpool(reply.whole, result)
-            return reply.whole(result)
-        except Exception as error:  # the reply could not be made: still an answer in the API's shape
-            return error_response(f"generation failed: the reply could not be made: {type(error).__name__}", 500)
+        return await _whole(result, reply)
 
-    async def _result(request: Request, job: Job):
-        """The finished GenerationResult; None as soon as the client leaves; (kind, message) if it failed."""
-        left, event = asyncio.ensure_future(_disconnect(request)), None
-        try:
-            while True:
-                event = asyncio.ensure_future(job.events.get())
-                await asyncio.wait((event, left), return_when=asyncio.FIRST_COMPLETED)
-                if not event.done():
-                    return None
-                kind, value = event.result()
-                if kind == "done":
-                    return value
-                if kind != "delta":
-                    return kind, value
-        finally:  # however this ends (the handler itself may be cancelled), no task is left waiting
-            left.cancel()
-            if event is not None:
-                event.cancel()
 
-    async def _sse(job: Job, reply: Reply, include_usage: bool):
-        """The events of a stream; however the generation or the making of an event fails, the
-        stream ends with an error event and `[DONE]`."""
-        try:
-            first = reply.chunk("", None, first=True)
-            if first is not None:
-                yield _event(first)
-            async for event in _events(job, reply, include_usage):
-                yield event
-            yield "data: [DONE]\n\n"
-        finally:  # a client that left (the response is cancelled) stops its generation
-            batcher.cancel(job)
+# ---------------------------------------------------------------------------- replies
 
-    async def _events(job: Job, reply: Reply, include_usage: bool):
+
+async def _whole(result: GenerationResult | tuple[str, str] | None, reply: Reply):
+    """The response to a non-streamed request, from what `_result` gave."""
+    if result is None:
+        return error_response("the client disconnected", 499)
+    if isinstance(result, tuple):
+        kind, message = result
+        return error_response(message, 503) if kind == "unavailable" else error_response(f"generation failed: {message}", 500)
+    try:
+        if result.logprobs or result.prediction:  # a decode per token and alternative, an alignment: not on the event loop
+            return await run_in_threadpool(reply.whole, result)
+        return reply.whole(result)
+    except Exception as error:  # the reply could not be made: still an answer in the API's shape
+        return error_response(f"generation failed: the reply could not be made: {type(error).__name__}", 500)
+
+
+async def _result(request: Request, job: Job) -> GenerationResult | tuple[str, str] | None:
+    """The finished GenerationResult; None as soon as the client leaves; (kind, message) if it failed."""
+    left, event = asyncio.ensure_future(_disconnect(request)), None
+    try:
         while True:
-            kind, value = await job.events.get()
-            try:
-                if kind == "delta":
-                    text, logprobs = value
-                    yield _event(reply.chunk(text, None, logprobs))
-                    continue
-                if kind in ("error", "unavailable"):
-                    yield error_event(value if kind == "unavailable" else f"generation failed: {value}", kind)
-                    return
-                rest = value.logprobs[job.logprobs_sent:] if value.logprobs is not None else None
-                yield _event(reply.chunk("", value.finish_reason, rest))
-                if include_usage:
-                    yield _event(await run_in_threadpool(reply.usage_chunk, value))
-                return
-            except Exception as error:  # an event could not be made: the client is told, the generation stops
-                batcher.cancel(job)
-                yield error_event(f"generation failed: the reply could not be made: {type(error).__name__}", "error")
-                return
+            event = asyncio.ensure_future(job.events.get())
+            await asyncio.wait((event, left), return_when=asyncio.FIRST_COMPLETED)
+            if not event.done():
+                return None
+            kind, value = event.result()
+            if kind == "done":
+                return value
+            if kind != "delta":
+                return kind, value
+    finally:  # however this ends (the handler itself may be cancelled), no task is left waiting
+        left.cancel()
+        if event is not None:
+            event.cancel()
 
-    def openapi():
-        """The schema without FastAPI's 422 (validation errors are answered with 400, documented per route)."""
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-            for path in schema["paths"].values():
-                for operation in path.values():
-                    operation.get("responses", {}).pop("422", None)
-            for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
-            app.openapi_schema = schema
-        return app.openapi_schema
 
-    app.openapi = openapi
-    app.add_middleware(BodyDeadline, timeout=body_timeout)
-    # outermost: it counts what the client is sent, a BodyDeadline 408 included
-    app.add_middleware(Guard, refusal=refusal, count=lambda path, status: metrics.requests.labels(path, str(status)).inc())
-    return app
+async def _sse(batcher: Batcher, job: Job, reply: Reply, include_usage: bool):
+    """The events of a stream; however the generation or the making of an event fails, the
+    stream ends with an error event and `[DONE]`."""
+    try:
+        first = reply.chunk("", None, first=True)
+        if first is not None:
+            yield _event(first)
+        async for event in _events(batcher, job, reply, include_usage):
+            yield event
+        yield "data: [DONE]\n\n"
+    finally:  # a client that left (the response is cancelled) stops its generation
+        batcher.cancel(job)
+
+
+async def _events(batcher: Batcher, job: Job, reply: Reply, include_usage: bool):
+    while True:
+        kind, value = await job.events.get()
+        try:
+            if kind == "delta":
+                text, logprobs = value
+                yield _event(reply.chunk(text, None, logprobs))
+                continue
+            if kind in ("error", "unavailable"):
+                yield error_event(value if kind == "unavailable" else f"generation failed: {value}", kind)
+                return
+            rest = value.logprobs[job.logprobs_sent:] if value.logprobs is not None else None
+            yield _event(reply.chunk("", value.finish_reason, rest))
+            if include_usage:
+                yield _event(await run_in_threadpool(reply.usage_chunk, value))
+            return
+        except Exception as error:  # an event could not be made: the client is told, the generation stops
+            batcher.cancel(job)
+            yield error_event(f"generation failed: the reply could not be made: {type(error).__name__}", "error")
+            return
 
 
 async def _disconnect(request: Request) -> None:

@@ -79,7 +79,14 @@ class TextPart(BaseModel):
 
 
 def text_of(content: str | list[TextPart]) -> str:
-    return content if isinstance(content, str) else "".join(part.text for part in content)
+    """A content field's text: the string, or its parts' texts joined. It also reads a body not yet
+    checked (the Ray ingress routes by it): there a part is a dict, and whatever is not text adds nothing."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    texts = (part.text if isinstance(part, TextPart) else part.get("text") if isinstance(part, dict) else None for part in content)
+    return "".join(text for text in texts if isinstance(text, str))
 
 
 class PredictionContent(BaseModel):
@@ -119,7 +126,9 @@ class SamplingFields(BaseModel):
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     def predicted_text(self) -> str | None:
-        return text_of(self.prediction.content) or None if self.prediction is not None else None
+        """The prediction's text ('' when it is empty: it drafts nothing, but a server that cannot
+        draft from one still refuses it); None without one."""
+        return text_of(self.prediction.content) if self.prediction is not None else None
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -51,7 +51,7 @@ from specdec.build import build_decoder, ensure_profile
 from specdec.config import ServeConfig, serve_config, with_runtime
 from specdec.server.app import MAX_BODY_BYTES, error_event
 from specdec.server.build import build_app, build_service, max_batch
-from specdec.server.openai import error_response
+from specdec.server.openai import error_response, text_of
 
 RESUBMITS = 2  # further replicas a request whose replica died before answering is tried on
 AFFINITY_CHARS = 4096  # the start of a prompt a conversation is recognised by
@@ -109,18 +109,10 @@ def prompt_text(fields: dict) -> str:
     """The text a request's prompt starts with: a completion's prompt, or a chat's message contents."""
     prompt, messages = fields.get("prompt"), fields.get("messages")
     if isinstance(messages, list):
-        return "".join(_content_text(m.get("content")) for m in messages if isinstance(m, dict))
+        return "".join(text_of(m.get("content")) for m in messages if isinstance(m, dict))
     if isinstance(prompt, list):
         return " ".join(str(p) for p in prompt)  # token ids or texts: only equality matters
     return prompt if isinstance(prompt, str) else ""
-
-
-def _content_text(content) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict) and isinstance(part.get("text"), str))
-    return ""
 
 
 # ---------------------------------------------------------------------------- routing

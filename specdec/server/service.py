@@ -47,10 +47,12 @@ class Service:
 
     # ------------------------------------------------------------------ requests
     def generation(self, body: SamplingFields, encode, param: str, key: int | None = None) -> Generation:
-        """The request's generation, everything checked (a BadRequest otherwise); `encode()` gives
-        its prompt's token ids, `param` names the field they came from. key: which of the server's
-        API keys the request came with (None: no keys, or one scope for all keys): with the body's
-        `cache_salt`, its scope (`specdec.scopes`); `user` narrows its history within that."""
+        """The request's generation, everything checked (a BadRequest otherwise). The request is
+        checked by `SpeculativeDecoder.request` (its SpecDecError names the field); only what is the
+        server's own is checked here: max_tokens within the context left (the API caps it instead).
+        `encode()` gives its prompt's token ids, `param` names the field they came from. key: which
+        of the server's API keys the request came with (None: no keys, or one scope for all keys):
+        with the body's `cache_salt`, its scope (`specdec.scopes`); `user` narrows its history within that."""
         decoder = self.decoder
         try:
             ids = encode()
@@ -64,8 +66,6 @@ class Service:
         if body.max_tokens > room:
             raise BadRequest(f"max_tokens {body.max_tokens} plus the prompt's {len(ids)} tokens exceed the context of {decoder.target.max_length}",
                              param="max_tokens")
-        if body.prediction is not None and not isinstance(decoder.drafter, AutoDrafter):
-            raise BadRequest("prediction is drafted by the default drafter; this server runs a fixed strategy", param="prediction")
         scope = None if key is None and body.cache_salt is None else KeyScope(key, body.cache_salt)
         try:
             return decoder.request(ids, max_new_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
