@@ -63,7 +63,8 @@ class LiveCosts(Profile):
     nearest) over the factor at k = 1: the curve's scale stays, so draft levels and the step
     overhead, measured on the same scale, stay comparable; its shape becomes decoding's. Decisions
     that follow timings are still lossless (docs/design.md, pitfall 14, rules out only unverified target
-    probabilities); a seeded sampled reply under the default can differ from run to run."""
+    probabilities). A seeded request under the default drafter draws by position, so its text does
+    not follow them (`SpeculativeDecoder.request`); a fixed drafter's with gamma "auto" may."""
 
     MEMORY: ClassVar[int] = 32
     AFTERMATH: ClassVar[int] = 16

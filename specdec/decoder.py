@@ -182,7 +182,7 @@ class SpeculativeDecoder:
         (`verify.verify_tree_coupled`): its text is plain decoding's with the same seed, whatever
         was drafted, so neither what the decoder learnt before (its history, the costs its steps
         paid) nor the batch it runs in changes it, except where a runtime's numerics move with the
-        batch (llama.cpp; bfloat16 on a GPU: see the README) and nudge a draw that lay on a
+        batch (llama.cpp; bfloat16 on a GPU: docs/backends.md) and nudge a draw that lay on a
         boundary. A fixed drafter (a draft model's chain or tree, an n-gram) keeps Chen's rejection
         sampling of drawn drafts: its seeded text repeats when its drafting does, i.e. with a
         numeric gamma. `Generation.drawn` runs a seeded request the unseeded way."""

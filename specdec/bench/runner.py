@@ -1,6 +1,6 @@
 """Run every strategy on every prompt, interleaved, and collect raw measurements.
 
-Protocol (DESIGN.md): one process, the same loaded models and prompts for everyone; strategies run
+Protocol (docs/benchmarks.md): one process, the same loaded models and prompts for everyone; strategies run
 prompt by prompt in turn so machine drift hits all alike; a warm-up first; medians and ratios to
 plain decoding measured in the same run; greedy texts must agree across strategies and peers.
 """
