@@ -20,7 +20,8 @@ import pytest
 import specdec
 from specdec.config import serve_config
 from specdec.errors import SpecDecError
-from specdec.server.replicas import REPLICA_HEADER, RESUBMITS_HEADER, Relay, affinity, prompt_text
+from specdec.server.replicas import REPLICA_HEADER, RESUBMITS_HEADER, Relay
+from specdec.server.routing import affinity, prompt_text
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
