@@ -190,15 +190,7 @@ class SpeculativeDecoder:
         prompt_ids = self.prompt_ids(prompt)
         check_scope(tenant, "tenant")
         check_scope(scope, "scope")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise SpecDecError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise SpecDecError(f"seed must be a non-negative integer, got {seed!r}")
-        stop = [stop] if isinstance(stop, str) else list(stop)
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise SpecDecError("stop strings must be non-empty strings")
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20):
-            raise SpecDecError(f"logprobs must be an integer from 0 to 20, got {logprobs!r}")
+        stop = _checked_options(max_new_tokens, seed, stop, logprobs)
         if prediction is not None:
             if not isinstance(prediction, str):
                 raise SpecDecError(f"a prediction must be text, got {type(prediction).__name__}")
@@ -341,6 +333,21 @@ class TextAssembler:
         delta = text[self.emitted:safe] if safe > self.emitted else ""
         self.emitted = max(self.emitted, safe)
         return delta
+
+
+def _checked_options(max_new_tokens, seed, stop, logprobs) -> list[str]:
+    """A request's plain options checked (the one place every front end's requests are checked);
+    returns the stop strings as a list."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise SpecDecError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise SpecDecError(f"seed must be a non-negative integer, got {seed!r}")
+    stop = [stop] if isinstance(stop, str) else list(stop)
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise SpecDecError("stop strings must be non-empty strings", param="stop")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20):
+        raise SpecDecError(f"logprobs must be an integer from 0 to 20, got {logprobs!r}")
+    return stop
 
 
 def _tokens_within(decode_text, tokens: list[int], text: str) -> list[int]:

@@ -230,40 +230,19 @@ def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
 
 def train(config: TrainConfig) -> TrainState:
     """Run (or resume) a training run; returns the final state. Writes everything under config.output."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     config.check()
     out = Path(config.output)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
-    files = expand_files(config.files)
-    train_files, held_files = split_files(files, config.holdout)
-    if config.tokenizer or (out / "tokenizer.json").exists():  # a resumed run keeps the tokenizer it trained
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or out, local_files_only=True, trust_remote_code=False)
-    else:
-        tokenizer = train_tokenizer(train_files, config.vocab_size)
-        tokenizer.save_pretrained(out)
-    if tokenizer.eos_token_id is None:
-        raise SpecDecError("the tokenizer has no EOS token to separate files with")
-    train_ids = encode_files(train_files, tokenizer, config.progress)
-    held_ids = encode_files(held_files, tokenizer, config.progress)
-    for name, ids in (("training", train_ids), ("held-out", held_ids)):
-        if len(ids) <= config.seq_len + 1:
-            raise SpecDecError(f"the {name} files hold {len(ids)} tokens, fewer than one window of {config.seq_len + 1}")
-
+    tokenizer, (train_files, train_ids), (held_files, held_ids) = training_data(config, out)
     model = LlamaForCausalLM(model_config(config, len(tokenizer), tokenizer.eos_token_id)).to(config.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
     checkpoint = out / "checkpoint"
     state = load_checkpoint(checkpoint, model, optimizer) if (checkpoint / "state.json").exists() else TrainState()
     rng = np.random.default_rng([config.seed, state.step])  # a resumed run draws fresh windows
     held_starts = np.random.default_rng(config.seed).integers(0, len(held_ids) - config.seq_len - 1, (config.eval_batches, config.batch_size))
-
-    def heldout_loss() -> float:
-        model.eval()
-        with torch.no_grad(), _autocast(config):
-            losses = [float(loss_fn(model, batch_at(held_ids, s, config.seq_len).to(config.device))) for s in held_starts]
-        model.train()
-        return sum(losses) / len(losses)
 
     bar = tqdm(total=config.steps, initial=state.step, desc="training", unit="step", disable=not config.progress)
     model.train()
@@ -288,13 +267,43 @@ def train(config: TrainConfig) -> TrainState:
         bar.set_postfix(loss=f"{running:.3f}", tok_s=f"{state.tokens_seen / max(state.seconds, 1e-9):.0f}")
         last = state.step == config.steps
         if state.step % config.eval_every == 0 or last:
-            state.history.append({"step": state.step, "train_loss": running, "heldout_loss": heldout_loss()})
+            state.history.append({"step": state.step, "train_loss": running, "heldout_loss": heldout_loss(model, held_ids, held_starts, config)})
             bar.write(f"step {state.step}: train loss {running:.3f}, held-out loss {state.history[-1]['heldout_loss']:.3f}")
         if state.step % config.save_every == 0 or last:
             save_checkpoint(checkpoint, model, optimizer, state, config)
     bar.close()
     export(model, tokenizer, out, config, state, train_files, held_files, len(train_ids), len(held_ids))
     return state
+
+
+def training_data(config: TrainConfig, out: Path):
+    """The tokenizer (trained on the training files, or given, or the one a resumed run trained) and
+    the (files, token ids) of the training and held-out splits, each at least one window long."""
+    from transformers import AutoTokenizer
+
+    train_files, held_files = split_files(expand_files(config.files), config.holdout)
+    if config.tokenizer or (out / "tokenizer.json").exists():  # a resumed run keeps the tokenizer it trained
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or out, local_files_only=True, trust_remote_code=False)
+    else:
+        tokenizer = train_tokenizer(train_files, config.vocab_size)
+        tokenizer.save_pretrained(out)
+    if tokenizer.eos_token_id is None:
+        raise SpecDecError("the tokenizer has no EOS token to separate files with")
+    train_ids = encode_files(train_files, tokenizer, config.progress)
+    held_ids = encode_files(held_files, tokenizer, config.progress)
+    for name, ids in (("training", train_ids), ("held-out", held_ids)):
+        if len(ids) <= config.seq_len + 1:
+            raise SpecDecError(f"the {name} files hold {len(ids)} tokens, fewer than one window of {config.seq_len + 1}")
+    return tokenizer, (train_files, train_ids), (held_files, held_ids)
+
+
+def heldout_loss(model, held_ids, starts, config: TrainConfig) -> float:
+    """Mean loss over the held-out windows at `starts` (the same windows at every evaluation)."""
+    model.eval()
+    with torch.no_grad(), _autocast(config):
+        losses = [float(loss_fn(model, batch_at(held_ids, s, config.seq_len).to(config.device))) for s in starts]
+    model.train()
+    return sum(losses) / len(losses)
 
 
 def _autocast(config: TrainConfig):
