@@ -13,9 +13,10 @@ def acceptance_from_distributions(target_probs, draft_probs) -> float:
 
 
 def expected_tokens(alpha: float, gamma: float) -> float:
-    """E[tokens per iteration] = (1 − α^{γ+1}) / (1 − α) with an i.i.d. acceptance rate α."""
+    """E[tokens per iteration] = (1 − α^{γ+1}) / (1 − α): γ drafts (a mean depth need not be whole),
+    each accepted with an i.i.d. probability α, and the token every iteration emits; γ + 1 at α = 1."""
     if alpha >= 1:
-        return gamma + 1
+        return gamma + 1.0
     return (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 

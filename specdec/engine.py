@@ -11,7 +11,7 @@ import torch
 from specdec import tree
 from specdec.costs import LiveCosts
 from specdec.drafters.base import ChainSource, Drafter, DraftRequest, DraftSlot, attempt, empty_draft
-from specdec.policy import CostAwareDepth, CostAwarePolicy, FixedGamma
+from specdec.policy import CostFollowing, DraftPolicy
 from specdec.runtime import CausalLM, Sequence
 from specdec.runtime.base import Feed
 from specdec.runtime.prefix import PrefixCache
@@ -67,7 +67,7 @@ class DecodeState:
     prompt: list[int]
     sampling: SamplingParams
     max_new_tokens: int
-    gamma_policy: FixedGamma | CostAwareDepth | CostAwarePolicy  # how deep to draft, per step
+    gamma_policy: DraftPolicy  # how deep to draft, per step
     streams: RandomStreams
     stats: GenerationStats = field(default_factory=GenerationStats)
     stop_tokens: frozenset[int] = frozenset()
@@ -194,7 +194,8 @@ class Engine:
             results[i] = StepResult.failed(outcome) if isinstance(outcome, Exception) else outcome
         done = time.perf_counter()
         fed = sum(len(drafts[i]) + 1 for i in live)
-        for costs in {id(p): p for p in (state.gamma_policy.profile for state in states) if isinstance(p, LiveCosts)}.values():
+        profiles = (state.gamma_policy.profile for state in states if isinstance(state.gamma_policy, CostFollowing))
+        for costs in {id(p): p for p in profiles if isinstance(p, LiveCosts)}.values():
             costs.observe(fed, done - tock)  # what this verify paid, for the policies' next choices
         for state in states:  # every row waited for the whole batch
             state.stats.draft_seconds += tock - tick
@@ -259,7 +260,7 @@ def decode(
     prompt: Seq[int],
     sampling: SamplingParams,
     max_new_tokens: int,
-    gamma_policy,
+    gamma_policy: DraftPolicy,
     streams: RandomStreams,
     stats: GenerationStats,
     stop_tokens: frozenset[int] = frozenset(),

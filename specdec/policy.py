@@ -8,10 +8,10 @@
   tree when the probability that it is accepted pays for what it costs (see `Budget`).
 - `BatchDepth`: one depth cap for a whole batch of a fixed-γ server (rows cost more together).
 
-Losslessness (DESIGN pitfall 14): every choice here is a function of the measured costs, the batch
-size, outcomes of iterations already verified, and what the drafter itself computed before the
-choice (its distributions and the tokens drawn from them); never of target probabilities of tokens
-not yet verified. A draft token is kept or not *before* it is drawn (on its distribution, never on
+Losslessness (docs/design.md, pitfall 14): every choice here is a function of the measured costs,
+the batch size, outcomes of iterations already verified, and what the drafter itself computed
+before the choice (its distributions and the tokens drawn from them); never of target
+probabilities of tokens not yet verified. A draft token is kept or not *before* it is drawn (on its distribution, never on
 the token), so each drafted token is still distributed as its stated q given everything before it,
 and the verifiers' guarantee holds for any tree the policy shapes.
 """
@@ -21,7 +21,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Protocol, runtime_checkable
 
+from specdec.analysis import expected_tokens
 from specdec.costs import Profile, interpolate
 from specdec.errors import SpecDecError
 from specdec.tree import trials
@@ -42,15 +44,29 @@ CHAIN_PRIORS = {"lookup": (0.5, 0.8), "prediction": (0.7, 0.9), "history": (0.4,
 CHAIN_MEMORY = 16  # chain sources' estimates follow recent outcomes closely: text starts and stops copying
 
 
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """Tokens per iteration with γ drafts each accepted with probability α (Leviathan et al.)."""
-    return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+class DraftPolicy(Protocol):
+    """What the engine asks of one generation's draft policy, every step: how deep to draft before
+    it (`depth`, given how many rows the step has), and what was drafted and kept after it
+    (`update`). The drafters a policy shapes (`AutoDrafter`) receive it in `DraftRequest.policy`.
+    A policy that chooses from measured costs is also `CostFollowing`."""
+
+    def depth(self, batch: int) -> int:
+        ...
+
+    def update(self, draft: Draft, result: VerifyResult) -> None:
+        ...
+
+
+@runtime_checkable
+class CostFollowing(Protocol):
+    """A policy that chooses from measured costs: where its profile is a `costs.LiveCosts`, the
+    engine feeds it what each verify paid (once per step, however many rows share the profile)."""
+
+    profile: Profile
 
 
 class FixedGamma:
     """Always draft `gamma` tokens."""
-
-    profile = None  # no costs to follow
 
     def __init__(self, gamma: int):
         if gamma < 0:

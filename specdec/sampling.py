@@ -1,7 +1,7 @@
 """Pure functions: logits -> sampling distribution, and draws from an explicit generator.
 
 The same transform must be applied to the target's and the drafter's logits at every position
-(DESIGN pitfall 2), so there is exactly one function that does it: `probs_from_logits`.
+(docs/design.md, pitfall 2), so there is exactly one function that does it: `probs_from_logits`.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def uniform(generator: torch.Generator) -> float:
 
 
 class RandomStreams:
-    """Independent, reproducible generators for the three kinds of randomness (DESIGN pitfall 6).
+    """Independent, reproducible generators for the three kinds of randomness (docs/design.md, pitfall 6).
 
     draft: sampling draft tokens; accept: acceptance uniforms; recover: recovered and bonus tokens.
     Never the global RNG: the same seed gives the same output. keyed: instead, the output's i-th

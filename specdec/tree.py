@@ -42,6 +42,13 @@ def children(parents: torch.Tensor, node: int) -> list[int]:
     return [i for i, parent in enumerate(parents.tolist()) if parent == node]
 
 
+def child(parents: list[int], tokens: list[int], node: int, token: int) -> int | None:
+    """The first child of `node` (-1 = the root) that spells `token`, or None; every walk down a
+    tree by tokens (verifying, matching committed text, merging proposals) takes this one. Plain
+    lists (a tensor's `tolist()`, taken once per walk): no tensor element is read per step."""
+    return next((i for i, (parent, t) in enumerate(zip(parents, tokens)) if parent == node and t == token), None)
+
+
 def trials(parents: torch.Tensor, path: list[int]) -> list[tuple[int, bool]]:
     """Every node that verification reached (a child of the root or of an accepted node), and
     whether it was accepted (on the accepted `path`)."""

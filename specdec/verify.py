@@ -1,6 +1,6 @@
 """Verifiers: pure functions of draft tokens, draft probs, target probs and randomness.
 
-No model and no cache in here. Names follow DESIGN.md: target_probs (p), draft_probs (q);
+No model and no cache in here. Names follow docs/design.md: target_probs (p), draft_probs (q);
 *accepted* draft tokens are kept, a *recovered* token is drawn from the residual after the first
 rejection, a *bonus* token is drawn from the target when every draft token was accepted.
 Every verifier emits exactly accepted + 1 tokens, so an iteration always makes progress.
@@ -21,7 +21,7 @@ def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, token
     target_probs (p, or what earlier rejected siblings left of it), draft_probs: [vocab]. If the
     residual has no mass (p <= q everywhere, which in exact arithmetic means p == q and rejection
     is impossible; in floating point it can happen) fall back to p rather than divide by zero
-    (DESIGN pitfall 3).
+    (docs/design.md, pitfall 3).
     """
     if draft_probs is None:
         rest = target_probs.clone()
@@ -82,14 +82,7 @@ def verify_tree_coupled(
     proposed argmax(q / E_j) (`sampling.ranked`) is kept with probability
     P(argmax(q / E) = argmax(p / E)) at least (1 - TV) / (1 + TV): the Gumbel coupling."""
     assert target_probs.shape[0] == tokens.numel() + 1, "target_probs needs a row for the root and one per node"
-    path, node = [], -1
-    while True:
-        token = draw(target_probs[node + 1], noise(len(path)))
-        child = next((c for c in tree.children(parents, node) if int(tokens[c]) == token), None)
-        if child is None:
-            return VerifyResult(accepted=len(path), tokens=tokens[path].tolist() + [token], path=path)
-        path.append(child)
-        node = child
+    return _follow_target(tokens, parents, lambda node, accepted: draw(target_probs[node + 1], noise(accepted)))
 
 
 def verify_tree_greedy(
@@ -98,16 +91,23 @@ def verify_tree_greedy(
     target_logits: torch.Tensor,  # [n + 1, vocab], rows as in verify_tree
 ) -> VerifyResult:
     """Follow the target's argmax down the tree while some child carries it; then emit that argmax."""
-    choices = target_logits.argmax(dim=-1).tolist()
-    if not len(tokens):  # no draft: plain greedy decoding
-        return VerifyResult(accepted=0, tokens=choices[:1], path=[])
+    choices = target_logits.argmax(dim=-1).tolist()  # no draft: plain greedy decoding, choices[0]
+    return _follow_target(tokens, parents, lambda node, accepted: choices[node + 1])
+
+
+def _follow_target(tokens: torch.Tensor, parents: torch.Tensor, target_token) -> VerifyResult:
+    """The walk of the point-mass verifiers: `target_token(node, accepted)` is the target's token
+    below `node` (-1: the root) after `accepted` kept nodes, asked once per node in walk order;
+    descend into the child that spells it, else emit it."""
+    ids, parent_of = tokens.tolist(), parents.tolist()
     path, node = [], -1
     while True:
-        matches = [c for c in tree.children(parents, node) if int(tokens[c]) == choices[node + 1]]
-        if not matches:
-            return VerifyResult(accepted=len(path), tokens=tokens[path].tolist() + [choices[node + 1]], path=path)
-        node = matches[0]
-        path.append(node)
+        token = target_token(node, len(path))
+        child = tree.child(parent_of, ids, node, token)
+        if child is None:
+            return VerifyResult(accepted=len(path), tokens=[ids[i] for i in path] + [token], path=path)
+        path.append(child)
+        node = child
 
 
 def verify_chain(

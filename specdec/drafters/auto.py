@@ -106,24 +106,25 @@ class AutoDrafter:
             parent = nodes.add(token, parent, None, values[position], (kind, position))
 
     def _grow_model(self, nodes: DraftTree, request: DraftRequest, policy: CostAwarePolicy, budget: Budget):
-        model, slot, sampling = self.model, request.slot, request.sampling
-        context = request.context
+        """The draft model's levels (`ModelDrafter.grow_levels`), while each pays for its forward:
+        a level's children are those that pay (`_add_level`), and its best `width` are expanded."""
+        model, context = self.model, request.context
         depth = min(request.max_tokens, MAX_DEPTH, model.model.verify_room(len(context) - 1))
         room = model.model.max_length - len(context)  # draft cache entries free once the context is in
         width = self.width if self.trees and request.point_masses and (depth - 1) * self.width <= room else 1
-        frontier, probe = [-1], policy.probe_model
+        probe = policy.probe_model
         if depth <= 0 or not (budget.take_level(policy.model_rate(), 1) or probe):
             return
-        rows = model.distributions((yield from model.feed_committed(slot))[-1:], sampling)
-        for level in range(1, depth + 1):
-            grown = self._add_level(nodes, frontier, rows, level, width, request, policy, budget, force=probe and level == 1)
-            if level == depth or not grown:
-                return
+
+        def children(level: int, frontier: list[int], rows: torch.Tensor) -> list[int]:
+            return self._add_level(nodes, frontier, rows, level, width, request, policy, budget, force=probe and level == 1)
+
+        def expand(level: int, grown: list[int]) -> list[int]:
             frontier = sorted(grown, key=lambda node: -nodes.values[node])[:width]
-            if not budget.take_level(sum(nodes.values[node] for node in frontier) * policy.model_rate(), len(frontier)):
-                return
-            logits = yield from model.feed_frontier(slot, frontier, nodes.tokens, nodes.parents)
-            rows = model.distributions(logits, sampling)
+            pays = budget.take_level(sum(nodes.values[node] for node in frontier) * policy.model_rate(), len(frontier))
+            return frontier if pays else []
+
+        yield from model.grow_levels(request.slot, nodes, depth, request.sampling, children, expand)
 
     def _add_level(self, nodes: DraftTree, frontier: list[int], rows: torch.Tensor, level: int, width: int, request: DraftRequest,
                    policy: CostAwarePolicy, budget: Budget, force: bool = False) -> list[int]:

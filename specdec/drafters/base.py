@@ -7,6 +7,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from specdec import tree
 from specdec.types import Draft, SamplingParams
 
 
@@ -144,7 +145,7 @@ class DraftTree:
         return 1.0 if node < 0 else self.values[node]
 
     def child(self, parent: int, token: int) -> int | None:
-        return next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents)) if p == parent and t == token), None)
+        return tree.child(self.parents, self.tokens, parent, token)
 
     def child_tokens(self, parent: int) -> list[int]:
         return [t for t, p in zip(self.tokens, self.parents) if p == parent]

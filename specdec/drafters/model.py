@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -181,27 +181,50 @@ class ModelDrafter:
             return nodes.draft()
         return nodes.draft(keep=nodes.best(list(range(len(nodes.tokens))), shape.nodes))  # best-first cut
 
-    def _grow_levels(self, slot: _Slot, nodes: DraftTree, depth: int, shape: TreeShape, sampled: bool, sampling, rng):
-        """Level by level: the frontier's children join the tree; the best `width` of them are fed
-        to the draft model in one forward, which gives their own distributions for the next level.
-        Sampled trees keep every child drawn, so their budget is spent while growing: a level gets
-        what is left after reserving one node for each deeper level."""
+    def grow_levels(self, slot: _Slot, nodes: DraftTree, depth: int, sampling: SamplingParams,
+                    children: Callable[[int, list[int], torch.Tensor], list[int]], expand: Callable[[int, list[int]], list[int]]):
+        """Grow `nodes` level by level, one draft forward per level: the loop of every drafter that
+        grows trees with this model (this one's `tree` shape, the `AutoDrafter`'s policy), as a
+        generator of its forwards (see `forward_together`). What differs is passed in:
+        `children(level, frontier, rows)` adds the children of the frontier's nodes, whose draft
+        distributions are rows ([len(frontier), vocab]), at `level` (1: the root's children), and
+        returns the level's nodes; `expand(level, grown)` picks those of them fed next, in one
+        forward that gives their own distributions ([]: the tree is done). The tree also ends at
+        `depth` and at a level that grew nothing."""
         frontier = [-1]  # the root: its distribution comes from feeding the pending committed tokens
-        rows = self.distributions((yield from self.feed_committed(slot))[-1:], sampling)
+        rows = self.distributions((yield from self.feed_committed(slot))[-1:], sampling)  # [1, vocab]
         for level in range(1, depth + 1):
-            allowed = shape.nodes - len(nodes.tokens) - (depth - level) if sampled else math.inf
+            grown = children(level, frontier, rows)
+            if level == depth or not grown:
+                return
+            frontier = expand(level, grown)
+            if not frontier:
+                return
+            logits = yield from self.feed_frontier(slot, frontier, nodes.tokens, nodes.parents)
+            rows = self.distributions(logits, sampling)  # [len(frontier), vocab]
+
+    def _grow_levels(self, slot: _Slot, nodes: DraftTree, depth: int, shape: TreeShape, sampled: bool, sampling, rng):
+        """A `shape`d tree: each frontier node gets up to `width` children (`_add_children`); the best
+        `width` of a level are expanded. Sampled trees keep every child drawn, so their budget is
+        spent while growing: a level gets what is left after reserving one node for each deeper
+        level, and only the nodes that remainder can give children are expanded."""
+
+        def left(level: int) -> int:  # a sampled tree's nodes not yet spent nor reserved for deeper levels
+            return shape.nodes - len(nodes.tokens) - (depth - level)
+
+        def children(level: int, frontier: list[int], rows: torch.Tensor) -> list[int]:
             new = []
             for node, q in zip(frontier, rows):
-                new += _add_children(nodes, node, q, int(min(shape.width, allowed - len(new))), sampled, rng)
-            if level == depth or not new:
-                return
+                new += _add_children(nodes, node, q, min(shape.width, left(level)) if sampled else shape.width, sampled, rng)
+            return new
+
+        def expand(level: int, new: list[int]) -> list[int]:
             frontier = nodes.best(new, shape.width)
-            if not sampled and _settled(nodes, frontier, shape.nodes):
-                return
-            if sampled:  # feed only the nodes the remaining budget can give children
-                frontier = frontier[: max(1, math.ceil((allowed - len(new) + 1) / shape.width))]
-            logits = yield from self.feed_frontier(slot, frontier, nodes.tokens, nodes.parents)
-            rows = self.distributions(logits, sampling)
+            if not sampled:
+                return [] if _settled(nodes, frontier, shape.nodes) else frontier
+            return frontier[: max(1, math.ceil((left(level) + 1) / shape.width))]
+
+        yield from self.grow_levels(slot, nodes, depth, sampling, children, expand)
 
     def _grow_staged(self, slot: _Slot, nodes: DraftTree, context, depth: int, shape: TreeShape, sampled: bool, sampling, rng, inner_gamma: int):
         """The spine: the draft model's own continuation, decoded speculatively with the inner
@@ -282,9 +305,8 @@ class ModelDrafter:
         """The cached draft nodes spelling the longest prefix of `tokens`, root side first."""
         path, node = [], -1
         for token in tokens:
-            match = [i for i, (t, p) in enumerate(zip(slot.branch_tokens, slot.branch_parents)) if p == node and t == token]
-            if not match:
+            node = tree.child(slot.branch_parents, slot.branch_tokens, node, token)
+            if node is None:
                 break
-            node = match[0]
             path.append(node)
         return path
