@@ -14,7 +14,7 @@ from specdec import profiling
 from specdec.config import DecoderConfig, DrafterSpec
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters import AutoDrafter, Drafter, ModelDrafter, NgramDrafter, PromptLookupDrafter
-from specdec.ngram import KatzTrigram
+from specdec.katz import KatzTrigram
 from specdec.runtime import CausalLM, RuntimeConfig, choose_backend, load_draft, load_model
 
 

@@ -13,7 +13,7 @@ from specdec.drafters.history import History
 from specdec.drafters.prediction import Prediction
 from specdec.engine import DecodeState, Engine, StepResult, TokenLogprob
 from specdec.errors import SpecDecError
-from specdec.ngram import KatzTrigram
+from specdec.katz import KatzTrigram
 from specdec.runtime import CausalLM, check_same_vocabulary, require_trees, tokenizer_fingerprint
 from specdec.runtime.prefix import DEFAULT_TOKENS as PREFIX_TOKENS, PrefixCache
 from specdec.policy import AUTO_MAX_DEPTH, MAX_DEPTH, BatchDepth, CostAwareDepth, CostAwarePolicy, FixedGamma, SharedAcceptance

@@ -49,12 +49,12 @@ def demo_ngram() -> Path:
     import sys
     import sysconfig
 
-    from specdec import ngram
+    from specdec import katz
     from specdec.cache import cache_dir, made_once, source_digest
 
     tokenizer = demo_dir() / "target"
     stdlib = f"{sys.implementation.name} {sys.version} {sysconfig.get_paths()['stdlib']}"
-    sources = (tokenizer / "tokenizer.json", tokenizer / "tokenizer_config.json", Path(ngram.__file__))
+    sources = (tokenizer / "tokenizer.json", tokenizer / "tokenizer_config.json", Path(katz.__file__))
     folder = cache_dir() / "demo_pair" / source_digest(*sources, salt=stdlib)
     return made_once(folder / "ngram.safetensors", lambda out: _build_demo_ngram(tokenizer, out), "the demo pair's n-gram model")
 
@@ -78,7 +78,7 @@ def demo_ngram_sources() -> list[Path]:
 def _build_demo_ngram(tokenizer_dir: Path, out: Path) -> None:
     from transformers import AutoTokenizer
 
-    from specdec.ngram import build_from_files
+    from specdec.katz import build_from_files
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     build_from_files(demo_ngram_sources(), tokenizer, fingerprint=tokenizer_fingerprint(tokenizer)).save(out)

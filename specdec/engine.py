@@ -72,7 +72,7 @@ class DecodeState:
     stats: GenerationStats = field(default_factory=GenerationStats)
     stop_tokens: frozenset[int] = frozenset()
     context: list[int] = field(default_factory=list)
-    room: int = 0  # tokens this generation may still emit at most, from the start
+    token_limit: int = 0  # tokens this generation may emit in all: max_new_tokens, capped by the context left when it opened
     generated: int = 0
     finish_reason: str | None = None
     sequence: Sequence | None = None  # the target's slot
@@ -105,7 +105,7 @@ class Engine:
     def start(self, state: DecodeState) -> None:
         """Take the generation's slots; its prompt is not fed yet (`prefill`)."""
         state.context = list(state.prompt)
-        state.room = min(state.max_new_tokens, self.target.max_length - len(state.context))
+        state.token_limit = min(state.max_new_tokens, self.target.max_length - len(state.context))
         state.sequence = self.prefixes.take(state.context, state.scope) if self.prefixes is not None else self.target.sequence()
         state.stats.cached_tokens = state.sequence.cache_len
         try:
@@ -114,7 +114,7 @@ class Engine:
         except BaseException:
             self.close(state)
             raise
-        if state.room <= 0:
+        if state.token_limit <= 0:
             state.finish_reason = "length"
 
     def prefill(self, state: DecodeState) -> bool:
@@ -203,11 +203,11 @@ class Engine:
         return results
 
     def _gamma(self, state: DecodeState, cap: int | None, batch: int) -> int:
-        """γ never asks for more than the room left (the verify adds one token itself), nor for
+        """γ never asks for more than the tokens left to emit (the verify adds one token itself), nor for
         positions that one forward with the root cannot score exactly."""
         if self.drafter is None:
             return 0
-        gamma = min(state.gamma_policy.depth(batch), state.room - state.generated - 1, self.target.verify_room(len(state.context) - 1))
+        gamma = min(state.gamma_policy.depth(batch), state.token_limit - state.generated - 1, self.target.verify_room(len(state.context) - 1))
         return max(0, gamma if cap is None else min(gamma, cap))
 
     def _drafts(self, states: list[DecodeState], gammas: list[int | Exception], noises: list[StepNoise | None]) -> list[Draft | Exception]:
@@ -240,10 +240,10 @@ class Engine:
             stats.record_trials(draft, result.path)
         state.gamma_policy.update(draft, result)
         # commit, cutting at a stop token or at the length limit
-        step = _commit(result.tokens, state.room - state.generated, state.stop_tokens)
+        step = _commit(result.tokens, state.token_limit - state.generated, state.stop_tokens)
         state.context += step.tokens
         state.generated += len(step.tokens)
-        if step.finish_reason is None and state.generated >= state.room:
+        if step.finish_reason is None and state.generated >= state.token_limit:
             step.finish_reason = "length"
         state.finish_reason = step.finish_reason
         step.drafted, step.accepted = draft.depth, result.accepted

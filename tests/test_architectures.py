@@ -26,7 +26,7 @@ from specdec.runtime.prefix import PrefixCache
 from specdec.runtime.hf import HFModel
 from architectures import ARCHITECTURES
 from specdec import tree
-from specdec.ngram import KatzTrigram
+from specdec.katz import KatzTrigram
 from tiny import save_tiny_model
 
 pytestmark = pytest.mark.architectures

@@ -11,7 +11,7 @@ from specdec.bench import BenchConfig, run_bench
 from specdec.bench.report import markdown, read_bench, write_report
 from specdec.bench.runner import LoadMonitor
 from specdec.cli import main
-from specdec.ngram import KatzTrigram
+from specdec.katz import KatzTrigram
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerFast
 
 import specdec
 from specdec import SpecDecError
-from specdec.ngram import KatzTrigram
+from specdec.katz import KatzTrigram
 from specdec.runtime import tokenizer_fingerprint
 from tiny import CHARS, VOCAB
 

@@ -7,7 +7,7 @@ import pytest
 import specdec
 from conftest import ARCHS, reference_greedy
 from fakes import ScriptedDrafter
-from specdec.ngram import KatzTrigram
+from specdec.katz import KatzTrigram
 
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]  # repeats, so prompt lookup has something to find
 NEW = 40

@@ -20,7 +20,7 @@ import specdec
 import specdec.decoder
 from specdec import AutoDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, SpeculativeDecoder, TreeShape
 from specdec.demo import demo_ngram
-from specdec.ngram import KatzTrigram
+from specdec.katz import KatzTrigram
 from specdec.sampling import probs_from_logits
 from specdec.engine import decode
 from specdec.policy import FixedGamma

@@ -1,4 +1,4 @@
-"""Tests for specdec.ngram: Katz-backoff trigram checked against an independent dict-based reference."""
+"""Tests for specdec.katz: Katz-backoff trigram checked against an independent dict-based reference."""
 
 from collections import Counter
 
@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import specdec.ngram as ngram
+import specdec.katz as ngram
 from specdec.errors import SpecDecError
-from specdec.ngram import KatzTrigram, build_from_files, katz_discounts
+from specdec.katz import KatzTrigram, build_from_files, katz_discounts
 
 K = 5
 EPS = 1e-9

@@ -18,7 +18,7 @@ from scipy.stats import chisquare
 
 import specdec
 import specdec.api
-from specdec.ngram import KatzTrigram
+from specdec.katz import KatzTrigram
 from specdec.sampling import probs_from_logits
 from specdec.types import SamplingParams
 

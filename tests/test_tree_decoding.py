@@ -10,7 +10,7 @@ import specdec
 from specdec.runtime.hf import HFSequence
 from conftest import ARCHS, reference_greedy
 from specdec import engine
-from specdec.ngram import KatzTrigram
+from specdec.katz import KatzTrigram
 from test_cache_invariant import decode_checking_caches
 from test_statistical import PROMPT as STAT_PROMPT, SETTINGS, assert_follows_target
 

@@ -28,7 +28,7 @@ from specdec.bench.prompts import file_prompts
 from specdec.bench.suites import WITH_REFERENCES, suite_tasks
 from specdec.drafters import History, ModelDrafter, TreeShape
 from specdec.errors import SpecDecError
-from specdec.ngram import KatzTrigram
+from specdec.katz import KatzTrigram
 from specdec.runtime import CausalLM, RuntimeConfig, choose_backend
 from specdec.types import GenerationStats, SamplingParams
 

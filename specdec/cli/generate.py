@@ -152,7 +152,7 @@ def format_stats(stats, decoder) -> str:
 def run_ngram_build(args) -> None:
     from transformers import AutoTokenizer
 
-    from specdec.ngram import build_from_files
+    from specdec.katz import build_from_files
     from specdec.runtime import tokenizer_fingerprint
 
     try:

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from specdec.drafters.base import ContextDrafter
-from specdec.ngram import KatzTrigram
+from specdec.katz import KatzTrigram
 from specdec.sampling import probs_from_logits, sample
 from specdec.types import Draft, SamplingParams
 
