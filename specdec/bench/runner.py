@@ -22,6 +22,7 @@ from specdec import costs
 from specdec.analysis import expected_tokens, weight_bytes_per_token
 from specdec.api import SpeculativeDecoder, load
 from specdec.bench.prompts import file_prompts
+from specdec.bench.peers import peers
 from specdec.bench.suites import WITH_REFERENCES, suite_tasks
 from specdec.drafters import AutoDrafter, History, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
 from specdec.errors import SpecDecError
@@ -118,7 +119,7 @@ def specdec_strategy(name, family, decoder: SpeculativeDecoder, max_new_tokens: 
 
 
 def peer_strategy(peer) -> Strategy:
-    """Another implementation's loop (see `CausalLM.peers`), measured like ours."""
+    """Another implementation's loop (see `bench.peers`), measured like ours."""
 
     def run(prompt_ids, sampling, seed, reference: str = "") -> Run:
         out = peer.run(prompt_ids, sampling, seed)
@@ -169,7 +170,7 @@ def build_strategies(config: BenchConfig):
         strategies.append(specdec_strategy(f"n-gram γ={config.ngram_gamma}", "ngram",
                                            Decoder(target, NgramDrafter(ngram), config.ngram_gamma), new))
     if config.peers:
-        strategies += [peer_strategy(peer) for peer in target.peers(model_drafter.model if model_drafter else None, new)]
+        strategies += [peer_strategy(peer) for peer in peers(target, model_drafter.model if model_drafter else None, new)]
     return target, model_drafter.model if model_drafter else None, strategies
 
 
