@@ -35,6 +35,7 @@ import llama_tools  # noqa: E402
 import specdec  # noqa: E402
 from specdec import AutoDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, SpeculativeDecoder, TreeShape  # noqa: E402
 from specdec.demo import demo_gguf, demo_ngram  # noqa: E402
+from specdec.bench.peers import peers  # noqa: E402
 from specdec.bench.prompts import humaneval_prompts  # noqa: E402
 from specdec.bench.runner import read_bandwidth  # noqa: E402
 from specdec.katz import KatzTrigram  # noqa: E402
@@ -74,7 +75,7 @@ def peer_contestants(target, new: int) -> dict:
             return {"tokens": len(out.tokens), "seconds": out.seconds - out.prefill_seconds, "token_ids": out.tokens}
         return run
 
-    return {peer.name: runner(peer) for peer in target.peers(None, new)}
+    return {peer.name: runner(peer) for peer in peers(target, None, new)}
 
 
 def tool_contestants(target_path: str, draft_path: str, threads: int) -> dict:

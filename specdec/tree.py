@@ -7,18 +7,22 @@ topological order). A chain of n drafts is the tree with parents [-1, 0, 1, ...,
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 
-def chain_parents(n: int) -> torch.Tensor:
-    return torch.arange(n, dtype=torch.long) - 1
+def chain_parents(n: int, start: int = 0) -> torch.Tensor:
+    """[n] parents of n nodes (or cache entries) appended as a chain after `start` ones: start - 1, start, ..."""
+    return torch.arange(start - 1, start + n - 1, dtype=torch.long)
 
 
-def check_parents(parents: torch.Tensor) -> None:
-    """Every parent is -1 or an earlier node."""
-    index = torch.arange(parents.numel())
-    if parents.numel() and not bool(((parents >= -1) & (parents < index)).all()):
-        raise ValueError(f"tree parents must be -1 or an earlier node, got {parents.tolist()}")
+def check_parents(parents: torch.Tensor | Sequence[int], start: int = 0) -> None:
+    """Every parent is -1 or an earlier node: node i, appended after `start` ones (entry start + i of
+    a cache), follows -1 or a node below start + i. So nodes are in topological order."""
+    for i, parent in enumerate(parents.tolist() if isinstance(parents, torch.Tensor) else parents):
+        if not -1 <= parent < start + i:
+            raise ValueError(f"entry {start + i} cannot follow entry {parent}: parents must be -1 or earlier entries")
 
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
@@ -69,3 +73,26 @@ def entries(parents: torch.Tensor, root: int) -> torch.Tensor:
     """Node parents as cache entries, for a tree whose root is entry `root` and whose node i is
     entry root + 1 + i (the runtime protocol's parents)."""
     return torch.where(parents < 0, torch.full_like(parents, root), parents + root + 1)
+
+
+def new_entries(tokens, parents: Sequence[int] | None, start: int) -> tuple[list[int], list[int]]:
+    """A forward's tokens and parents as lists, checked (`check_parents`): one parent per token;
+    parents default to a chain after the `start` cached entries."""
+    tokens = [int(t) for t in torch.as_tensor(tokens).reshape(-1).tolist()]
+    parents = chain_parents(len(tokens), start).tolist() if parents is None else [int(p) for p in parents]
+    if len(parents) != len(tokens):
+        raise ValueError(f"{len(tokens)} tokens need {len(tokens)} parents, got {len(parents)}")
+    check_parents(parents, start)
+    return tokens, parents
+
+
+def check_kept_path(parents: Sequence[int], start: int, indices: Sequence[int], length: int) -> None:
+    """For keeping a path of a cache of `length` entries: `indices` (entries >= start) must be a
+    chain below entry start - 1."""
+    if not 0 <= start <= length:
+        raise ValueError(f"cannot keep {start} entries of a cache of {length}")
+    above = start - 1
+    for index in indices:
+        if not start <= index < length or parents[index] != above:
+            raise ValueError(f"cannot keep entries {list(indices)} after {start}: they must be a chain below entry {start - 1}")
+        above = index

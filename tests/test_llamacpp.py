@@ -312,3 +312,19 @@ def test_serve_refuses_more_tree_branches_than_llama_cpp_has_ids(gguf_models):
                           "--tree", "8", "--max-batch", "16", "--port", "1"], capture_output=True, text=True, timeout=120)
     # 16 generations x 9 ids, and the prefix cache's 16 kept sequences: (128 - 16) // 9 = 12 fit
     assert run.returncode == 1 and "need up to 160 llama.cpp sequence ids" in run.stderr and "--max-batch 12" in run.stderr
+
+
+def test_llama_cpp_python_peers_run_on_the_same_file(gguf):
+    """`bench.peers` on a GGUF model: llama-cpp-python's generate(), plain and with its prompt
+    lookup, each counting its decodes and stopping at max_new_tokens or before a stop token."""
+    from specdec.bench.peers import peers
+
+    target = gguf["target"]
+    found = peers(target, gguf["draft"], max_new_tokens=8)
+    assert [peer.name for peer in found] == ["llama-cpp-python generate", "llama-cpp-python prompt lookup"]
+    assert not any(peer.uses_draft_model for peer in found)
+    prompt = target.tokenizer.encode(REPEATING)
+    for peer in found:
+        run = peer.run(prompt, SamplingParams(temperature=0.0), 0)
+        assert 0 < len(run.tokens) <= 8 and not set(run.tokens) & target.stop_token_ids
+        assert run.target_forwards >= 1 and run.prefill_seconds is not None and run.seconds >= run.prefill_seconds

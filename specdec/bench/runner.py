@@ -25,6 +25,7 @@ from specdec.config import DecoderConfig, DrafterSpec
 from specdec.decoder import SpeculativeDecoder
 from specdec.demo import demo_ngram
 from specdec.bench.prompts import file_prompts
+from specdec.bench.peers import peers
 from specdec.bench.suites import WITH_REFERENCES, suite_tasks
 from specdec.drafters import History, ModelDrafter, TreeShape
 from specdec.errors import SpecDecError
@@ -113,7 +114,7 @@ def specdec_strategy(name, family, decoder: SpeculativeDecoder, max_new_tokens: 
 
 
 def peer_strategy(peer) -> Strategy:
-    """Another implementation's loop (see `CausalLM.peers`), measured like ours."""
+    """Another implementation's loop (see `bench.peers`), measured like ours."""
 
     def run(prompt_ids, sampling, seed, reference: str = "") -> Run:
         out = peer.run(prompt_ids, sampling, seed)
@@ -149,7 +150,7 @@ def build_strategies(config: BenchConfig):
     if parts.ngram is not None:
         strategies.append(drafted(f"n-gram γ={config.ngram_gamma}", "ngram", DrafterSpec("ngram"), config.ngram_gamma, target, parts, new))
     if config.peers:
-        strategies += [peer_strategy(peer) for peer in target.peers(draft, new)]
+        strategies += [peer_strategy(peer) for peer in peers(target, draft, new)]
     return target, draft, strategies
 
 

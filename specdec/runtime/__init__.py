@@ -56,7 +56,7 @@ def _load_checkpoint(path, config: RuntimeConfig, slots: int) -> CausalLM:
     if config.gpu_layers is not None or config.tokenizer is not None or config.output_layer != "auto" or config.batch_invariant:
         raise SpecDecError("gpu_layers, tokenizer, output_layer and batch_invariant apply to GGUF files on llama.cpp; "
                            "a checkpoint directory has its own tokenizer (use device to choose a GPU)")
-    from specdec.runtime.hf import default_device, load_model as load_hf
+    from specdec.runtime.checkpoints import default_device, load_model as load_hf
 
     if config.threads is not None:
         import torch

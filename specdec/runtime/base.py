@@ -14,12 +14,11 @@ path computed alone before trees are used there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence as Seq
+from typing import Protocol, Sequence as Seq
 
 import torch
 
 from specdec.errors import SpecDecError
-from specdec.types import SamplingParams
 
 
 class Tokenizer(Protocol):
@@ -105,10 +104,6 @@ class CausalLM(Protocol):
         """Why token trees cannot be scored exactly on this model, or None when they can."""
         ...
 
-    def peers(self, draft: CausalLM | None, max_new_tokens: int) -> list[Peer]:
-        """The backend's own generation loops on the same loaded models, for `bench` to compare with."""
-        ...
-
     def forward_batch(self, feeds: list[Feed]) -> list[torch.Tensor]:
         """What `forward` returns for each feed, computed together: one model forward over every
         sequence's new entries where the backend can (rows of any lengths, chains and trees mixed).
@@ -165,31 +160,6 @@ def check_distinct(feeds: Seq[Feed]) -> None:
         raise ValueError("a batched forward takes each sequence at most once")
 
 
-@dataclass
-class PeerRun:
-    tokens: list[int]  # generated ids, cut before the first stop token
-    seconds: float
-    target_forwards: int  # counted where the peer's loop can be watched
-    draft_forwards: int = 0
-    prefill_seconds: float | None = None  # the prompt's share of `seconds`, where it could be timed apart
-
-
-@dataclass
-class Peer:
-    """Another implementation's generation on the same models: run(prompt ids, sampling, seed)."""
-
-    name: str
-    uses_draft_model: bool
-    run: Callable[[list[int], SamplingParams, int], PeerRun]
-
-
-def cut_at_stop(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
-    for i, token in enumerate(tokens):
-        if token in stop_ids:
-            return tokens[:i]
-    return tokens
-
-
 def synchronize(device) -> None:
     """Wait for the device (a no-op on the CPU): timings of forwards that return before it is done need it."""
     if torch.device(device).type == "cuda":
@@ -200,6 +170,26 @@ def require_trees(model: CausalLM) -> None:
     reason = model.tree_refusal()
     if reason is not None:
         raise SpecDecError(f"{model.describe()} does not support token trees ({reason}); use a chain")
+
+
+_UNCHECKED: object = object()  # CheckedTrees._tree_refusal not computed yet (None means: trees are fine)
+
+
+class CheckedTrees:
+    """`tree_refusal` for a model class, computed once (on first use: the check costs forwards):
+    the reason the backend knows by name (`known_tree_refusal`), else what `tree_check` finds."""
+
+    _tree_refusal: str | None | object = _UNCHECKED
+
+    def known_tree_refusal(self) -> str | None:
+        """Why trees cannot be exact here, known without running the model (None: not known)."""
+        return None
+
+    def tree_refusal(self) -> str | None:
+        """Why token trees cannot be scored exactly on this model, or None when they can."""
+        if self._tree_refusal is _UNCHECKED:
+            self._tree_refusal = self.known_tree_refusal() or tree_check(self)
+        return self._tree_refusal
 
 
 def tree_check(model: CausalLM) -> str | None:
@@ -233,32 +223,3 @@ def _last_logits(model: CausalLM, tokens: list[int]) -> torch.Tensor:
         return sequence.forward(tokens, last=1)[0]
     finally:
         sequence.release()
-
-
-def chain_parents(start: int, n: int) -> list[int]:
-    """Parents of n entries appended as a chain after `start` cached ones."""
-    return list(range(start - 1, start + n - 1))
-
-
-def new_entries(tokens, parents: Seq[int] | None, start: int) -> tuple[list[int], list[int]]:
-    """A forward's tokens and parents as lists (parents default to a chain after `start` cached
-    entries), checked: one parent per token, each -1 or an earlier entry."""
-    tokens = [int(t) for t in torch.as_tensor(tokens).reshape(-1).tolist()]
-    parents = chain_parents(start, len(tokens)) if parents is None else [int(p) for p in parents]
-    if len(parents) != len(tokens):
-        raise ValueError(f"{len(tokens)} tokens need {len(tokens)} parents, got {len(parents)}")
-    for i, parent in enumerate(parents):
-        if not -1 <= parent < start + i:
-            raise ValueError(f"entry {start + i} cannot follow entry {parent}: parents must be -1 or earlier entries")
-    return tokens, parents
-
-
-def check_kept_path(parents: Seq[int], start: int, indices: Seq[int], length: int) -> None:
-    """`indices` (entries >= start) must be a chain below entry start - 1, for `keep`."""
-    if not 0 <= start <= length:
-        raise ValueError(f"cannot keep {start} entries of a cache of {length}")
-    above = start - 1
-    for index in indices:
-        if not start <= index < length or parents[index] != above:
-            raise ValueError(f"cannot keep entries {list(indices)} after {start}: they must be a chain below entry {start - 1}")
-        above = index

@@ -1,21 +1,22 @@
 """The output layer of a GGUF model on llama.cpp's CPU backend, computed by specdec.
 
 Why: a verify needs logits at every drafted position, and on llama.cpp's CPU kernels those rows
-cost almost as much as separate forwards. Measured on Gemma 3 270M Q4_K_M (262k x 640 Q8_0 output
-matrix), AMD EPYC Zen 4, 1 thread, per-op timing by `specdec profile --breakdown`: the output
-layer takes 11.4 ms of a 19.5 ms one-token forward and 43 / 57 ms of a 4 / 8-token one.
+cost almost as much as separate forwards: for a small model with a large vocabulary the output
+layer is most of a forward, and its cost grows with every row (per-op timing: `specdec profile
+--breakdown`; figures in benchmarks/RESULTS.md).
 
 What: llama.cpp runs its graph up to the final norm (the tensor named "result_norm"); an eval
 callback in `_cpu_head.c` copies those rows out and stops the graph there, so llama.cpp never
 multiplies them by the output matrix. specdec's kernel then computes the logits, reading the
-matrix once for all rows (AVX-512 VNNI): 6.2 ms for 1 row, 8.3 for 4, 12.8 for 8 on that machine.
-It takes Q8_0 matrices and Q6_K ones (what Q4_K_M files of models whose width is a multiple of
-256 store).
+matrix once for all rows (AVX-512 VNNI), so a few rows cost little more than one. It takes Q8_0
+matrices and Q6_K ones (what Q4_K_M files of models whose width is a multiple of 256 store).
+Whether it is faster than llama.cpp's own on this machine is measured at load (`llamacpp`'s
+`_check_head`).
 
 Exactness: the kernel quantizes each hidden row as llama.cpp does (Q8_0 rows against a Q8_0
 matrix, Q8_K rows against a Q6_K one), so the integer dot products are llama.cpp's; only the
-float order of the per-block sums differs. It computes every row alone, the same way in any batch: a row's logits are bitwise the same whatever the batch
-shape, so plain decoding (one row) and a verify (k rows) compute one function of the hidden
+float order of the per-block sums differs. It computes every row alone, the same way in any
+batch: a row's logits are bitwise the same whatever the batch shape, so plain decoding (one row) and a verify (k rows) compute one function of the hidden
 states. A self-check at load compares it with llama.cpp's own logits and refuses it if they
 disagree beyond rounding (an architecture that does more after the final norm than one matmul).
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import importlib
 import os
 from pathlib import Path
 
@@ -47,8 +49,8 @@ class Capture(ctypes.Structure):
 @functools.cache
 def _kernels():
     """The compiled module, or the reason it cannot be used here."""
-    try:
-        from specdec.runtime import _cpu_head
+    try:  # by name: a compiled extension beside this file, which a build without a C compiler lacks
+        _cpu_head = importlib.import_module("specdec.runtime._cpu_head")
     except ImportError as error:
         return f"specdec's compiled output layer is not built ({error}; reinstall specdec with a C compiler)"
     if not _cpu_head.vnni():

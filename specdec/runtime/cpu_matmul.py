@@ -1,12 +1,10 @@
 """Faster linear layers for the few-token forwards of decoding on a CPU, where the machine says so.
 
 With PyTorch's CPU BLAS, `x @ W.T` for an x of 2-16 rows can be far slower than the same product
-computed as `(W @ x.T).T`, or far faster: it depends on the CPU and the BLAS build. Measured on the
-demo target with 2 threads: on an AMD EPYC a 4-token forward took 12.1 ms with F.linear and 6.4 ms
-transposed; on an Intel Xeon (Sapphire Rapids) a 2-row 1536x512 product takes 21 µs with F.linear
-and 105 µs transposed. Speculative decoding lives on such forwards, so each layer shape's products
-are timed once per process, per row-count bucket, and a CPU model's linear layers take the faster
-form for each. Longer inputs (prefill) keep F.linear.
+computed as `(W @ x.T).T`, or far faster: it depends on the CPU and the BLAS build (one machine
+favours each form by several times where another favours the other). Speculative decoding lives on
+such forwards, so each layer shape's products are timed once per process, per row-count bucket,
+and a CPU model's linear layers take the faster form for each. Longer inputs (prefill) keep F.linear.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ Exactness across architectures (each point is a way a well-known implementation 
   dtype's minimum elsewhere): eager attention adds the mask to the scores, so a boolean mask there
   would mask nothing; sdpa and flex attention read the additive form the same way.
 - Whether trees are exact on a model is checked once, on first use, by `tree_refusal`: known
-  position schemes that trees cannot follow are refused by name, then `base.tree_check` must pass.
+  position schemes that trees cannot follow are refused by name (`named_tree_refusal`), then
+  `base.tree_check` must pass.
 - RoPE that depends on the sequence length: "longrope" (Phi-3) switches every position to its long
   factors once the sequence passes `original_max_position_embeddings`, and Hugging Face recomputes
   the whole cache at that moment; so does `forward`, and `verify_room` keeps one forward from
@@ -19,24 +20,17 @@ Exactness across architectures (each point is a way a well-known implementation 
 from __future__ import annotations
 
 import inspect
-import json
-import os
-import sys
-import time
-from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from specdec.errors import SpecDecError
 from specdec.runtime import base
-from specdec.runtime.cpu_matmul import use_small_batch_matmul
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+from specdec.runtime.entries import SequenceEntries
 
 
-class HFModel:
+class HFModel(base.CheckedTrees):
     """A transformers model and its tokenizer; logits are restricted to the tokenizer's real
     vocabulary (padding rows dropped)."""
 
@@ -55,7 +49,7 @@ class HFModel:
                 f"{path}: the model has {rows} output rows but its tokenizer has {self.vocab_size} tokens"
             )
         self.max_length = _context_length(model.config)
-        self.rope_switch = _longrope_switch(model.config)  # None, or the first position that runs long factors
+        self.rope_switch = longrope_switch(model.config)  # None, or the first position that runs long factors
         self.device = model.device  # fixed: the model is moved before it is wrapped (HF's property is slow)
         if self.device.type == "cuda":
             avoid_cudnn_attention()
@@ -66,7 +60,6 @@ class HFModel:
         self.tree_tolerance = TREE_CHECK_TOLERANCE[self.torch_dtype]
         self.stop_token_ids = _stop_token_ids(model, tokenizer)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._tree_refusal: str | None = _UNCHECKED  # see tree_refusal()
 
     def sequence(self) -> HFSequence:
         return HFSequence(self)
@@ -88,54 +81,8 @@ class HFModel:
             room = min(room, self.rope_switch - 1 - root_position)
         return max(room, 0)
 
-    def tree_refusal(self) -> str | None:
-        """Why token trees cannot be scored exactly on this model, or None when they can: position
-        schemes trees cannot follow are refused by name, then `base.tree_check` runs (once)."""
-        if self._tree_refusal is _UNCHECKED:
-            self._tree_refusal = _known_tree_refusal(self.model.config) or base.tree_check(self)
-        return self._tree_refusal
-
-    def peers(self, draft: HFModel | None, max_new_tokens: int) -> list[base.Peer]:
-        """Hugging Face generate() on the very same model objects: plain, assisted by the draft
-        model (one with the target's own vocabulary), and its prompt lookup. Forwards are counted
-        with hooks on the models."""
-        import transformers
-
-        transformers.logging.set_verbosity_error()  # generate() warns about flags set on purpose
-        draft = draft if isinstance(draft, HFModel) else None  # a pruned draft (runtime.pruned) is specdec's own
-        target_forwards, draft_forwards = _ForwardCounter(self.model), _ForwardCounter(draft.model) if draft else None
-        peers = [base.Peer("HF generate", False, self._generate_peer(max_new_tokens, target_forwards))]
-        if draft is not None:
-            peers.append(base.Peer("HF assisted", True, self._generate_peer(
-                max_new_tokens, target_forwards, draft_forwards, assistant_model=draft.model)))
-        peers.append(base.Peer("HF prompt lookup", False, self._generate_peer(max_new_tokens, target_forwards, prompt_lookup_num_tokens=10)))
-        if self.device.type == "cuda":  # the strongest plain loop a transformers user has: a static cache, compiled
-            peers.append(base.Peer("HF generate, static cache, compiled", False,
-                                   self._generate_peer(max_new_tokens, target_forwards, cache_implementation="static")))
-        return peers
-
-    def _generate_peer(self, max_new_tokens: int, target_forwards: _ForwardCounter, draft_forwards=None, **extra):
-        stop_ids = self.stop_token_ids
-
-        def run(prompt_ids: list[int], sampling, seed: int) -> base.PeerRun:
-            ids = torch.tensor([prompt_ids], device=self.device)
-            options = dict(max_new_tokens=max_new_tokens, attention_mask=torch.ones_like(ids),
-                           eos_token_id=sorted(stop_ids) or None, pad_token_id=min(stop_ids, default=0))
-            if sampling.greedy:
-                options.update(do_sample=False, temperature=None, top_k=None, top_p=None)
-            else:
-                options.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
-            torch.manual_seed(seed)  # generate() draws from the global generator
-            before_t, before_d = target_forwards.calls, draft_forwards.calls if draft_forwards else 0
-            started = time.perf_counter()
-            with torch.inference_mode():
-                out = self.model.generate(ids, **options, **extra)
-            seconds = time.perf_counter() - started
-            drafts = (draft_forwards.calls - before_d) if draft_forwards else 0
-            return base.PeerRun(base.cut_at_stop(out[0, len(prompt_ids):].tolist(), stop_ids), seconds,
-                                target_forwards.calls - before_t, drafts)
-
-        return run
+    def known_tree_refusal(self) -> str | None:
+        return named_tree_refusal(self.model.config)
 
     def layer_masks(self, mask: torch.Tensor, key_positions: torch.Tensor, positions: torch.Tensor):
         """[batch, n, keys] bool -> the model's attention mask(s). An explicit mask replaces the
@@ -183,23 +130,8 @@ class HFModel:
         if crossing or len({sequence._long_rope for sequence, *_ in rows}) > 1:
             # longrope picks its factors from the batch's largest position: rows on both sides of the switch go apart
             return base.forward_each(feeds)
-        width, new = max(s.cache_len for s, *_ in rows), max(len(t) for _, t, *_ in rows)
-        batch = len(rows)
-        tokens = torch.zeros(batch, new, dtype=torch.long)
-        positions = torch.zeros(batch, new, dtype=torch.long)
-        key_positions = torch.zeros(batch, width + new, dtype=torch.long)
-        allowed = torch.zeros(batch, new, width + new, dtype=torch.bool)
-        allowed[:, :, width:] = torch.eye(new, dtype=torch.bool)  # padding queries see themselves
-        for r, (sequence, row_tokens, row_positions, all_parents) in enumerate(rows):
-            start, n = sequence.cache_len, len(row_tokens)
-            tokens[r, :n], positions[r, :n] = torch.tensor(row_tokens), torch.tensor(row_positions)
-            key_positions[r, width - start : width] = torch.tensor(sequence._positions, dtype=torch.long)
-            key_positions[r, width : width + n] = positions[r, :n]
-            ancestry = sequence.attends(all_parents, start, n)
-            if ancestry is None:
-                ancestry = torch.ones(n, start + n, dtype=torch.bool).tril(start)
-            allowed[r, :n, width - start : width] = ancestry[:, :start]
-            allowed[r, :n, width : width + n] = ancestry[:, start:]
+        width = max(s.cache_len for s, *_ in rows)
+        tokens, positions, key_positions, allowed = _padded_batch(rows, width)
         cache = DynamicCache()
         if width:
             cache.layers = [_StackedLayer([s._cache.layers[i] if s.cache_len else None for s, *_ in rows], width)
@@ -230,26 +162,42 @@ class HFModel:
         return window if isinstance(window, int) and window > 0 else None
 
 
-class HFSequence:
-    """One sequence slot of an HFModel: a DynamicCache plus each entry's position, token and parent.
+def _padded_batch(rows: list, width: int) -> tuple[torch.Tensor, ...]:
+    """`forward_batch`'s inputs for rows (sequence, tokens, positions, all parents) of `place`:
+    tokens and positions [batch, new], each key's position [batch, width + new] and which keys each
+    query sees [batch, new, width + new] (cached entries left-padded to `width`, new entries after;
+    a padding query sees itself)."""
+    batch, new = len(rows), max(len(t) for _, t, *_ in rows)
+    tokens = torch.zeros(batch, new, dtype=torch.long)
+    positions = torch.zeros(batch, new, dtype=torch.long)
+    key_positions = torch.zeros(batch, width + new, dtype=torch.long)
+    allowed = torch.zeros(batch, new, width + new, dtype=torch.bool)
+    allowed[:, :, width:] = torch.eye(new, dtype=torch.bool)
+    for r, (sequence, row_tokens, row_positions, all_parents) in enumerate(rows):
+        start, n = sequence.cache_len, len(row_tokens)
+        tokens[r, :n], positions[r, :n] = torch.tensor(row_tokens), torch.tensor(row_positions)
+        key_positions[r, width - start : width] = torch.tensor(sequence._positions, dtype=torch.long)
+        key_positions[r, width : width + n] = positions[r, :n]
+        ancestry = sequence.attends(all_parents, start, n)
+        if ancestry is None:
+            ancestry = torch.ones(n, start + n, dtype=torch.bool).tril(start)
+        allowed[r, :n, width - start : width] = ancestry[:, :start]
+        allowed[r, :n, width : width + n] = ancestry[:, start:]
+    return tokens, positions, key_positions, allowed
 
-    Invariant: the cache holds exactly `cache_len` entries, entry i for the i-th token fed; the
-    first `_trunk` entries are a chain (plain text), which every later entry attends to in full."""
+
+class HFSequence(SequenceEntries):
+    """One sequence slot of an HFModel: a DynamicCache beside its entries' bookkeeping.
+
+    Invariant (with `SequenceEntries`'): the cache holds keys and values of exactly `cache_len`
+    entries, entry i in slot i."""
 
     def __init__(self, owner: HFModel):
-        self.owner = owner
+        super().__init__(owner)
         # Plain full layers, even for sliding-window models: the window is applied by the attention
         # mask, and a full layer can be cut back exactly (a sliding layer's counters cannot).
         self._cache = DynamicCache()
-        self._positions: list[int] = []
-        self._tokens: list[int] = []
-        self._parents: list[int] = []
-        self._trunk = 0
         self._long_rope = False  # the cache was computed with longrope's long factors
-
-    @property
-    def cache_len(self) -> int:
-        return len(self._tokens)
 
     def release(self) -> None:
         self._cache = None
@@ -265,31 +213,15 @@ class HFSequence:
     def fork(self, length: int) -> HFSequence | None:
         """The first `length` entries' keys and values copied into a new sequence; None after
         longrope's switch (those keys carry the long factors, a fresh shorter text's would not)."""
-        if not 0 <= length <= self._trunk:
-            raise ValueError(f"cannot fork the first {length} of {self.cache_len} entries: they must be committed text")
+        self.check_fork(length)
         if self._long_rope:
             return None
         other = HFSequence(self.owner)
         for index, layer in enumerate(self._cache.layers):
             if length and getattr(layer, "keys", None) is not None and layer.keys.numel():
                 other._cache.update(layer.keys[..., :length, :].clone(), layer.values[..., :length, :].clone(), index)
-        other._positions, other._tokens = self._positions[:length], self._tokens[:length]
-        other._parents, other._trunk = base.chain_parents(0, length), length
+        self.share_entries(other, length)
         return other
-
-    def place(self, tokens, parents) -> tuple[list[int], list[int], list[int]]:
-        """New entries, checked: their tokens, positions, and the parents of every entry after them."""
-        start = self.cache_len
-        tokens, parents = base.new_entries(tokens, parents, start)
-        positions = []
-        for parent in parents:
-            positions.append(0 if parent < 0 else (self._positions[parent] if parent < start else positions[parent - start]) + 1)
-        max_length = self.owner.max_length
-        if max(positions, default=0) >= max_length:
-            raise SpecDecError(f"position {max(positions)} is beyond the model's context of {max_length}")
-        if start + len(tokens) > max_length:  # some models keep buffers sized to the context, indexed by slot
-            raise SpecDecError(f"{len(tokens)} new tokens after {start} cached ones overflow the model's context of {max_length}")
-        return tokens, positions, self._parents + parents
 
     def crosses_rope_switch(self, positions: list[int]) -> bool:
         switch = self.owner.rope_switch
@@ -311,17 +243,6 @@ class HFSequence:
         self.commit(tokens, positions, all_parents)
         logits = out.logits[0, -last:] if last else out.logits[0]
         return owner.logits_out(logits)
-
-    def commit(self, tokens: list[int], positions: list[int], all_parents: list[int]) -> None:
-        """Record entries whose keys and values are now in the cache."""
-        self._positions += positions
-        self._tokens += tokens
-        self._parents = all_parents
-        self._extend_trunk()
-
-    def _extend_trunk(self) -> None:
-        while self._trunk < len(self._parents) and self._parents[self._trunk] == self._trunk - 1:
-            self._trunk += 1
 
     def attends(self, all_parents: list[int], start: int, n: int) -> torch.Tensor | None:
         """[n, start + n] bool: which entries each new entry attends to (its ancestors and itself);
@@ -348,18 +269,12 @@ class HFSequence:
         self._long_rope = True
         logits = self._forward(cached + tokens, cached_positions + positions, all_parents, last)
         return logits if last else logits[old:]
-    def truncate(self, length: int) -> None:
-        """Keep the first `length` cache entries."""
-        if not 0 <= length <= self.cache_len:
-            raise ValueError(f"cannot truncate a cache of {self.cache_len} entries to {length}")
-        self.keep(length, [])
 
     @torch.inference_mode()
     def keep(self, start: int, indices: list[int]) -> None:
         """Keep the first `start` entries, then the entries at `indices` (each >= start), moved
         to contiguous slots in the given order (tree compaction: the accepted path stays)."""
-        indices = [int(i) for i in indices]
-        base.check_kept_path(self._parents, start, indices, self.cache_len)
+        indices = self.kept_path(start, indices)
         end = start + len(indices)
         moved = indices != list(range(start, end))  # a chain's path is already in place
         index = torch.tensor(indices, dtype=torch.long)
@@ -371,11 +286,7 @@ class HFSequence:
                 layer.keys[..., start:end, :] = layer.keys.index_select(-2, index.to(device))
                 layer.values[..., start:end, :] = layer.values.index_select(-2, index.to(device))
             layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
-        self._positions = self._positions[:start] + [self._positions[i] for i in indices]
-        self._tokens = self._tokens[:start] + [self._tokens[i] for i in indices]
-        self._parents = self._parents[:start] + base.chain_parents(start, len(indices))
-        self._trunk = min(self._trunk, start)
-        self._extend_trunk()
+        self.keep_entries(start, indices)
         self._long_rope = self._long_rope and end > 0  # an emptied cache starts short again, as after reset()
 
     def cache_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -412,25 +323,13 @@ class _StackedLayer(DynamicLayer):
         return out
 
 
-class _ForwardCounter:
-    """Counts top-level forward calls of a Hugging Face model (for peers, whose loops we do not own)."""
-
-    def __init__(self, model):
-        self.calls = 0
-        model.register_forward_hook(self._hook)
-
-    def _hook(self, module, args, output):
-        self.calls += 1
-
-
-_UNCHECKED = "unchecked"  # tree_refusal not computed yet (None means: trees are fine)
 # How far a 2-node tree's logits may be from its paths', relative to the logits' scale. Loose for
 # float64 because some models keep float32 internals (RoPE tables, norms) in float64 runs; an ignored
 # mask or a wrong position moves logits by O(1).
 TREE_CHECK_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}
 
 
-def _known_tree_refusal(config) -> str | None:
+def named_tree_refusal(config) -> str | None:
     """Position schemes and attention code that a token tree cannot be fed through exactly."""
     if getattr(config, "alibi", False) or config.model_type in ("bloom", "mpt"):
         return "ALiBi: the position bias is built from cache slots, not from each node's position"
@@ -458,7 +357,8 @@ def _rope_parameters(config) -> list[dict]:
     return [rope] if isinstance(rope, dict) else []
 
 
-def _longrope_switch(config) -> int | None:
+def longrope_switch(config) -> int | None:
+    """The first position longrope runs on its long factors, or None (no longrope)."""
     for rope in _rope_parameters(config):
         if rope.get("rope_type", rope.get("type")) == "longrope":
             original = rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
@@ -482,127 +382,9 @@ def _context_length(config) -> int:
     return 2048
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def check_device(device: str) -> str:
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, TypeError) as error:
-        raise SpecDecError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from error
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise SpecDecError(f"device {device!r} was asked for but this torch build sees no CUDA device")
-    if kind not in ("cpu", "cuda"):
-        raise SpecDecError(f"device {device!r} is not supported; use cpu, cuda or cuda:N")
-    return device
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
-    """float32 on CPU unless asked; bfloat16 on CUDA unless asked."""
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise SpecDecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def load_model(
-    path: str | os.PathLike, device: str | None = None, dtype: str | torch.dtype | None = None,
-    attn_implementation: str | None = None, compile_backend: str | None = None, context: int | None = None, required: bool = False,
-    rows: int = 2,
-) -> HFModel:
-    """Load a local checkpoint directory (config.json, *.safetensors, tokenizer files) or a GGUF
-    file, whose weights transformers dequantizes (it needs the `gguf` package).
-
-    Never downloads, never runs remote code, never unpickles: `.bin` weights are refused.
-    attn_implementation: "eager", "sdpa", "flex_attention" ... (default: what transformers picks).
-    compile_backend: run on a static pool whose forwards run this way (`static.COMPILE_BACKENDS`;
-    None: growing caches, eager kernels); a model the pool cannot take then keeps the eager path and
-    says why, unless `required`. context: a row's length; rows: sequences the pool holds before it
-    grows (a server's batch, and a kept prefix).
-    """
-    path = Path(path).expanduser()
-    device = check_device(device or default_device())
-    if context is not None and compile_backend is None:
-        raise SpecDecError("context applies to GGUF files on llama.cpp and to static slots (compile on); "
-                           "a transformers cache with compile off grows to the model's context")
-    gguf = path.suffix.lower() == ".gguf"
-    source = dict(gguf_file=path.name) if gguf else dict(use_safetensors=True)
-    if gguf:
-        _check_gguf_file(path)
-    else:
-        _check_checkpoint_dir(path)
-    directory = path.parent if gguf else path
-    torch_dtype = resolve_dtype(dtype, device)
-    try:
-        config = AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False, **source)
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False, **({"gguf_file": path.name} if gguf else {}))
-        model, info = AutoModelForCausalLM.from_pretrained(
-            directory,
-            config=config,
-            dtype=torch_dtype,
-            **source,
-            local_files_only=True,
-            trust_remote_code=False,
-            output_loading_info=True,
-            **({"attn_implementation": attn_implementation} if attn_implementation else {}),
-            # grouped-matmul expert kernels (MoE) take no float64: the reference loop does
-            **({"experts_implementation": "eager"} if torch_dtype == torch.float64 else {}),
-        )
-    except Exception as error:  # a corrupt or incomplete checkpoint: say which and why
-        message = " ".join(str(error).split())  # one line, whatever the library printed
-        raise SpecDecError(f"could not load the model in {path}: {type(error).__name__}: {message}") from error
-    missing = sorted(info.get("missing_keys") or [])
-    if missing:  # transformers would fill them with random values and only log it
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise SpecDecError(f"{path}: the safetensors files lack weights {', '.join(missing[:3])}{more}")
-    if torch.device(device).type == "cpu":
-        use_small_batch_matmul(model)
-    model = model.to(device)
-    if compile_backend is None:
-        return HFModel(model, tokenizer, str(path))
-    from specdec.runtime.static import StaticHFModel, static_refusal
-
-    refusal = static_refusal(model.config)
-    if refusal and not required:  # today's path, and why
-        print(f"specdec: {path} runs without a static cache: {refusal}", file=sys.stderr)
-        return HFModel(model, tokenizer, str(path))
-    return StaticHFModel(model, tokenizer, str(path), context=context, backend=compile_backend, rows=rows)
-
-
 def avoid_cudnn_attention() -> None:
     """Keep scaled_dot_product_attention off cuDNN's kernel (process-wide). cuDNN builds an execution
-    plan for every new shape, tens of milliseconds each, and decoding with a growing cache shows it
-    a new key length at every token: on an H200 that made the eager path pay 30-40 ms per token
-    where its kernels took 4-5 (issue 31's profile). Flash and memory-efficient attention need no plan."""
+    plan for every new shape, and decoding with a growing cache shows it a new key length at every
+    token: the plans, not the kernels, then took most of the eager path's time per token (issue 31's
+    profile). Flash and memory-efficient attention need no plan."""
     torch.backends.cuda.enable_cudnn_sdp(False)
-
-
-def _check_gguf_file(path: Path) -> None:
-    if not path.is_file():
-        raise SpecDecError(f"GGUF file not found: {path}")
-    try:
-        import gguf  # noqa: F401 (transformers reads GGUF files with it)
-    except ImportError:
-        raise SpecDecError("transformers reads a GGUF file with the `gguf` package: pip install gguf "
-                           "(or run the file on llama.cpp, the default backend for .gguf)") from None
-
-
-def _check_checkpoint_dir(path: Path) -> None:
-    if not path.is_dir():
-        raise SpecDecError(f"model directory not found: {path}")
-    if not (path / "config.json").is_file():
-        raise SpecDecError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
-    try:
-        json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as error:
-        raise SpecDecError(f"{path / 'config.json'} is not valid JSON: {error}") from error
-    if not any(path.glob("*.safetensors")):
-        pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
-        hint = f" (found {', '.join(pickled)}: pickled weights are never loaded; convert them to safetensors)" if pickled else ""
-        raise SpecDecError(f"{path} has no .safetensors weights{hint}")
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")):
-        raise SpecDecError(f"{path} has no tokenizer files (tokenizer.json or tokenizer_config.json)")

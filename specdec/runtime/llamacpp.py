@@ -31,6 +31,7 @@ import torch
 from specdec.errors import SpecDecError
 from specdec.runtime import base, cpu_head
 from specdec.runtime.config import OUTPUT_LAYERS
+from specdec.runtime.entries import SequenceEntries
 
 MAX_SEQUENCE_IDS = 128  # branch ids shared by all sequences of a model (llama.cpp reserves logits rows for as many)
 DEFAULT_CONTEXT = 4096  # positions per sequence unless asked (the training context when shorter)
@@ -65,12 +66,18 @@ def _start(llama_cpp) -> None:
     llama_cpp.llama_backend_init()
 
 
-def _last_log() -> str:
+def clear_log() -> None:
+    """Forget llama.cpp's log so far (before a call whose failure `last_log` should explain)."""
+    _log.clear()
+
+
+def last_log() -> str:
+    """": " and llama.cpp's last warning or error since `clear_log`, or "" (for error messages)."""
     lines = [line for line in _log if line]
     return f": {lines[-1]}" if lines else ""
 
 
-class LlamaCppModel:
+class LlamaCppModel(base.CheckedTrees):
     """A GGUF file loaded by llama.cpp: one model, one context whose KV cells all sequences share."""
 
     backend = "llamacpp"
@@ -113,7 +120,6 @@ class LlamaCppModel:
         self._memory = lib.llama_get_memory(self._context)
         self._batch = lib.llama_batch_init(BATCH, 0, MAX_SEQUENCE_IDS)
         self._free_ids = list(range(MAX_SEQUENCE_IDS - 1, -1, -1))  # a stack: low ids first
-        self._tree_refusal: str | None | object = _UNCHECKED
         self._use_head = self._head is not None
         if self._head is not None:
             self._check_head(output_layer)
@@ -208,7 +214,7 @@ class LlamaCppModel:
             params.cb_eval, params.cb_eval_user_data = self._head.callback, self._head.user_data
         context = lib.llama_init_from_model(self._model, params)
         if not context:
-            raise SpecDecError(f"llama.cpp could not create a context of {self.cells} cells for {self.path}{_last_log()}")
+            raise SpecDecError(f"llama.cpp could not create a context of {self.cells} cells for {self.path}{last_log()}")
         return context
 
     def __del__(self):
@@ -234,33 +240,11 @@ class LlamaCppModel:
     def verify_room(self, root_position: int) -> int:
         return max(self.max_length - 1 - root_position, 0)
 
-    def tree_refusal(self) -> str | None:
+    def known_tree_refusal(self) -> str | None:
         if self.batch_invariant:
             return ("batch-invariant decoding needs each sequence's KV cells in position order (llama.cpp's attention sums over "
                     "cells in cell order), and a tree's rejected branches leave holes that later tokens would fill out of order")
-        if self._tree_refusal is _UNCHECKED:
-            self._tree_refusal = base.tree_check(self)
-        return self._tree_refusal
-
-    def peers(self, draft, max_new_tokens: int) -> list[base.Peer]:
-        """llama-cpp-python's own generate() on the same file and threads: plain, and with its
-        prompt-lookup draft (LlamaPromptLookupDecoding; it has no draft-model speculation).
-        Each peer loads the file once more (mmap: the weights' pages are shared)."""
-        from llama_cpp import Llama
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-        def load(**extra):
-            _log.clear()
-            try:
-                return Llama(model_path=self.path, n_ctx=self.max_length, n_threads=self.threads,
-                             n_threads_batch=self.threads, verbose=False, **extra)
-            except Exception as error:
-                raise SpecDecError(f"llama-cpp-python could not load {self.path}: {error}{_last_log()}") from error
-
-        # with a draft model, Llama keeps logits for n_batch rows but writes one per position: n_batch = n_ctx
-        lookup = load(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10), n_batch=self.max_length)
-        return [base.Peer("llama-cpp-python generate", False, _generate_peer(load(n_batch=BATCH), max_new_tokens, self.stop_token_ids)),
-                base.Peer("llama-cpp-python prompt lookup", False, _generate_peer(lookup, max_new_tokens, self.stop_token_ids))]
+        return None
 
     # ---- sequence ids and decoding, for LlamaCppSequence
 
@@ -320,13 +304,13 @@ class LlamaCppModel:
                 for k, seq_id in enumerate(ids[i]):
                     batch.seq_id[j][k] = seq_id
                 batch.logits[j] = outputs[i]
-            _log.clear()
+            clear_log()
             if self._head is not None:
                 self._head.begin(self._use_head)
             status = lib.llama_decode(self._context, batch)
             if status != 0:
                 full = f" (the KV cache of {self.cells} cells, shared by this model's open sequences, is full)" if status == 1 else ""
-                raise SpecDecError(f"llama.cpp could not decode {end - start} tokens of {self.path}{full}{_last_log()}")
+                raise SpecDecError(f"llama.cpp could not decode {end - start} tokens of {self.path}{full}{last_log()}")
             n_out = sum(outputs[start:end])
             if n_out and self._use_head:
                 rows.append(self._head.logits(n_out))
@@ -336,23 +320,18 @@ class LlamaCppModel:
         return torch.zeros(0, self.vocab_size) if not rows else rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
-class LlamaCppSequence:
+class LlamaCppSequence(SequenceEntries):
     """One sequence slot on a LlamaCppModel; see the module docstring for how branches work.
 
-    Invariant: every entry's `home` branch holds its whole path; `tips[b]` is the deepest entry of
-    branch b; the base branch holds the committed text (the entries of `keep`'s chain)."""
+    Invariant (with `SequenceEntries`'): every entry's `home` branch holds its whole path; `tips[b]`
+    is the deepest entry of branch b; the base branch holds the trunk (the committed text), and an
+    entry's home is the base exactly when it is in the trunk."""
 
     def __init__(self, owner: LlamaCppModel):
-        self.owner = owner
+        super().__init__(owner)
         self.base = owner.take_id()
-        self._positions: list[int] = []
-        self._parents: list[int] = []
         self._home: list[int] = []
         self._tips: dict[int, int] = {self.base: -1}
-
-    @property
-    def cache_len(self) -> int:
-        return len(self._positions)
 
     def release(self) -> None:
         for branch in self._tips:
@@ -368,33 +347,30 @@ class LlamaCppSequence:
 
     def fork(self, length: int) -> LlamaCppSequence:
         """The first `length` entries' cells are shared with the new sequence (seq_cp), not copied."""
-        if not 0 <= length <= self.cache_len or any(home != self.base for home in self._home[:length]):
-            raise ValueError(f"cannot fork the first {length} of {self.cache_len} entries: they must be committed text")
+        self.check_fork(length)
         other = LlamaCppSequence(self.owner)
         if length:
             self.owner.copy_id(self.base, other.base, -1, self._positions[length - 1] + 1)
-        other._positions, other._parents = self._positions[:length], base.chain_parents(0, length)
+        self.share_entries(other, length)
         other._home, other._tips = [other.base] * length, {other.base: length - 1}
         return other
 
     def place(self, tokens, parents) -> tuple[list[int], list[int], list[list[int]]]:
-        """Record new entries (checked) and give their tokens, positions and sequence ids for a decode."""
+        """Record new entries (checked) and give their tokens, positions and sequence ids for a decode
+        (a failed decode clears the sequence)."""
         start = self.cache_len
-        tokens, parents = base.new_entries(tokens, parents, start)
+        tokens, positions, all_parents = super().place(tokens, parents)
         if any(not 0 <= t < self.owner.vocab_size for t in tokens):
             raise ValueError(f"token ids must be in [0, {self.owner.vocab_size})")
-        if start + len(tokens) > self.owner.max_length:
-            raise SpecDecError(f"{len(tokens)} new tokens after {start} cached ones overflow the context of {self.owner.max_length}")
+        self.commit(tokens, positions, all_parents)
         ids: list[list[int]] = []
         try:
-            for i, parent in enumerate(parents):
-                self._parents.append(parent)
-                self._positions.append(0 if parent < 0 else self._positions[parent] + 1)
+            for i in range(len(tokens)):
                 ids.append([self._branch_for(start + i, start, ids)])
-        except Exception:  # half-assigned entries and ids: start over, empty
+        except Exception:  # half-assigned ids: start over, empty
             self.clear()
             raise
-        return tokens, self._positions[start:], ids
+        return tokens, positions, ids
 
     def clear(self) -> None:
         """Start over, empty (after a failed decode left ids or cells in an unknown state)."""
@@ -422,15 +398,9 @@ class LlamaCppSequence:
         self._tips[home] = entry
         return home
 
-    def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.cache_len:
-            raise ValueError(f"cannot truncate a cache of {self.cache_len} entries to {length}")
-        self.keep(length, [])
-
     def keep(self, start: int, indices) -> None:
-        indices = [int(i) for i in indices]
-        base.check_kept_path(self._parents, start, indices, self.cache_len)
-        if any(home != self.base for home in self._home[:start]):
+        indices = self.kept_path(start, indices)
+        if start > self._trunk:
             raise ValueError(f"the first {start} entries must be committed text (a chain) to keep a path after them")
         owner, first_position = self.owner, (self._positions[start - 1] + 1 if start else 0)
         if indices:
@@ -445,46 +415,9 @@ class LlamaCppSequence:
             owner.drop_id(self.base, first_position)
         for branch in [b for b in self._tips if b != self.base]:
             owner.drop_id(branch)
-        self._positions = self._positions[:start] + [self._positions[i] for i in indices]
-        self._parents = self._parents[:start] + base.chain_parents(start, len(indices))
+        self.keep_entries(start, indices)
         self._home = [self.base] * len(self._positions)
         self._tips = {self.base: len(self._positions) - 1}
-
-
-def _generate_peer(llm, max_new_tokens: int, stop_ids: frozenset[int]):
-    """Llama.generate() with plain temperature / top-k / top-p sampling (its other samplers off);
-    decodes are counted by wrapping its context's decode."""
-    counter = {"decodes": 0}
-    decode = llm._ctx.decode
-
-    def counted(batch):
-        counter["decodes"] += 1
-        return decode(batch)
-
-    llm._ctx.decode = counted
-
-    def run(prompt_ids: list[int], sampling, seed: int) -> base.PeerRun:
-        llm.reset()  # no reuse of the previous prompt's cache: every run prefills, as ours do
-        llm.set_seed(seed)
-        tokens = []
-        started = time.perf_counter()
-        llm.eval(prompt_ids[:-1])  # the prefill, as the engine's (generate() then reuses it)
-        prefill_seconds = time.perf_counter() - started
-        before = counter["decodes"]
-        for token in llm.generate(prompt_ids, temp=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                  min_p=0.0, typical_p=1.0, repeat_penalty=1.0):
-            if token in stop_ids:
-                break
-            tokens.append(token)
-            if len(tokens) >= max_new_tokens:
-                break
-        seconds = time.perf_counter() - started
-        return base.PeerRun(tokens, seconds, counter["decodes"] - before, prefill_seconds=prefill_seconds)
-
-    return run
-
-
-_UNCHECKED = object()
 
 
 def _text(fill, size: int = 256) -> str:
@@ -561,10 +494,10 @@ class _Weights:
             # on CPUs with AMX, and every verify is a multi-token forward
             params.use_extra_bufts = False
             params.tensor_buft_overrides = ctypes.cast(_CPU_ONLY.overrides, ctypes.c_void_p)
-        _log.clear()
+        clear_log()
         self.model = lib.llama_model_load_from_file(os.fsencode(path), params)
         if not self.model:
-            raise SpecDecError(f"llama.cpp could not load {path}{_last_log()}")
+            raise SpecDecError(f"llama.cpp could not load {path}{last_log()}")
         self.vocab = lib.llama_model_get_vocab(self.model)
 
     def __del__(self):

@@ -127,9 +127,6 @@ class PrunedVocab:
     def sequence(self) -> PrunedSequence:
         return PrunedSequence(self, self.inner.sequence())
 
-    def peers(self, draft, max_new_tokens: int) -> list[base.Peer]:
-        return self.inner.peers(None, max_new_tokens)
-
     def draft_tokens(self, tokens) -> list[int]:
         return self._to_draft[torch.as_tensor(tokens, dtype=torch.long).reshape(-1)].tolist()
 

@@ -18,7 +18,7 @@ one-token step then costs several times what reading the weights does. Here inst
   caller asks (`Feed.on_device`): the engine then reads one small tensor per iteration (the argmax
   path, or the sampling distribution) and nothing else waits for the device.
 
-Invariant (as `HFSequence`): entry i of a sequence sits in cell i of its row, with its own position.
+Invariant (with `entries.SequenceEntries`'): entry i of a sequence sits in cell i of its row, with its own position.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdec.errors import SpecDecError
 from specdec.runtime import base
-from specdec.runtime.hf import HFModel, HFSequence
+from specdec.runtime.hf import HFModel, HFSequence, longrope_switch, named_tree_refusal
 
 BUCKETS = (1, 4, 16, 64)  # new entries per compiled forward; verify trees and chains pad up to these
 BATCHES = (1, 2, 4, 8, 16, 32)  # rows per compiled forward; a server's batch pads up to these
@@ -189,8 +189,8 @@ class StaticHFModel(HFModel):
 
 
 class StaticSequence(HFSequence):
-    """One sequence in a row of the pool. The bookkeeping (positions, parents, trunk) is HFSequence's;
-    the cache is the row's, so rollback and compaction are device index operations."""
+    """One sequence in a row of the pool. The bookkeeping (tokens, positions, parents, trunk) is
+    `SequenceEntries`'; the cache is the row's, so rollback and compaction are device index operations."""
 
     def __init__(self, owner: StaticHFModel, row: int):
         super().__init__(owner)
@@ -210,25 +210,18 @@ class StaticSequence(HFSequence):
     @torch.inference_mode()
     def keep(self, start: int, indices: list[int]) -> None:
         self._check_held()
-        indices = [int(i) for i in indices]
-        base.check_kept_path(self._parents, start, indices, self.cache_len)
+        indices = self.kept_path(start, indices)
         if indices != list(range(start, start + len(indices))):  # a chain's path is already in place
             self.owner.pool.move(self.row, self.owner._upload([indices])[0], start)
-        self._positions = self._positions[:start] + [self._positions[i] for i in indices]
-        self._tokens = self._tokens[:start] + [self._tokens[i] for i in indices]
-        self._parents = self._parents[:start] + base.chain_parents(start, len(indices))
-        self._trunk = min(self._trunk, start)
-        self._extend_trunk()
+        self.keep_entries(start, indices)
 
     @torch.inference_mode()
     def fork(self, length: int) -> StaticSequence:
         self._check_held()
-        if not 0 <= length <= self._trunk:
-            raise ValueError(f"cannot fork the first {length} of {self.cache_len} entries: they must be committed text")
+        self.check_fork(length)
         other = self.owner.sequence()
         self.owner.pool.copy(self.row, other.row, length)  # after sequence(): a grown pool moved nothing but addresses
-        other._positions, other._tokens = self._positions[:length], self._tokens[:length]
-        other._parents, other._trunk = base.chain_parents(0, length), length
+        self.share_entries(other, length)
         return other
 
     def _check_held(self) -> None:
@@ -485,12 +478,10 @@ class _Uploader:
 
 def static_refusal(config) -> str | None:
     """Why a model cannot run on static slots, or None."""
-    from specdec.runtime.hf import _known_tree_refusal, _longrope_switch
-
-    tree = _known_tree_refusal(config)
+    tree = named_tree_refusal(config)
     if tree:
         return f"its masks are not exact ({tree})"
-    if _longrope_switch(config) is not None:
+    if longrope_switch(config) is not None:
         return "longrope recomputes the whole cache when the context passes its switch"
     if config.model_type in ("mamba", "mamba2", "jamba", "falcon_mamba", "zamba", "bamba", "recurrent_gemma", "lfm2", "qwen3_next"):
         return "its layers keep recurrent state, not keys and values"

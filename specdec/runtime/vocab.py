@@ -1,4 +1,4 @@
-"""The draft must map every string to the same id as the target (DESIGN pitfall 9)."""
+"""The draft must map every string to the same id as the target (docs/design.md, pitfall 9)."""
 
 from __future__ import annotations
 

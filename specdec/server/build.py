@@ -28,7 +28,7 @@ def on_gpu(config: ServeConfig) -> bool:
         return False  # the demo pair's GGUF files, on the CPU
     if choose_backend(config.decoder.target or "", runtime.backend) != "transformers":
         return False
-    from specdec.runtime.hf import default_device
+    from specdec.runtime.checkpoints import default_device
 
     return str(runtime.device or default_device()).startswith("cuda")
 
