@@ -12,7 +12,7 @@ from specdec import tree
 from specdec.costs import LiveCosts
 from specdec.drafters.base import ChainSource, Drafter, DraftRequest, DraftSlot, attempt, empty_draft
 from specdec.policy import CostFollowing, DraftPolicy
-from specdec.runtime import CausalLM, Sequence
+from specdec.runtime import CachedSequence, CausalLM
 from specdec.runtime.base import Feed
 from specdec.runtime.prefix import PrefixCache
 from specdec.sampling import RandomStreams, StepNoise, probs_from_logits
@@ -75,7 +75,7 @@ class DecodeState:
     token_limit: int = 0  # tokens this generation may emit in all: max_new_tokens, capped by the context left when it opened
     generated: int = 0
     finish_reason: str | None = None
-    sequence: Sequence | None = None  # the target's slot
+    sequence: CachedSequence | None = None  # the target's slot
     draft_slot: DraftSlot | None = None
     logprobs: int | None = None  # report each token's log-probability and this many alternatives (None: no)
     chains: tuple[ChainSource, ...] = ()  # the request's own chain sources (a prediction, its history), for the default drafter
@@ -281,7 +281,7 @@ def _checked(draft: Draft, gamma: int, vocab_size: int, sampling: SamplingParams
     return draft
 
 
-def _feed(sequence: Sequence, last: int, draft: Draft, on_device: bool = False) -> Feed:
+def _feed(sequence: CachedSequence, last: int, draft: Draft, on_device: bool = False) -> Feed:
     """The last committed token (the root) and the draft's nodes, as a tree in one forward."""
     if not len(draft):  # plain decoding: one token, continuing the chain
         return Feed(sequence, [last], on_device=on_device)

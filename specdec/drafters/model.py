@@ -104,7 +104,7 @@ class _Slot(DraftSlot):
     the draft nodes fed last (`branch_tokens` / `branch_parents`, parents in branch indices, -1 =
     the last committed entry). `pending`: committed tokens not fed yet."""
 
-    cache: runtime.Sequence = None
+    cache: runtime.CachedSequence = None
     cached: int = 0
     pending: list[int] = field(default_factory=list)
     branch_tokens: list[int] = field(default_factory=list)

@@ -38,7 +38,7 @@ class Tokenizer(Protocol):
     def __len__(self) -> int: ...
 
 
-class Sequence(Protocol):
+class CachedSequence(Protocol):
     """One sequence slot. Invariant: the cache holds exactly `cache_len` entries, in feeding order."""
 
     cache_len: int
@@ -65,7 +65,7 @@ class Sequence(Protocol):
         """Free the slot; the sequence must not be used afterwards."""
         ...
 
-    def fork(self, length: int) -> Sequence | None:
+    def fork(self, length: int) -> CachedSequence | None:
         """A new sequence holding this one's first `length` entries, which must be committed text
         (a chain from position 0); the two go on independently. None when the entries cannot be
         shared exactly (a fresh sequence would compute them differently)."""
@@ -88,7 +88,7 @@ class CausalLM(Protocol):
     spare_cells: int | None  # cache entries that finished sequences may keep (`PrefixCache`); None: no fixed limit
     device_logits: bool  # its sequences can leave logits on the model's device (`Feed.on_device`)
 
-    def sequence(self) -> Sequence:
+    def sequence(self) -> CachedSequence:
         """A new empty sequence slot."""
         ...
 
@@ -113,9 +113,9 @@ class CausalLM(Protocol):
 
 @dataclass
 class Feed:
-    """One sequence's share of a batched forward: the arguments of `Sequence.forward`."""
+    """One sequence's share of a batched forward: the arguments of `CachedSequence.forward`."""
 
-    sequence: Sequence
+    sequence: CachedSequence
     tokens: Seq[int]
     parents: Seq[int] | None = None
     last: int | None = None

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Sequence as Seq
 
 from specdec.errors import SpecDecError
-from specdec.runtime.base import CausalLM, Sequence
+from specdec.runtime.base import CachedSequence, CausalLM
 from specdec.scopes import Scope, evictee, owner
 from specdec.stops import common_prefix
 
@@ -33,7 +33,7 @@ MAX_KEPT = 16  # sequences kept at most (on llama.cpp each holds a sequence id, 
 
 @dataclass
 class _Kept:
-    sequence: Sequence | None  # None: one about to be kept, while room is made for it
+    sequence: CachedSequence | None  # None: one about to be kept, while room is made for it
     tokens: Seq[int]  # what its cache holds, entry by entry
     scope: Scope = None  # the requests that may reuse it
 
@@ -83,7 +83,7 @@ class PrefixCache:
         with self._lock:
             return sum(len(kept.tokens) for kept in self._kept)
 
-    def take(self, prompt: Seq[int], scope: Scope = None) -> Sequence:
+    def take(self, prompt: Seq[int], scope: Scope = None) -> CachedSequence:
         """A new sequence of the model holding the longest prefix of prompt[:-1] a sequence kept for
         the same scope shares (the last prompt token is always left to feed), or an empty one."""
         head = list(prompt[:-1])
@@ -102,7 +102,7 @@ class PrefixCache:
                     return sequence
         return self.model.sequence()
 
-    def put(self, sequence: Sequence, tokens: Seq[int], scope: Scope = None) -> None:
+    def put(self, sequence: CachedSequence, tokens: Seq[int], scope: Scope = None) -> None:
         """Keep the first entries of a finished sequence, whose cache begins with `tokens` (up to
         the budget's worth of them), for requests of `scope`, and release the sequence. What is kept
         is a fork: on transformers rows of its own, not views of a batch's tensors; on llama.cpp the

@@ -144,7 +144,7 @@ class PrunedVocab:
 class PrunedSequence:
     """A draft sequence that takes target ids; everything but `forward` is the inner sequence's."""
 
-    def __init__(self, owner: PrunedVocab, inner: base.Sequence):
+    def __init__(self, owner: PrunedVocab, inner: base.CachedSequence):
         self.owner, self.inner = owner, inner
 
     @property

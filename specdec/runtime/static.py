@@ -204,7 +204,7 @@ class StaticSequence(HFSequence):
         self.released = True
 
     def forward(self, tokens, parents=None, last: int | None = None, on_device: bool = False) -> torch.Tensor:
-        """As `Sequence.forward`; on_device: the logits stay on the model's device."""
+        """As `CachedSequence.forward`; on_device: the logits stay on the model's device."""
         return self.owner.forward_batch([base.Feed(self, tokens, parents, last, on_device)])[0]
 
     @torch.inference_mode()
