@@ -246,7 +246,8 @@ def parse_words(value) -> tuple[str, ...]:
 
 
 def _integer(value) -> int | None:
-    if isinstance(value, bool):
+    """`value` as an integer, or None where it is none (a flag, 2.5, "two")."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
         return None
     try:
         return int(value)
