@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.api import SpeculativeDecoder
+from specdec.decoder import SpeculativeDecoder
 from specdec.bench import runner
 from specdec.bench.report import write_report
 from specdec.bench.runner import BenchConfig, run_bench, specdec_strategy
 from specdec.drafters import AutoDrafter, ModelDrafter, PromptLookupDrafter
+from specdec.runtime import RuntimeConfig
 
 
 def strategies(build):
@@ -42,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     runner.build_strategies = strategies(runner.build_strategies)
     config = BenchConfig.quick(target=args.target, suites=tuple(args.suite), limit=8, rounds=2, max_new_tokens=128, modes=(args.mode,),
-                               threads=1, peers=False, temperature=0.7)
+                               runtime=RuntimeConfig(threads=1), peers=False, temperature=0.7)
     write_report(run_bench(config), args.out)
 
 

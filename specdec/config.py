@@ -73,7 +73,8 @@ class DrafterSpec:
         "auto" with no n-gram, tree or staging is the auto drafter (which also looks up the prompt)."""
         if plain:
             if draft or ngram or prompt_lookup or tree or staged:
-                raise SpecDecError("--plain decodes without a drafter: drop the drafter flags")
+                raise SpecDecError("plain decoding takes no drafter: drop the draft model, n-gram, prompt lookup, tree and staging "
+                                   "(--plain decodes without a drafter: drop the drafter flags)")
             return cls("plain")
         if ngram is not None and prompt_lookup:
             raise SpecDecError("choose at most one of an n-gram file and prompt lookup")

@@ -9,7 +9,7 @@ from dataclasses import replace
 from fastapi import FastAPI
 
 from specdec.build import build_decoder, ensure_profile
-from specdec.config import ServeConfig
+from specdec.config import DEFAULT_BATCH, ServeConfig
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters import AutoDrafter, History, ModelDrafter
 from specdec.errors import SpecDecError
@@ -18,15 +18,22 @@ from specdec.server.app import routes
 from specdec.server.service import Service
 
 
+def target_backend(config: ServeConfig) -> str:
+    """The backend the target will run on, known before it loads (no target: the demo pair's GGUF
+    files, unless transformers is asked for)."""
+    runtime = config.decoder.runtime
+    if config.decoder.target is None:
+        return "transformers" if runtime.backend == "transformers" else "llamacpp"
+    return choose_backend(config.decoder.target, runtime.backend)
+
+
 def on_gpu(config: ServeConfig) -> bool:
     """Whether the target will run on a GPU, known before it loads (llama.cpp sizes its KV cells by
     the batch at load, and Ray Serve needs the batch before any replica starts)."""
     runtime = config.decoder.runtime
     if runtime.gpu_layers:
         return True
-    if config.decoder.target is None and runtime.backend != "transformers":
-        return False  # the demo pair's GGUF files, on the CPU
-    if choose_backend(config.decoder.target or "", runtime.backend) != "transformers":
+    if target_backend(config) != "transformers":
         return False
     from specdec.runtime.checkpoints import default_device
 
@@ -41,7 +48,12 @@ def build_service(config: ServeConfig, measure: bool = True) -> Service:
     """The Service `config` describes: models loaded, the batch thread started. With `measure`, the
     forward costs the auto policy needs are timed now if they are not cached yet."""
     batch = max_batch(config)
-    decoder = build_decoder(replace(config.decoder, slots=batch))
+    # llama.cpp sizes its KV cells for every slot at load; a transformers static pool grows on demand,
+    # so it starts with a CPU batch's rows (a GPU batch's 65 rows of an 8B model's KV are ~33 GB up front)
+    draft = config.decoder.drafter.draft
+    on_llamacpp = target_backend(config) == "llamacpp" or (draft is not None and choose_backend(draft, config.decoder.runtime.backend) == "llamacpp")
+    slots = batch if on_llamacpp else min(batch, DEFAULT_BATCH["cpu"])
+    decoder = build_decoder(replace(config.decoder, slots=slots))
     if measure:
         ensure_profile(decoder)
     check_sequence_ids(decoder, batch)

@@ -328,7 +328,7 @@ def application(config: ServeConfig) -> serve.Application:
     replicas, threads = config.replicas or 1, replica_threads(config)
     # the batch each replica runs, decided here once: Ray's max_ongoing_requests must be the same
     config = replace(config, decoder=with_runtime(config.decoder, threads=threads), max_batch=max_batch(config))
-    ensure_profile(build_decoder(config.decoder))  # reads or measures the profile the replicas will read
+    ensure_profile(build_decoder(replace(config.decoder, prefix_cache=0)))  # reads or measures the profile the replicas will read
     scaling = ({"autoscaling_config": {"min_replicas": replicas, "max_replicas": config.max_replicas, "initial_replicas": replicas,
                                        "target_ongoing_requests": max(1, config.max_batch // 2), "upscale_delay_s": 2, "downscale_delay_s": 10}}
                if config.max_replicas else {"num_replicas": replicas})
