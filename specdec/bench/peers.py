@@ -137,7 +137,7 @@ def _load_llama(target, **extra):
     """A llama-cpp-python `Llama` on the target's file, context and threads."""
     from llama_cpp import Llama
 
-    from specdec.runtime.llamacpp import clear_log, last_log
+    from specdec.runtime.llama_lib import clear_log, last_log
 
     clear_log()
     try:
