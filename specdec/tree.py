@@ -12,9 +12,10 @@ from typing import Sequence
 import torch
 
 
-def chain_parents(n: int, start: int = 0) -> torch.Tensor:
-    """[n] parents of n nodes (or cache entries) appended as a chain after `start` ones: start - 1, start, ..."""
-    return torch.arange(start - 1, start + n - 1, dtype=torch.long)
+def chain_parents(n: int, start: int = 0) -> list[int]:
+    """The parents of n nodes (or cache entries) appended as a chain after `start` ones: start - 1,
+    start, ... A list: the runtime's bookkeeping takes it on every forward; a tree wraps it."""
+    return list(range(start - 1, start + n - 1))
 
 
 def check_parents(parents: torch.Tensor | Sequence[int], start: int = 0) -> None:
@@ -79,7 +80,7 @@ def new_entries(tokens, parents: Sequence[int] | None, start: int) -> tuple[list
     """A forward's tokens and parents as lists, checked (`check_parents`): one parent per token;
     parents default to a chain after the `start` cached entries."""
     tokens = [int(t) for t in torch.as_tensor(tokens).reshape(-1).tolist()]
-    parents = chain_parents(len(tokens), start).tolist() if parents is None else [int(p) for p in parents]
+    parents = chain_parents(len(tokens), start) if parents is None else [int(p) for p in parents]
     if len(parents) != len(tokens):
         raise ValueError(f"{len(tokens)} tokens need {len(tokens)} parents, got {len(parents)}")
     check_parents(parents, start)

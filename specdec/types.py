@@ -51,7 +51,7 @@ class Draft:
 
     def __post_init__(self):
         if self.parents is None:
-            self.parents = tree.chain_parents(self.tokens.numel())
+            self.parents = torch.tensor(tree.chain_parents(self.tokens.numel()), dtype=torch.long)
 
     def __len__(self) -> int:
         return self.tokens.numel()

@@ -122,7 +122,7 @@ def verify_chain(
     Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); q_i(x_i) = 1 for point-mass drafts,
     which makes this "accept with probability p_i(x_i)".
     """
-    parents = tree.chain_parents(draft_tokens.numel())
+    parents = torch.tensor(tree.chain_parents(draft_tokens.numel()), dtype=torch.long)
     return verify_tree(draft_tokens, parents, draft_probs, target_probs, accept_rng, recover_rng)
 
 
@@ -131,4 +131,4 @@ def verify_greedy(
     target_logits: torch.Tensor,  # [n + 1, vocab]
 ) -> VerifyResult:
     """Keep the longest draft prefix that equals the target's argmax, then the target's own argmax."""
-    return verify_tree_greedy(draft_tokens, tree.chain_parents(draft_tokens.numel()), target_logits)
+    return verify_tree_greedy(draft_tokens, torch.tensor(tree.chain_parents(draft_tokens.numel()), dtype=torch.long), target_logits)

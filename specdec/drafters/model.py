@@ -274,7 +274,7 @@ class ModelDrafter:
         slot.forwards += 1
         slot.cached += len(slot.pending)
         slot.pending = []
-        slot.branch_tokens, slot.branch_parents = list(chain), tree.chain_parents(len(chain)).tolist()
+        slot.branch_tokens, slot.branch_parents = list(chain), tree.chain_parents(len(chain))
         slot.branch_index = {}
         return logits
 

@@ -77,7 +77,7 @@ class SequenceEntries:
         start + 1, ... (they keep their tokens and positions; their parents become a chain)."""
         self._tokens = self._tokens[:start] + [self._tokens[i] for i in indices]
         self._positions = self._positions[:start] + [self._positions[i] for i in indices]
-        self._parents = self._parents[:start] + tree.chain_parents(len(indices), start).tolist()
+        self._parents = self._parents[:start] + tree.chain_parents(len(indices), start)
         self._trunk = min(self._trunk, start)
         self._extend_trunk()
 
@@ -88,4 +88,4 @@ class SequenceEntries:
     def share_entries(self, other: SequenceEntries, length: int) -> None:
         """Record in an empty `other` this sequence's first `length` entries (plain text: `check_fork`)."""
         other._tokens, other._positions = self._tokens[:length], self._positions[:length]
-        other._parents, other._trunk = tree.chain_parents(length).tolist(), length
+        other._parents, other._trunk = tree.chain_parents(length), length
