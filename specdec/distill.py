@@ -77,6 +77,7 @@ class DistillConfig:
     seed: int = 0
     bf16: bool = False  # autocast the draft's matmuls to bfloat16 while training (weights stay float32)
     gguf: bool = True  # also write DIR/draft.gguf
+    head: bool = False  # train a draft head on the target's states (specdec.head) instead of a draft model
     progress: bool = True
 
     def check(self) -> None:
@@ -133,24 +134,34 @@ class Generations:
     """The target's continuations of corpus windows, one row each, all `prompt_tokens + new_tokens`
     long: `tokens` [n, length] (the window's `prompt_lengths` [n] tokens, then what the target
     generated, -1 after a stop) and, at every generated position t, the target's soft labels for
-    token t: `top_ids` / `top_logits` [n, length, soft_top] (unused before the prompt's end)."""
+    token t: `top_ids` / `top_logits` [n, length, soft_top] (unused before the prompt's end), and
+    `states` [n, length, hidden] float16: the target's final-norm row whose logits gave those labels
+    (the state at position t - 1, what a draft head reads; zeros before the prompt's end)."""
 
     tokens: np.ndarray
     top_ids: np.ndarray
     top_logits: np.ndarray
     prompt_lengths: np.ndarray
+    states: np.ndarray
 
     def generated(self) -> np.ndarray:
         """[n, length] True where the target generated the token."""
         return (np.arange(self.tokens.shape[1])[None, :] >= self.prompt_lengths[:, None]) & (self.tokens >= 0)
 
     def save(self, path: Path) -> None:
-        np.savez(path, tokens=self.tokens, top_ids=self.top_ids, top_logits=self.top_logits, prompt_lengths=self.prompt_lengths)
+        np.savez(path, tokens=self.tokens, top_ids=self.top_ids, top_logits=self.top_logits, prompt_lengths=self.prompt_lengths,
+                 states=self.states)
 
     @staticmethod
-    def load(paths: list[Path]) -> Generations:
+    def load(paths: list[Path], states: bool = True) -> Generations:
+        """The saved batches in order; without `states`, an empty [n, length, 0] array stands for them."""
         parts = [np.load(p) for p in paths]
-        return Generations(*(np.concatenate([part[key] for part in parts]) for key in ("tokens", "top_ids", "top_logits", "prompt_lengths")))
+        if states and not all("states" in part for part in parts):
+            raise SpecDecError(f"{paths[0].parent}: these generations were made before specdec recorded the target's hidden "
+                               "states (a draft head needs them); distil into a new output directory")
+        arrays = [np.concatenate([part[key] for part in parts]) for key in ("tokens", "top_ids", "top_logits", "prompt_lengths")]
+        kept = np.concatenate([part["states"] for part in parts]) if states else np.zeros((*arrays[0].shape, 0), np.float16)
+        return Generations(*arrays, kept)
 
 
 SHORT_PROMPT = (8, 48)  # token range of the short prompts' lengths (at most half of prompt_tokens)
@@ -176,9 +187,11 @@ def line_start_ids(tokenizer) -> set[int]:
     return {i for piece, i in tokenizer.get_vocab().items() if piece.endswith(("\n", "\u010a", "<0x0A>"))}
 
 
-def generate(target, corpus: np.ndarray, config: DistillConfig, work: Path) -> Generations:
+def generate(target, corpus: np.ndarray, config: DistillConfig, work: Path, states: bool) -> Generations:
     """The target's continuations (stage 2), decoded generate_batch at a time in one batched
-    forward per token and saved a batch per file, so an interrupted run loses at most one batch."""
+    forward per token and saved a batch per file, so an interrupted run loses at most one batch.
+    The target's states are always recorded (a draft and a head can then share the stage);
+    `states`: load them too."""
     plan = prompt_plan(config, corpus, line_start_ids(target.tokenizer))
     batches = [range(i, min(i + config.generate_batch, len(plan))) for i in range(0, len(plan), config.generate_batch)]
     files = [work / f"generations-{b:05d}.npz" for b in range(len(batches))]
@@ -190,7 +203,7 @@ def generate(target, corpus: np.ndarray, config: DistillConfig, work: Path) -> G
         continue_batch(target, prompts, [i % 2 == 1 for i in batch], config).save(file)
         bar.update(len(batch))
     bar.close()
-    return Generations.load(files)
+    return Generations.load(files, states)
 
 
 def continue_batch(target, prompts: list[np.ndarray], sampled: list[bool], config: DistillConfig) -> Generations:
@@ -202,10 +215,13 @@ def continue_batch(target, prompts: list[np.ndarray], sampled: list[bool], confi
     tokens = np.full((n, length), -1, dtype=np.int32)
     top_ids = np.zeros((n, length, config.soft_top), dtype=np.int32)
     top_logits = np.full((n, length, config.soft_top), -np.inf, dtype=np.float16)
+    states = np.zeros((n, length, target.hidden_size), dtype=np.float16)
     lengths = np.array([len(p) for p in prompts])
+    target.keep_states()  # each forward leaves its rows' final-norm states on the sequence
     sequences = [target.sequence() for _ in prompts]
     try:
         logits = [seq.forward(p.tolist(), last=1)[0] for seq, p in zip(sequences, prompts)]
+        last_states = [seq.states[0] for seq in sequences]
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = prompt
         live = list(range(n))
@@ -214,17 +230,19 @@ def continue_batch(target, prompts: list[np.ndarray], sampled: list[bool], confi
                 row_logits, at = logits[row].float(), lengths[row] + step
                 values, ids = torch.topk(row_logits, config.soft_top)
                 top_ids[row, at], top_logits[row, at] = ids.numpy(), values.numpy()
+                states[row, at] = last_states[row].float().cpu().numpy()
                 tokens[row, at] = sample(probs_from_logits(row_logits, params), rng) if sampled[row] else int(row_logits.argmax())
             live = [row for row in live if tokens[row, lengths[row] + step] not in target.stop_token_ids and lengths[row] + step + 1 < length]
             if not live:
                 break
             fed = target.forward_batch([Feed(sequences[row], [int(tokens[row, lengths[row] + step])], last=1) for row in live])
             for row, row_logits in zip(live, fed):
-                logits[row] = row_logits[0]
+                logits[row], last_states[row] = row_logits[0], sequences[row].states[0]
     finally:
         for seq in sequences:
             seq.release()
-    return Generations(tokens, top_ids, top_logits, lengths)
+        target.keep_states(False)
+    return Generations(tokens, top_ids, top_logits, lengths, states)
 
 
 def choose_vocabulary(corpus: np.ndarray, generations: Generations, size: int, stop_ids, vocab_size: int) -> np.ndarray:
@@ -331,10 +349,7 @@ def batch_loss(model, batch: Examples, device: str) -> torch.Tensor:
 def agreement(model, held: Examples, device: str) -> float:
     """How often the draft's most likely token is the target's (on held-out continuations): the
     per-token acceptance a greedy chain would see with these contexts."""
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=held.inputs.to(device)).logits.cpu()
-    model.train()
+    logits = model(input_ids=held.inputs.to(device)).logits.cpu()
     mask = held.soft
     return float((logits[mask].argmax(-1) == held.top_ids[mask][:, 0]).float().mean())
 
@@ -348,8 +363,21 @@ class Report:
     history: list = field(default_factory=list)  # {"step", "train_loss", "heldout_agreement"}
 
 
-def distill(config: DistillConfig) -> dict:
-    """Run (or resume) a distillation; returns the report written to OUTPUT/distill.json."""
+@dataclass
+class Prepared:
+    """What a draft and a head are both trained from: the target, the corpus, its generations and
+    the pruned vocabulary; `stage` runs (and times) a stage into the run's report."""
+
+    target: object
+    corpus: np.ndarray
+    generations: Generations
+    vocab_map: VocabMap
+    report: Report
+    stage: object
+
+
+def prepare(config: DistillConfig) -> Prepared:
+    """Stages 1-3, each resumed from DIR/work where it was saved."""
     from specdec.runtime import load_model
 
     config.check()
@@ -373,12 +401,20 @@ def distill(config: DistillConfig) -> dict:
         options = dict(device=config.device)
     target = load_model(config.target, backend=config.backend, threads=config.threads, slots=config.generate_batch, **options)
     corpus = _cached(work / "corpus.npy", lambda: stage("corpus", lambda: build_corpus(config, target.tokenizer)))
-    generations = stage("generate", lambda: generate(target, corpus, config, work))
+    generations = stage("generate", lambda: generate(target, corpus, config, work, states=config.head))
     ids = choose_vocabulary(corpus, generations, config.draft_vocab, target.stop_token_ids, target.vocab_size)
     vocab_map = VocabMap(tuple(int(i) for i in ids), target.vocab_size, tokenizer_fingerprint(target.tokenizer, spaces_as_written=True))
-    embeddings = target_embeddings(target) if not (work / "checkpoint" / "state.json").exists() else None
-    model, state = stage("train", lambda: train_draft(config, generations, vocab_map, embeddings, target, work, report))
-    return write_outputs(config, model, vocab_map, draft_pieces(target.tokenizer, vocab_map), corpus, generations, state, report)
+    return Prepared(target, corpus, generations, vocab_map, report, stage)
+
+
+def distill(config: DistillConfig) -> dict:
+    """Run (or resume) a distillation; returns the report written to OUTPUT/distill.json."""
+    run = prepare(config)
+    work = Path(config.output) / "work"
+    embeddings = target_embeddings(run.target) if not (work / "checkpoint" / "state.json").exists() else None
+    model, state = run.stage("train", lambda: train_draft(config, run.generations, run.vocab_map, embeddings, run.target, work, run.report))
+    return write_outputs(config, model, run.vocab_map, draft_pieces(run.target.tokenizer, run.vocab_map), run.corpus, run.generations,
+                         state, run.report)
 
 
 def _is_gguf(config: DistillConfig) -> bool:
@@ -400,10 +436,8 @@ def _peak_rss_mb() -> int:
 
 
 def train_draft(config: DistillConfig, generations: Generations, vocab_map: VocabMap, embeddings, target, work: Path, report: Report):
-    """Stage 4: AdamW with warmup and a cosine schedule, checkpointed every save_every steps."""
+    """Stage 4: the draft model, by `fit`."""
     from transformers import LlamaForCausalLM
-
-    from specdec.train import TrainConfig, TrainState, learning_rate, load_checkpoint, save_checkpoint
 
     eos = next((i for i, t in enumerate(vocab_map.target_ids) if t == getattr(target.tokenizer, "eos_token_id", None)), None)
     model = LlamaForCausalLM(draft_config(config, vocab_map, eos)).to(config.device)
@@ -411,41 +445,66 @@ def train_draft(config: DistillConfig, generations: Generations, vocab_map: Voca
         with torch.no_grad():
             rows = embeddings[list(vocab_map.target_ids)]
             model.get_input_embeddings().weight[: vocab_map.unknown] = project_embeddings(rows, config.hidden_size).to(config.device)
-    schedule = TrainConfig(files=[], output="", steps=config.steps, lr=config.lr, warmup=config.warmup)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
-    checkpoint = work / "checkpoint"
-    state = load_checkpoint(checkpoint, model, optimizer) if (checkpoint / "state.json").exists() else TrainState()
     data = examples(generations, vocab_map)
-    order = np.random.default_rng(config.seed).permutation(len(data.inputs))
-    held_count = max(1, int(len(order) * config.holdout))
-    held, train_rows = data.rows(torch.from_numpy(order[:held_count])), order[held_count:]
+    held, train_rows = split_rows(len(data.inputs), config)
+    state = fit(model, config, work / "checkpoint", report, "training the draft", data.inputs.shape[1],
+                lambda rows: batch_loss(model, data.rows(torch.from_numpy(rows)), config.device), train_rows,
+                lambda: {"heldout_agreement": round(agreement(model, data.rows(torch.from_numpy(held)), config.device), 4)})
+    return model, state
+
+
+def split_rows(count: int, config: DistillConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The held-out rows (a `holdout` share, at least one) and the training rows, in a seeded order."""
+    order = np.random.default_rng(config.seed).permutation(count)
+    held_count = max(1, int(count * config.holdout))
+    return order[:held_count], order[held_count:]
+
+
+def fit(model, config: DistillConfig, checkpoint: Path, report: Report, description: str, tokens_per_row: int, loss_of, train_rows: np.ndarray,
+        evaluate) -> object:
+    """AdamW with warmup and a cosine schedule over `config.steps` batches of `config.batch_size`
+    training rows (`loss_of(rows)` -> the batch's loss), bf16 autocast if asked, `evaluate()` (a
+    dict of held-out figures) into the report every eval_every steps, a checkpoint every
+    save_every steps from which the same call resumes. Returns the training state."""
+    from specdec.train import TrainConfig, TrainState, learning_rate, load_checkpoint, save_checkpoint
+
+    schedule = TrainConfig(files=[], output="", steps=config.steps, lr=config.lr, warmup=config.warmup)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
+    state = load_checkpoint(checkpoint, model, optimizer) if (checkpoint / "state.json").exists() else TrainState()
+    if state.history:  # resumed: the history goes on from the checkpoint's
+        report.history = list(state.history)
     rng = np.random.default_rng([config.seed, state.step])
-    bar = tqdm(total=config.steps, initial=state.step, desc="training the draft", unit="step", disable=not config.progress)
+    bar = tqdm(total=config.steps, initial=state.step, desc=description, unit="step", disable=not config.progress)
     running = None
     while state.step < config.steps:
         started = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(schedule, state.step)
         with torch.autocast("cuda" if config.device.startswith("cuda") else "cpu", dtype=torch.bfloat16, enabled=config.bf16):
-            loss = batch_loss(model, data.rows(torch.from_numpy(rng.choice(train_rows, config.batch_size))), config.device)
+            loss = loss_of(rng.choice(train_rows, config.batch_size))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         state.step += 1
-        state.tokens_seen += config.batch_size * data.inputs.shape[1]
+        state.tokens_seen += config.batch_size * tokens_per_row
         state.seconds += time.perf_counter() - started
         running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
         bar.update(1)
         bar.set_postfix(loss=f"{running:.3f}")
         if state.step % config.eval_every == 0 or state.step == config.steps:
-            report.history.append({"step": state.step, "train_loss": round(running, 4), "heldout_agreement": round(agreement(model, held, config.device), 4)})
+            model.eval()
+            with torch.no_grad():
+                figures = evaluate()
+            model.train()
+            report.history.append({"step": state.step, "train_loss": round(running, 4), **figures})
             state.history = report.history
-            bar.write(f"step {state.step}: loss {running:.3f}, held-out agreement with the target's greedy choice {report.history[-1]['heldout_agreement']:.3f}")
+            bar.write(f"step {state.step}: loss {running:.3f}, held-out " + ", ".join(f"{k} {v}" for k, v in figures.items()))
         if state.step % config.save_every == 0 or state.step == config.steps:
             save_checkpoint(checkpoint, model, optimizer, state, schedule)
     bar.close()
-    return model, state
+    return state
 
 
 def write_outputs(config: DistillConfig, model, vocab_map: VocabMap, pieces: list[str], corpus, generations: Generations, state, report: Report) -> dict:

@@ -95,6 +95,10 @@ class Engine:
         """prefixes: finished generations' target sequences, kept; a new one starts from the
         longest prefix it shares with them."""
         self.target, self.drafter, self.prefixes = target, drafter, prefixes
+        # a draft head reads the target's final-norm states of what was verified (`Drafter.observe`)
+        self.reads_states = bool(getattr(drafter, "reads_target_states", False))
+        if self.reads_states:
+            target.keep_states()
 
     def open(self, state: DecodeState) -> None:
         """Start a generation with its prompt prefilled."""
@@ -127,6 +131,8 @@ class Engine:
         try:
             if count > 0:
                 state.sequence.forward(state.context[fed : fed + count], last=1)
+                if self.reads_states:
+                    self.drafter.observe(state.draft_slot, fed + count - 1, state.sequence.states[-1])
             drafter_done = self.drafter is None or self.drafter.prefill(state.draft_slot, PREFILL_CHUNK)
         except BaseException:
             self.close(state)
@@ -227,6 +233,9 @@ class Engine:
 
     def _advance(self, state: DecodeState, gamma: int, draft: Draft, logits: torch.Tensor, noise: StepNoise | None) -> StepResult:
         result = _verify(draft, logits, state.sampling, state.streams, noise)
+        if self.reads_states:  # the last emitted token was drawn from the root's row or the last accepted node's
+            row = 1 + result.path[-1] if result.path else 0
+            self.drafter.observe(state.draft_slot, len(state.context) - 1 + len(result.path), state.sequence.states[row])
         # drop the rejected nodes: the cache keeps context[:-1] + last + the accepted path, contiguous
         if len(draft):
             kept = state.sequence.cache_len - len(draft)

@@ -212,7 +212,8 @@ def save_checkpoint(directory: Path, model, optimizer, state: TrainState, config
 
 def load_checkpoint(directory: Path, model, optimizer) -> TrainState:
     model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
-    model.tie_weights()
+    if hasattr(model, "tie_weights"):  # a transformers model (its output matrix is not saved twice)
+        model.tie_weights()
     moments = load_file(str(directory / "optimizer.safetensors"))
     saved = json.loads((directory / "state.json").read_text())
     for name, p in model.named_parameters():

@@ -45,6 +45,10 @@ def add_parser(commands) -> None:
     distill.add_argument("--threads", type=positive, help="CPU threads of the target and of training (default: torch's / llama.cpp's)")
     distill.add_argument("--backend", choices=BACKENDS, default="auto", help="run the target on this backend (default: by its path)")
     distill.add_argument("--no-gguf", action="store_true", help="skip writing OUTPUT/draft.gguf")
+    distill.add_argument("--head", action="store_true",
+                         help="train a draft head on the target's own hidden states instead of a draft model (OUTPUT gets "
+                              "head.safetensors and head.json; draft with --draft OUTPUT); its defaults: "
+                              "--batch-size 256 --steps 2000 --lr 0.001 --weight-decay 0")
     tr.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model trains")
     tr.add_argument("--bf16", action="store_true", help="bfloat16 autocast for matmuls (weights stay float32)")
     tr.add_argument("--save-dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="not distilling")
@@ -68,13 +72,29 @@ def run_train(args) -> None:
         raise SpecDecError("--tokenizer and --save-dtype do not apply to --distill-from: the draft uses the target's tokens, in float32")
     if args.threads:
         torch_threads(args.threads)
+    if args.head:
+        from specdec.distill_head import HEAD_DEFAULTS
+
+        given = {**HEAD_DEFAULTS, **given}
     config = DistillConfig(target=args.distill_from, gguf=not args.no_gguf,
                            **{f.name: given[f.name] for f in fields(DistillConfig) if f.name in given and f.name not in ("target", "gguf")})
+    if config.head:
+        return report_head(config)
     report = distill(config)
     print(f"wrote {config.output}: a draft of {report['parameters']:,} parameters predicting {report['vocabulary']['draft']} of "
           f"{report['vocabulary']['target']} tokens ({report['vocabulary']['generated_tokens_covered']:.1%} of the target's generated "
           f"tokens); held-out agreement with the target's greedy choice {report['heldout_agreement']:.3f}; "
           f"{report['total_seconds'] / 60:.1f} min, peak {report['peak_rss_mb']} MB", file=sys.stderr)
+
+
+def report_head(config) -> None:
+    from specdec.distill_head import distill_head
+
+    summary = distill_head(config)
+    agreement = ", ".join(f"{a:.3f}" for a in summary["heldout_agreement_by_depth"] or [])
+    print(f"wrote {config.output}: a draft head of {summary['parameters']:,} parameters over {summary['shape']['vocab']} of the target's "
+          f"tokens; held-out agreement with the target's greedy choice by depth: {agreement}; "
+          + ", ".join(f"{name} {stage['seconds'] / 60:.1f} min" for name, stage in summary["stages"].items()), file=sys.stderr)
 
 
 def torch_threads(count: int) -> None:

@@ -49,6 +49,7 @@ class AutoDrafter:
         if model is not None and (model.tree is not None or model.inner is not None):
             raise ValueError("the auto drafter shapes its own trees: give it a plain ModelDrafter")
         self.model, self.lookup, self.width, self.max_lookup, self.max_branches = model, lookup, width, max_lookup, max_branches
+        self.reads_target_states = model is not None and model.reads_target_states
         self.trees = True  # False: one chain per iteration, from one source (models that cannot score trees exactly)
         self.name = "auto (" + " + ".join(n for n, part in (("draft model", model), ("prompt lookup", lookup)) if part) + ")"
 
@@ -65,6 +66,9 @@ class AutoDrafter:
     def close(self, slot: DraftSlot) -> None:
         if self.model:
             self.model.close(slot)
+
+    def observe(self, slot: DraftSlot, position: int, state: torch.Tensor) -> None:
+        self.model.observe(slot, position, state)
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft | Exception]:
         return forward_together(self.model.model if self.model else None, [self._grow(request) for request in requests])

@@ -91,6 +91,11 @@ class Drafter(Protocol):
         """The generation has ended: give back what the slot holds."""
         ...
 
+    # A drafter with `reads_target_states = True` (a draft head) also has
+    # observe(slot, position, state): the target's final-norm state [hidden] at `position` of the
+    # committed text, the one whose logits drew the token at position + 1 (the engine turns on the
+    # target's `keep_states` and reports the last such state after every prefill chunk and verify).
+
 
 class ContextDrafter:
     """A drafter that reads only the committed text (n-gram, prompt lookup): nothing per slot.

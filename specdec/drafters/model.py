@@ -120,6 +120,7 @@ class ModelDrafter:
         if isinstance(inner_gamma, bool) or not isinstance(inner_gamma, int) or inner_gamma < 1:
             raise SpecDecError(f"the inner draft length must be a positive integer, got {inner_gamma!r}")
         self.model, self.tree, self.inner, self.inner_gamma = model, tree, inner, inner_gamma
+        self.reads_target_states = bool(getattr(model, "reads_target_states", False))
         self.name = "draft-model" + (f"+{inner.name}" if inner else "") + (f" tree {tree.nodes}" if tree else "")
 
     def open(self, prompt: Sequence[int]) -> _Slot:
@@ -140,6 +141,10 @@ class ModelDrafter:
 
     def close(self, slot: _Slot) -> None:
         slot.cache.release()
+
+    def observe(self, slot: _Slot, position: int, state: torch.Tensor) -> None:
+        """The target's state at `position` (see `Drafter`), for a model that reads them (a head)."""
+        slot.cache.observe(position, state)
 
     def accept(self, slot: _Slot, tokens: list[int]) -> None:
         """The branch nodes spelling the committed tokens move next to the committed entries and the

@@ -82,8 +82,12 @@ def compile_backend(compile: str, device: str) -> str | None:
 def load_draft(path: str | os.PathLike, target: CausalLM, config: RuntimeConfig | None = None, *, slots: int = 1, **options) -> CausalLM:
     """A draft model for `target` (as `load_model` loads it). A distilled draft that predicts only
     part of the target's vocabulary is wrapped to speak the target's ids (`runtime.pruned`)."""
+    from specdec.runtime import head
     from specdec.runtime.pruned import PrunedVocab, VocabMap
 
+    if head.is_head(path):  # a draft head on the target's states
+        net, vocab_map = head.load_head(path)
+        return PrunedVocab(head.HeadModel(net, vocab_map, target, str(path)), vocab_map, target.tokenizer)
     model = load_model(path, config, slots=slots, **options)
     vocab_map = VocabMap.of(path)
     return model if vocab_map is None else PrunedVocab(model, vocab_map, target.tokenizer)

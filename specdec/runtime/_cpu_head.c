@@ -401,6 +401,7 @@ typedef struct {
     uint64_t capacity;   /* bytes at dest */
     uint64_t copied;     /* bytes copied since the caller set it to 0: the rows of every ubatch of a decode, in order */
     int32_t overflow;    /* a tensor did not fit: the caller refuses the decode's logits */
+    int32_t go_on;       /* 1: llama.cpp finishes its graph after the copy (its own output layer); 0: the graph stops there */
 } Capture;
 
 bool specdec_capture(const void *tensor, bool ask, void *user_data) {
@@ -411,7 +412,7 @@ bool specdec_capture(const void *tensor, bool ask, void *user_data) {
     if (c->copied + bytes > c->capacity) { c->overflow = 1; return true; }
     c->tensor_get(tensor, (char *)c->dest + c->copied, 0, bytes);
     c->copied += bytes;
-    return false;  /* the rest of the graph (the output layer) is not computed */
+    return c->go_on != 0;  /* stopping: the rest of the graph (the output layer) is not computed */
 }
 
 static PyObject *capture_address(PyObject *self, PyObject *args) { return PyLong_FromVoidPtr((void *)&specdec_capture); }

@@ -43,19 +43,31 @@ class Capture(ctypes.Structure):
 
     _fields_ = [("get_name", ctypes.c_void_p), ("nbytes", ctypes.c_void_p), ("tensor_get", ctypes.c_void_p),
                 ("active", ctypes.c_int32), ("name", ctypes.c_char * 64),
-                ("dest", ctypes.c_void_p), ("capacity", ctypes.c_uint64), ("copied", ctypes.c_uint64), ("overflow", ctypes.c_int32)]
+                ("dest", ctypes.c_void_p), ("capacity", ctypes.c_uint64), ("copied", ctypes.c_uint64), ("overflow", ctypes.c_int32),
+                ("go_on", ctypes.c_int32)]
 
 
 @functools.cache
-def _kernels():
-    """The compiled module, or the reason it cannot be used here."""
+def _extension():
+    """The compiled module, or the reason it is missing."""
     try:  # by name: a compiled extension beside this file, which a build without a C compiler lacks
-        _cpu_head = importlib.import_module("specdec.runtime._cpu_head")
+        return importlib.import_module("specdec.runtime._cpu_head")
     except ImportError as error:
         return f"specdec's compiled output layer is not built ({error}; reinstall specdec with a C compiler)"
-    if not _cpu_head.vnni():
+
+
+def _kernels():
+    """The compiled module where its kernel runs, or the reason it cannot be used here."""
+    extension = _extension()
+    if not isinstance(extension, str) and not extension.vnni():
         return "this CPU has no AVX-512 VNNI (the kernel's only fast path)"
-    return _cpu_head
+    return extension
+
+
+def capture_unavailable() -> str | None:
+    """Why the final norm's rows cannot be copied out of llama.cpp's graph here, or None."""
+    extension = _extension()
+    return extension if isinstance(extension, str) else None
 
 
 def unavailable() -> str | None:
@@ -106,11 +118,41 @@ def _ggml_functions(library: ctypes.CDLL) -> tuple[int, int, int]:
                  for name in ("ggml_get_name", "ggml_nbytes", "ggml_backend_tensor_get"))
 
 
-class CpuHead:
-    """One GGUF file's output matrix, packed for the kernel, and the capture of the final norm's
-    rows from llama.cpp's graph (handed to the context as its eval callback)."""
+class NormCapture:
+    """The final norm's rows of each decode, copied out of llama.cpp's graph by an eval callback
+    (`specdec_capture` in _cpu_head.c, handed to the context at its creation) into `hidden`: the
+    rows specdec's output layer multiplies, and the states a draft head reads. Any CPU, any build
+    of llama.cpp (the callback reads the tensor from whichever backend computed it)."""
 
-    def __init__(self, path: str | Path, llama_cpp_module, width: int, vocab_size: int, rows: int, threads: int):
+    def __init__(self, llama_cpp_module, width: int, rows: int):
+        extension = _extension()
+        if isinstance(extension, str):
+            raise ValueError(extension)
+        self.width = width
+        self.hidden = torch.empty(rows, width, dtype=torch.float32)  # [rows, width]: every output row of one decode
+        name, nbytes, tensor_get = _ggml_functions(_ggml_base(llama_cpp_module))
+        self.capture = Capture(get_name=name, nbytes=nbytes, tensor_get=tensor_get, active=0, name=NORM_TENSOR,
+                               dest=self.hidden.data_ptr(), capacity=self.hidden.numel() * 4, copied=0, go_on=1)
+        self.callback = ctypes.cast(extension.capture_address(), llama_cpp_module.ggml_backend_sched_eval_callback)
+        self.user_data = ctypes.cast(ctypes.pointer(self.capture), ctypes.c_void_p)
+
+    def begin(self, copy: bool, stop: bool) -> None:
+        """Before a decode: copy the final norm's rows (or not), and stop the graph after them (specdec
+        computes the logits) or let llama.cpp finish it."""
+        self.capture.active, self.capture.go_on = int(copy), int(not stop)
+        self.capture.copied = self.capture.overflow = 0
+
+    def rows(self, count: int) -> torch.Tensor:
+        """The `count` final-norm rows the last decode copied, [count, width] (a view: copy to keep)."""
+        if self.capture.overflow or self.capture.copied != count * self.width * 4:
+            raise RuntimeError(f"llama.cpp's graph gave {self.capture.copied // (4 * self.width)} final-norm rows, {count} expected")
+        return self.hidden[:count]
+
+
+class CpuHead:
+    """One GGUF file's output matrix, packed for the kernel: logits from the final norm's rows."""
+
+    def __init__(self, path: str | Path, llama_cpp_module, width: int, vocab_size: int, threads: int):
         kernels = _kernels()
         if isinstance(kernels, str):
             raise ValueError(kernels)
@@ -123,29 +165,16 @@ class CpuHead:
         self.scales = np.empty(rows_packed * (width // block), np.uint16)
         self.subscales = np.empty(rows_packed * (width // 16) if block == 256 else 0, np.int8)
         kernels.pack(self.kind, matrix, vocab_size, width, self.weights, self.scales, self.subscales)
-        self.hidden = torch.empty(rows, width, dtype=torch.float32)
-        name, nbytes, tensor_get = _ggml_functions(library)
-        self.capture = Capture(get_name=name, nbytes=nbytes, tensor_get=tensor_get, active=1, name=NORM_TENSOR,
-                               dest=self.hidden.data_ptr(), capacity=self.hidden.numel() * 4, copied=0)
-        self.callback = ctypes.cast(kernels.capture_address(), llama_cpp_module.ggml_backend_sched_eval_callback)
-        self.user_data = ctypes.cast(ctypes.pointer(self.capture), ctypes.c_void_p)
 
     def drop_matrix(self) -> None:
-        """When llama.cpp keeps the output layer: the packed copy goes (the capture stays, inactive:
-        the context holds its address)."""
+        """When llama.cpp keeps the output layer: the packed copy goes."""
         self.weights = self.scales = self.subscales = None
 
-    def begin(self, active: bool = True) -> None:
-        """Before a decode: capture (and stop after) the final norm, or let llama.cpp finish its graph."""
-        self.capture.active = int(active)
-        self.capture.copied = self.capture.overflow = 0
-
-    def logits(self, rows: int) -> torch.Tensor:
-        """The logits of the `rows` output rows the last decode captured."""
-        if self.capture.overflow or self.capture.copied != rows * self.width * 4:
-            raise RuntimeError(f"llama.cpp's graph gave {self.capture.copied // (4 * self.width)} final-norm rows, {rows} expected")
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, width] final-norm rows -> [rows, vocab] logits."""
+        rows = hidden.shape[0]
         out = torch.empty(rows, self.vocab_size, dtype=torch.float32)
-        self.kernels.logits(self.kind, self.weights, self.scales, self.subscales, self.vocab_size, self.width, self.hidden[:rows].numpy(),
+        self.kernels.logits(self.kind, self.weights, self.scales, self.subscales, self.vocab_size, self.width, hidden.contiguous().numpy(),
                             rows, out.numpy(), self.threads, False)
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap

@@ -73,8 +73,12 @@ class LlamaCppModel(base.CheckedTrees):
         self.dtype = rest.partition(" ")[2] or rest  # "F16", "Q4_K - Medium" ...
         self.tree_tolerance = 1e-4 if self.dtype.upper() == "F32" else 3e-2
         self.stop_token_ids = frozenset(i for i in range(self.vocab_size) if lib.llama_vocab_is_eog(self._vocab, i))
+        self.hidden_size = lib.llama_model_n_embd(self._model)
+        self._keep_states = False
         self.threads = threads or len(os.sched_getaffinity(0))
         self._head, self.output_layer_note = self._open_head(output_layer, gpu_layers)
+        # the final norm's rows, for specdec's output layer and for a draft head (None: not built)
+        self._capture = cpu_head.NormCapture(lib, self.hidden_size, BATCH) if cpu_head.capture_unavailable() is None else None
         self._context = self._new_context(lib, self.threads)
         self._memory = lib.llama_get_memory(self._context)
         self._batch = lib.llama_batch_init(BATCH, 0, MAX_SEQUENCE_IDS)
@@ -116,8 +120,7 @@ class LlamaCppModel(base.CheckedTrees):
         reason = cpu_head.unavailable() or ("layers are offloaded to a GPU" if gpu_layers else None)
         if reason is None:
             try:
-                return cpu_head.CpuHead(self.path, self.llama_cpp, self.llama_cpp.llama_model_n_embd(self._model), self.vocab_size,
-                                        BATCH, self.threads), ""
+                return cpu_head.CpuHead(self.path, self.llama_cpp, self.hidden_size, self.vocab_size, self.threads), ""
             except ValueError as error:
                 reason = str(error)
         if mode == "specdec":
@@ -160,6 +163,13 @@ class LlamaCppModel(base.CheckedTrees):
             self._head.drop_matrix()
         self.output_layer_note = problem or ""
 
+    def keep_states(self, on: bool = True) -> None:
+        """Leave the final norm's rows of every forward's output tokens on its sequences
+        (`sequence.states`), copied out of the graph as it runs: no extra compute."""
+        if on and self._capture is None:
+            raise SpecDecError(f"{self.path}: reading llama.cpp's hidden states needs {cpu_head.capture_unavailable()}")
+        self._keep_states = bool(on)
+
     def _new_context(self, lib, threads: int):
         params = lib.llama_context_default_params()
         params.n_ctx = self.cells
@@ -169,8 +179,8 @@ class LlamaCppModel(base.CheckedTrees):
         params.swa_full = True  # sliding-window layers keep every cell, so any cell can be taken back
         params.n_threads = params.n_threads_batch = threads
         params.no_perf = True
-        if self._head is not None:  # the graph stops after the final norm, whose rows the callback copies out
-            params.cb_eval, params.cb_eval_user_data = self._head.callback, self._head.user_data
+        if self._capture is not None:  # copies the final norm's rows out (and stops the graph there for specdec's output layer)
+            params.cb_eval, params.cb_eval_user_data = self._capture.callback, self._capture.user_data
         context = lib.llama_init_from_model(self._model, params)
         if not context:
             raise SpecDecError(f"llama.cpp could not create a context of {self.cells} cells for {self.path}{last_log()}")
@@ -244,16 +254,19 @@ class LlamaCppModel(base.CheckedTrees):
                 ids += new_ids
                 outputs += [j >= n - wanted for j in range(n)]
                 counts.append(wanted)
-            logits = self.decode(tokens, positions, ids, outputs)
+            logits, states = self.decode(tokens, positions, ids, outputs)
         except Exception:  # half-assigned ids or cells in an unknown state: those sequences start over, empty
             for sequence in started:
                 sequence.clear()
             raise
+        for feed, rows in zip(feeds, torch.split(states, counts) if states is not None else [None] * len(feeds)):
+            feed.sequence.states = rows
         return list(torch.split(logits, counts))
 
-    def decode(self, tokens: list[int], positions: list[int], ids: list[list[int]], outputs: list[bool]) -> torch.Tensor:
-        """One llama_decode per BATCH tokens; returns the logits of the tokens flagged in `outputs`, in order."""
-        lib, batch, rows = self.llama_cpp, self._batch, []
+    def decode(self, tokens: list[int], positions: list[int], ids: list[list[int]], outputs: list[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One llama_decode per BATCH tokens; returns the logits [n, vocab] of the tokens flagged in
+        `outputs`, in order, and their final-norm rows [n, hidden] when states are kept (else None)."""
+        lib, batch, rows, states = self.llama_cpp, self._batch, [], []
         for start in range(0, len(tokens), BATCH):
             end = min(start + BATCH, len(tokens))
             batch.n_tokens = end - start
@@ -264,19 +277,25 @@ class LlamaCppModel(base.CheckedTrees):
                     batch.seq_id[j][k] = seq_id
                 batch.logits[j] = outputs[i]
             clear_log()
-            if self._head is not None:
-                self._head.begin(self._use_head)
+            if self._capture is not None:
+                self._capture.begin(copy=self._use_head or self._keep_states, stop=self._use_head)
             status = lib.llama_decode(self._context, batch)
             if status != 0:
                 full = f" (the KV cache of {self.cells} cells, shared by this model's open sequences, is full)" if status == 1 else ""
                 raise SpecDecError(f"llama.cpp could not decode {end - start} tokens of {self.path}{full}{last_log()}")
             n_out = sum(outputs[start:end])
+            hidden = self._capture.rows(n_out) if n_out and (self._use_head or self._keep_states) else None  # [n_out, hidden]
             if n_out and self._use_head:
-                rows.append(self._head.logits(n_out))
+                rows.append(self._head.logits(hidden))
             elif n_out:
                 logits = lib.llama_get_logits(self._context)
                 rows.append(torch.from_numpy(np.ctypeslib.as_array(logits, shape=(n_out, self.vocab_size)).copy()))
-        return torch.zeros(0, self.vocab_size) if not rows else rows[0] if len(rows) == 1 else torch.cat(rows)
+            if n_out and self._keep_states:
+                states.append(hidden.clone())
+        logits = torch.cat(rows) if rows else torch.zeros(0, self.vocab_size)
+        if not self._keep_states:
+            return logits, None
+        return logits, torch.cat(states) if states else torch.zeros(0, self.hidden_size)
 
 
 class LlamaCppSequence(SequenceEntries):
@@ -285,6 +304,8 @@ class LlamaCppSequence(SequenceEntries):
     Invariant (with `SequenceEntries`'): every entry's `home` branch holds its whole path; `tips[b]`
     is the deepest entry of branch b; the base branch holds the trunk (the committed text), and an
     entry's home is the base exactly when it is in the trunk."""
+
+    states: torch.Tensor | None = None  # [rows, hidden] of the last forward, while the model keeps states
 
     def __init__(self, owner: LlamaCppModel):
         super().__init__(owner)

@@ -163,6 +163,9 @@ class PrunedSequence:
     def release(self) -> None:
         self.inner.release()
 
+    def observe(self, position: int, state: torch.Tensor) -> None:  # a head's (`runtime.head`)
+        self.inner.observe(position, state)
+
     def fork(self, length: int) -> PrunedSequence | None:
         forked = self.inner.fork(length)
         return None if forked is None else PrunedSequence(self.owner, forked)

@@ -1,0 +1,276 @@
+"""A draft head: a small network that drafts from the target's own hidden states (EAGLE-style).
+
+The target's final norm gives, at every position, the state its output layer multiplies into the
+next token's logits. The head maps (that state at position t - 1, the token at t) to a guess of the
+state at t, and scores it with the target's own output rows of a pruned vocabulary (`VocabMap`):
+its q is over those tokens only (q = 0 elsewhere, exact as for any pruned draft). Deeper tokens
+chain on the head's own guesses. There is no attention, so no cache of keys and values: a
+sequence's entries hold the head's guessed states, and the target's verified states replace them
+where the engine reports them (`HeadSequence.observe`).
+
+`HeadModel` puts the head behind the runtime protocol with the pruned vocabulary's draft ids (as a
+distilled draft model has them), so the drafters grow chains and trees with it unchanged: wrapped
+in `PrunedVocab`, it is a draft model whose forward is the head's.
+
+Files: DIR/head.safetensors (the network and the two matrices of target rows) and DIR/head.json
+(shape, vocabulary map, the target's tokenizer fingerprint), written by `specdec train
+--distill-from TARGET --head`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdec.errors import SpecDecError
+from specdec.runtime import base
+from specdec.runtime.entries import SequenceEntries
+from specdec.runtime.pruned import VocabMap
+
+HEAD_FILE, CONFIG_FILE = "head.safetensors", "head.json"
+UNSEEN_STEPS = 16  # entries walked back for a state the target gave; past that the head starts from zeros
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    width: int  # the target's hidden size: states in and out
+    blocks: int = 2  # residual MLP blocks
+    inner: int = 1280  # each block's gated hidden width
+    vocab: int = 8192  # tokens the head predicts (the map's target ids)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Block(nn.Module):
+    """x + down(silu(gate(norm x)) * up(norm x))."""
+
+    def __init__(self, width: int, inner: int):
+        super().__init__()
+        self.norm = RMSNorm(width)
+        self.gate_up = nn.Linear(width, 2 * inner, bias=False)
+        self.down = nn.Linear(inner, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(self.norm(x)).chunk(2, dim=-1)
+        return x + self.down(nn.functional.silu(gate) * up)
+
+
+class HeadNet(nn.Module):
+    """(state [n, width], draft token ids [n]) -> (next state [n, width], logits [n, vocab]).
+
+    `inputs` [vocab + 1, width]: the target's input embeddings of the predicted tokens, then a zero
+    row for every other token; `outputs` [vocab, width]: the target's output rows of the predicted
+    tokens. Both are the target's, frozen (buffers, not parameters)."""
+
+    def __init__(self, shape: HeadShape, inputs: torch.Tensor, outputs: torch.Tensor):
+        super().__init__()
+        self.shape = shape
+        self.register_buffer("inputs", inputs.float().contiguous())
+        self.register_buffer("outputs", outputs.float().contiguous())
+        self.state_norm, self.token_norm = RMSNorm(shape.width), RMSNorm(shape.width)
+        self.fuse = nn.Linear(2 * shape.width, shape.width, bias=False)
+        self.blocks = nn.ModuleList(Block(shape.width, shape.inner) for _ in range(shape.blocks))
+        self.out_norm = RMSNorm(shape.width)
+
+    def forward(self, states: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.fuse(torch.cat([self.state_norm(states), self.token_norm(self.inputs[tokens])], dim=-1))
+        for block in self.blocks:
+            x = block(x)
+        guessed = self.out_norm(x)  # [n, width]: the target's final-norm state, as the head guesses it
+        return guessed, guessed @ self.outputs.T
+
+
+def load_head(directory: str | Path) -> tuple[HeadNet, VocabMap]:
+    """A head written by `save_head`, on the CPU in float32."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    try:
+        saved = json.loads((directory / CONFIG_FILE).read_text())
+        weights = load_file(str(directory / HEAD_FILE))
+    except (OSError, ValueError) as error:
+        raise SpecDecError(f"{directory}: not a draft head ({error})") from error
+    shape = HeadShape(**saved["shape"])
+    vocab_map = VocabMap(tuple(saved["vocab_map"]["target_ids"]), saved["vocab_map"]["target_vocab_size"], saved["vocab_map"]["target_fingerprint"])
+    net = HeadNet(shape, weights["inputs"], weights["outputs"])
+    net.load_state_dict({k: v.float() for k, v in weights.items()})
+    return net.eval(), vocab_map
+
+
+def save_head(net: HeadNet, vocab_map: VocabMap, directory: str | Path, extra: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, str(directory / HEAD_FILE))
+    (directory / CONFIG_FILE).write_text(json.dumps({"shape": asdict(net.shape), "vocab_map": {
+        "target_ids": list(vocab_map.target_ids), "target_vocab_size": vocab_map.target_vocab_size,
+        "target_fingerprint": vocab_map.target_fingerprint}, **(extra or {})}))
+
+
+def is_head(path: str | Path) -> bool:
+    return (Path(path) / CONFIG_FILE).is_file() and (Path(path) / HEAD_FILE).is_file()
+
+
+class HeadModel:
+    """A head behind the runtime protocol, in draft ids (wrap it in `PrunedVocab` for target ids).
+    Its logits have one more column than it predicts, the input-only unknown id, at -inf."""
+
+    backend = "head"
+    tree_tolerance = 1e-5
+    spare_cells = None
+    device_logits = False
+    reads_target_states = True  # its sequences take the target's verified states (`HeadSequence.observe`)
+
+    def __init__(self, net: HeadNet, vocab_map: VocabMap, target: base.CausalLM, path: str = ""):
+        if net.shape.width != target.hidden_size:
+            raise SpecDecError(f"the head {path} reads states {net.shape.width} wide; the target's are {target.hidden_size}")
+        self.net, self.path = net, str(path)
+        self.tokenizer, self.max_length = target.tokenizer, target.max_length
+        self.vocab_size = vocab_map.draft_vocab_size
+        self.hidden_size = net.shape.width
+        self.parameters = sum(p.numel() for p in net.parameters())
+        self.weight_bytes = 4 * (self.parameters + net.outputs.numel())  # one forward reads the network and the output rows
+        self.dtype = "float32"
+        draft_id = {target_id: i for i, target_id in enumerate(vocab_map.target_ids)}
+        self.stop_token_ids = frozenset(draft_id[t] for t in target.stop_token_ids if t in draft_id)
+
+    def sequence(self) -> HeadSequence:
+        return HeadSequence(self)
+
+    def describe(self) -> str:
+        return f"{self.path} (draft head, {self.parameters / 1e6:.1f}M parameters, {self.net.shape.vocab} tokens)"
+
+    def verify_room(self, root_position: int) -> int:
+        return max(self.max_length - 1 - root_position, 0)
+
+    def tree_refusal(self) -> str | None:
+        return None  # each entry reads its own parent's state only: a tree is exact by construction
+
+    def forward_batch(self, feeds: list[base.Feed]) -> list[torch.Tensor]:
+        """Every feed's wanted rows, the head run once per dependency level across all feeds."""
+        base.check_distinct(feeds)
+        wanted = []
+        for feed in feeds:
+            sequence = feed.sequence
+            tokens, positions, all_parents = sequence.place(feed.tokens, feed.parents)
+            start = sequence.cache_len
+            sequence.commit(tokens, positions, all_parents)
+            sequence.guesses += [None] * len(tokens)
+            n = len(tokens)
+            count = n if feed.last is None else min(feed.last, n)
+            wanted.append((sequence, list(range(start + n - count, start + n))))
+        self._compute([(sequence, entry) for sequence, entries in wanted for entry in entries])
+        return [self._logits(sequence, entries) for sequence, entries in wanted]
+
+    def _compute(self, targets: list[tuple[HeadSequence, int]]) -> None:
+        """Fill in the guessed states of `targets` and of the entries they read from, in waves: each
+        wave holds the entries whose input state is known, all in one run of the network."""
+        plan = _plan(targets)
+        with torch.inference_mode():
+            for wave in plan:
+                states = torch.stack([sequence.input_state(entry) for sequence, entry in wave])  # [n, width]
+                tokens = torch.tensor([sequence.token(entry) for sequence, entry in wave])
+                guessed, logits = self.net(states, tokens)
+                for i, (sequence, entry) in enumerate(wave):
+                    sequence.guesses[entry] = (guessed[i], logits[i])
+
+    def _logits(self, sequence: HeadSequence, entries: list[int]) -> torch.Tensor:
+        rows = torch.full((len(entries), self.vocab_size), -torch.inf)
+        if entries:
+            rows[:, : self.vocab_size - 1] = torch.stack([sequence.guesses[entry][1] for entry in entries])
+        return rows
+
+
+def _plan(targets: list[tuple[HeadSequence, int]]) -> list[list[tuple[HeadSequence, int]]]:
+    """Waves of entries to run, each needing only states known before it: an entry needs its
+    parent's state, from the target (observed), from an earlier guess, or from its own wave's
+    predecessor; walking back stops after UNSEEN_STEPS entries (that one starts from zeros)."""
+    depth: dict[tuple[int, int], int] = {}
+    order: list[tuple[HeadSequence, int]] = []
+
+    def level(sequence: HeadSequence, entry: int, steps: int) -> int:
+        key = (id(sequence), entry)
+        if key in depth:
+            return depth[key]
+        parent = sequence.parent(entry)
+        known = parent < 0 or steps >= UNSEEN_STEPS or sequence.observed(parent) is not None or sequence.guesses[parent] is not None
+        depth[key] = 0 if known else level(sequence, parent, steps + 1) + 1
+        order.append((sequence, entry))
+        return depth[key]
+
+    for sequence, entry in targets:
+        if sequence.guesses[entry] is None:
+            level(sequence, entry, 0)
+    waves: list[list] = [[] for _ in range(max(depth.values(), default=-1) + 1)]
+    for sequence, entry in order:
+        waves[depth[(id(sequence), entry)]].append((sequence, entry))
+    return waves
+
+
+class HeadSequence(SequenceEntries):
+    """One sequence of a head. Invariant: `guesses[i]` is None or (the head's state, its logits)
+    for entry i computed from its parent's input state (`input_state`); `_observed` maps positions
+    of committed text to the target's verified states there."""
+
+    def __init__(self, owner: HeadModel):
+        super().__init__(owner)
+        self.guesses: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self._observed: dict[int, torch.Tensor] = {}
+
+    def forward(self, tokens, parents=None, last: int | None = None) -> torch.Tensor:
+        return self.owner.forward_batch([base.Feed(self, tokens, parents, last)])[0]
+
+    def observe(self, position: int, state: torch.Tensor) -> None:
+        """The target's final-norm state at `position` of the committed text ([width]). Positions
+        below it keep theirs only while they could still be read (the head reads one state back)."""
+        self._observed = {p: s for p, s in self._observed.items() if position - UNSEEN_STEPS < p < position}
+        self._observed[position] = state.detach().float().cpu()
+        for entry in range(max(0, self.cache_len - UNSEEN_STEPS), self.cache_len):  # guesses that read a now-known state are stale
+            if self._positions[entry] == position + 1 and self.parent(entry) >= 0:
+                self.guesses[entry] = None
+
+    def observed(self, entry: int) -> torch.Tensor | None:
+        """The target's state at this entry, if it is committed text the target reported."""
+        state = self._observed.get(self._positions[entry])
+        return state if state is not None and entry < self._trunk else None
+
+    def parent(self, entry: int) -> int:
+        return self._parents[entry]
+
+    def token(self, entry: int) -> int:
+        return self._tokens[entry]
+
+    def input_state(self, entry: int) -> torch.Tensor:
+        """The state entry's guess reads: its parent's, the target's where known, else the head's own
+        (zeros at position 0 and past UNSEEN_STEPS, where `_plan` left it uncomputed)."""
+        parent = self._parents[entry]
+        if parent < 0:
+            return torch.zeros(self.owner.hidden_size)
+        observed = self.observed(parent)
+        if observed is not None:
+            return observed
+        guess = self.guesses[parent]
+        return guess[0] if guess is not None else torch.zeros(self.owner.hidden_size)
+
+    def keep(self, start: int, indices) -> None:
+        indices = self.kept_path(start, indices)
+        self.guesses = self.guesses[:start] + [self.guesses[i] for i in indices]
+        self.keep_entries(start, indices)
+
+    def release(self) -> None:
+        self.guesses, self._observed = [], {}
+
+    def fork(self, length: int) -> None:
+        return None  # a head's sequences are cheap to refill; nothing is shared
