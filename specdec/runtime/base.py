@@ -42,6 +42,12 @@ class CachedSequence(Protocol):
     """One sequence slot. Invariant: the cache holds exactly `cache_len` entries, in feeding order."""
 
     cache_len: int
+    # While the model keeps states (`CausalLM.keep_states`): set by every forward that fed this
+    # sequence (its own `forward` or the model's `forward_batch`) to the rows its output layer
+    # multiplied, the final norm's output, for exactly the rows of logits returned (a tree's node:
+    # its own path's), [rows returned, hidden_size], float32 (float64 kept), on the logits' device.
+    # None while states are off.
+    states: torch.Tensor | None
 
     def forward(self, tokens: Seq[int] | torch.Tensor, parents: Seq[int] | None = None, last: int | None = None) -> torch.Tensor:
         """Append entries for `tokens` and return next-token logits, [n, vocab] float on the CPU
@@ -87,6 +93,13 @@ class CausalLM(Protocol):
     tree_tolerance: float  # how far a tree node's logits may be from its path's alone, relative to their scale
     spare_cells: int | None  # cache entries that finished sequences may keep (`PrefixCache`); None: no fixed limit
     device_logits: bool  # its sequences can leave logits on the model's device (`Feed.on_device`)
+    hidden_size: int  # the width of `CachedSequence.states`: what the output layer multiplies
+
+    def keep_states(self, on: bool = True) -> None:
+        """From now on every forward leaves `states` on each sequence it fed (see `CachedSequence`);
+        off (the default) it leaves None and nothing extra is computed or kept. Raises SpecDecError
+        where the states cannot be had exactly."""
+        ...
 
     def sequence(self) -> CachedSequence:
         """A new empty sequence slot."""

@@ -10,6 +10,9 @@ Exactness across architectures (each point is a way a well-known implementation 
 - Whether trees are exact on a model is checked once, on first use, by `tree_refusal`: known
   position schemes that trees cannot follow are refused by name (`named_tree_refusal`), then
   `base.tree_check` must pass.
+- The target's states (`keep_states`) are what its output layer multiplies, taken at that layer's
+  input by a hook: whatever an architecture does around it (a final norm, a projection, soft-capping
+  or scaling of the logits after it), they are exactly the rows that gave the returned logits.
 - RoPE that depends on the sequence length: "longrope" (Phi-3) switches every position to its long
   factors once the sequence passes `original_max_position_embeddings`, and Hugging Face recomputes
   the whole cache at that moment; so does `forward`, and `verify_room` keeps one forward from
@@ -60,6 +63,38 @@ class HFModel(base.CheckedTrees):
         self.tree_tolerance = TREE_CHECK_TOLERANCE[self.torch_dtype]
         self.stop_token_ids = _stop_token_ids(model, tokenizer)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        head = model.get_output_embeddings()
+        self.hidden_size = head.weight.shape[1] if _is_matrix_head(head) else model.config.hidden_size
+        self._states_hook = None  # the hook on the output layer while states are kept
+        self._head_input: torch.Tensor | None = None  # what the output layer last multiplied, until taken
+
+    def keep_states(self, on: bool = True) -> None:
+        """From now on every forward leaves on each sequence it fed `states`: the rows the output
+        layer multiplied (the final norm's output) for exactly the rows of logits returned; off: None,
+        and no hook on the output layer. The states come from the forward itself (a hook on the
+        output layer's input), so nothing is computed twice."""
+        if on and self._states_hook is None:
+            head = self.model.get_output_embeddings()
+            if not _is_matrix_head(head):
+                raise SpecDecError(f"{self.describe()}: no hidden states ({type(head).__name__} is not a linear output layer)")
+            self._states_hook = head.register_forward_pre_hook(self._take_head_input)
+        elif not on and self._states_hook is not None:
+            self._states_hook.remove()
+            self._states_hook = None
+        self._head_input = None
+
+    @property
+    def keeps_states(self) -> bool:
+        return self._states_hook is not None
+
+    def _take_head_input(self, head, args) -> None:
+        self._head_input = args[0]
+
+    def taken_states(self) -> torch.Tensor | None:
+        """[batch, rows, hidden_size]: what the output layer multiplied in the forward just run
+        (None while states are off); taken once."""
+        states, self._head_input = self._head_input, None
+        return states
 
     def sequence(self) -> HFSequence:
         return HFSequence(self)
@@ -108,8 +143,7 @@ class HFModel(base.CheckedTrees):
 
     def logits_out(self, logits: torch.Tensor) -> torch.Tensor:
         """The tokenizer's columns, in float32 (float64 kept), on the CPU."""
-        logits = logits[..., : self.vocab_size]
-        return logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32).cpu()
+        return host_float(logits[..., : self.vocab_size])
 
     @torch.inference_mode()
     def forward_batch(self, feeds: list[base.Feed]) -> list[torch.Tensor]:
@@ -139,6 +173,7 @@ class HFModel(base.CheckedTrees):
         out = self.model(input_ids=tokens.to(self.device), position_ids=positions.to(self.device),
                          attention_mask=self.layer_masks(allowed, key_positions, positions),
                          past_key_values=cache, use_cache=True)
+        states = self.taken_states()  # [batch, new, hidden] or None
         results = []
         for r, ((sequence, row_tokens, row_positions, all_parents), feed) in enumerate(zip(rows, feeds)):
             start, n = sequence.cache_len, len(row_tokens)
@@ -151,6 +186,7 @@ class HFModel(base.CheckedTrees):
             sequence.commit(row_tokens, row_positions, all_parents)
             wanted = n if feed.last is None else min(feed.last, n)
             results.append(self.logits_out(out.logits[r, n - wanted : n]))
+            sequence.states = None if states is None else host_float(states[r, n - wanted : n])
         return results
 
     @property
@@ -198,6 +234,7 @@ class HFSequence(SequenceEntries):
         # mask, and a full layer can be cut back exactly (a sliding layer's counters cannot).
         self._cache = DynamicCache()
         self._long_rope = False  # the cache was computed with longrope's long factors
+        self.states: torch.Tensor | None = None  # [rows returned, hidden_size] of the last forward, while the model keeps states
 
     def release(self) -> None:
         self._cache = None
@@ -240,8 +277,10 @@ class HFSequence(SequenceEntries):
             use_cache=True,
             **keep,
         )
+        states = owner.taken_states()  # [1, n, hidden], or [1, last, hidden] with logits_to_keep; None while off
         self.commit(tokens, positions, all_parents)
         logits = out.logits[0, -last:] if last else out.logits[0]
+        self.states = None if states is None else host_float(states[0, -last:] if last else states[0])
         return owner.logits_out(logits)
 
     def attends(self, all_parents: list[int], start: int, n: int) -> torch.Tensor | None:
@@ -268,6 +307,8 @@ class HFSequence(SequenceEntries):
         self.__init__(self.owner)
         self._long_rope = True
         logits = self._forward(cached + tokens, cached_positions + positions, all_parents, last)
+        if not last:
+            self.states = None if self.states is None else self.states[old:]
         return logits if last else logits[old:]
 
     @torch.inference_mode()
@@ -339,6 +380,20 @@ def named_tree_refusal(config) -> str | None:
     if implementation.startswith("flash") or "flash_attention" in implementation:
         return f"{implementation} takes no arbitrary attention mask"
     return None
+
+
+def as_float(rows: torch.Tensor) -> torch.Tensor:
+    """Rows of logits or states as returned: float32 (float64 kept)."""
+    return rows.to(torch.float64 if rows.dtype == torch.float64 else torch.float32)
+
+
+def host_float(rows: torch.Tensor) -> torch.Tensor:
+    return as_float(rows).cpu()
+
+
+def _is_matrix_head(head) -> bool:
+    """An output layer whose input is the states: a module multiplying them by a [vocab, hidden] weight."""
+    return isinstance(head, torch.nn.Module) and getattr(head, "weight", None) is not None and head.weight.dim() == 2
 
 
 def _stop_token_ids(model, tokenizer) -> frozenset[int]:

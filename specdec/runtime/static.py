@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdec.errors import SpecDecError
 from specdec.runtime import base
-from specdec.runtime.hf import HFModel, HFSequence, longrope_switch, named_tree_refusal
+from specdec.runtime.hf import HFModel, HFSequence, as_float, longrope_switch, named_tree_refusal
 
 BUCKETS = (1, 4, 16, 64)  # new entries per compiled forward; verify trees and chains pad up to these
 BATCHES = (1, 2, 4, 8, 16, 32)  # rows per compiled forward; a server's batch pads up to these
@@ -118,28 +118,36 @@ class StaticHFModel(HFModel):
         began = time.perf_counter()
         if compiled:
             first = (rows, tokens_bucket) not in self.compile_seconds
-            logits = self.runner()(step.tokens, step.positions, mask, cache)
+            out = self.runner()(step.tokens, step.positions, mask, cache, self.keeps_states)
             if first:
                 base.synchronize(self.device)
                 self.compile_seconds[(rows, tokens_bucket)] = time.perf_counter() - began
         else:
-            logits = self._forward_logits(step.tokens, step.positions, mask, cache)
-        return self._results(placed, logits)
+            out = self._forward_logits(step.tokens, step.positions, mask, cache, self.keeps_states)
+        return self._results(placed, out)
 
-    def _results(self, placed, logits: torch.Tensor) -> list[torch.Tensor]:
+    def _results(self, placed, out) -> list[torch.Tensor]:
         """Each feed's wanted rows of logits (the tokenizer's columns, float32 or float64), in feed
-        order; its entries committed. Copies: a CUDA graph's output is overwritten by its next replay."""
-        wanted = []
+        order, and of states (on its sequence, or None), from the forward's output `out` (logits, or
+        with states kept (logits, states)); its entries committed. Copies: a CUDA graph's outputs
+        are overwritten by its next replay."""
+        logits, states = out if self.keeps_states else (out, None)  # [rows, bucket, vocab], [rows, bucket, hidden]
+        wanted, kept = [], []  # per feed: [rows, vocab], [rows, hidden] or None
         for feed, tokens, positions, all_parents in placed:
-            n = len(tokens)
-            rows = logits[feed.sequence.row, n - (n if feed.last is None else min(feed.last, n)) : n, : self.vocab_size]
-            wanted.append(rows.to(torch.float64 if rows.dtype == torch.float64 else torch.float32))
+            n, row = len(tokens), feed.sequence.row
+            returned = slice(n - (n if feed.last is None else min(feed.last, n)), n)
+            wanted.append(as_float(logits[row, returned, : self.vocab_size]))
+            kept.append(None if states is None else as_float(states[row, returned]))
             feed.sequence.commit(tokens, positions, all_parents)
         host = [i for i, (feed, *_) in enumerate(placed) if not feed.on_device]
-        if host:  # one copy to the host for every feed that wants its logits there
-            copied = torch.cat([wanted[i] for i in host]).cpu().split([wanted[i].shape[0] for i in host])
+        if host:  # one copy to the host for every feed that wants its logits (and states) there
+            copied = _to_host([wanted[i] for i in host] + [kept[i] for i in host if kept[i] is not None])
             for i, rows in zip(host, copied):
                 wanted[i] = rows
+            for i, rows in zip(host, copied[len(host):]):  # none while states are off
+                kept[i] = rows
+        for (feed, *_), rows in zip(placed, kept):
+            feed.sequence.states = rows if rows is None or not feed.on_device else rows.clone()
         return [rows if not feed.on_device else rows.clone() for rows, (feed, *_) in zip(wanted, placed)]
 
     def runner(self):
@@ -160,9 +168,10 @@ class StaticHFModel(HFModel):
             return torch.compile(self._forward_logits, mode="reduce-overhead" if self.device.type == "cuda" else None, dynamic=False)
         return torch.compile(self._forward_logits, backend=self.compile_backend, dynamic=False)
 
-    def _forward_logits(self, tokens, positions, mask, cache):
+    def _forward_logits(self, tokens, positions, mask, cache, states: bool = False):
+        """The logits [rows, tokens, vocab]; with states, (logits, the states [rows, tokens, hidden])."""
         out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
-        return out.logits
+        return (out.logits, self.taken_states()) if states else out.logits
 
     def _to_first_rows(self, sequences: list[StaticSequence]) -> None:
         """Swap rows so that the sequences hold rows 0 .. len - 1, moving only those outside them
@@ -358,20 +367,20 @@ class _Graphs:
         self.shapes: dict[tuple, tuple] = {}  # shape -> (graph or None, input buffers, output)
         self.memory = torch.cuda.graph_pool_handle() if capture else None
 
-    def __call__(self, tokens, positions, mask, cache):
-        key = (tuple(tokens.shape), id(cache))
+    def __call__(self, tokens, positions, mask, cache, states: bool = False):
+        key = (tuple(tokens.shape), id(cache), states)  # with states the graph has a second output
         if key not in self.shapes:
-            self.shapes[key] = self._record(tokens, positions, mask, cache)
+            self.shapes[key] = self._record(tokens, positions, mask, cache, states)
         graph, buffers, output = self.shapes[key]
         for buffer, value in zip(_flat(buffers), _flat((tokens, positions, mask, cache.slots))):
             buffer.copy_(value)
         cache.slots = buffers[3]
         if graph is None:
-            return self.forward(*buffers[:3], cache)
+            return self.forward(*buffers[:3], cache, states)
         graph.replay()
         return output
 
-    def _record(self, tokens, positions, mask, cache):
+    def _record(self, tokens, positions, mask, cache, states: bool):
         buffers = (tokens.clone(), positions.clone(), _cloned(mask), cache.slots.clone())
         cache.slots = buffers[3]
         if not self.capture:
@@ -383,17 +392,23 @@ class _Graphs:
         try:
             with torch.cuda.stream(side):  # warm-up runs write what the replay writes: the same keys at the same cells
                 for _ in range(2):
-                    self.forward(*buffers[:3], cache)
+                    self.forward(*buffers[:3], cache, states)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.memory):
-                output = self.forward(*buffers[:3], cache)
+                output = self.forward(*buffers[:3], cache, states)
         except RuntimeError as error:
             torch.cuda.current_stream().wait_stream(side)
             print(f"specdec: a forward of shape {tuple(tokens.shape)} runs without a CUDA graph: {' '.join(str(error).split())[:200]}",
                   file=sys.stderr)
             return None, buffers, None
         return graph, buffers, output
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors on the host, in one copy."""
+    copied = torch.cat([t.reshape(-1) for t in tensors]).cpu().split([t.numel() for t in tensors])
+    return [rows.view(t.shape).to(t.dtype) for rows, t in zip(copied, tensors)]
 
 
 def _flat(values) -> list[torch.Tensor]:
