@@ -121,7 +121,7 @@ def distill_head(config: DistillConfig, shape: HeadShape | None = None) -> dict:
         raise ValueError("distill_head trains heads: set config.head")
     run = prepare(config)
     inputs, outputs = head_inputs(run.target, run.vocab_map)
-    shape = shape or HeadShape(width=outputs.shape[1], inner=2 * outputs.shape[1], vocab=len(run.vocab_map.target_ids))
+    shape = shape or HeadShape(width=outputs.shape[1], inner=outputs.shape[1], vocab=len(run.vocab_map.target_ids))
     net = HeadNet(shape, inputs, outputs).to(config.device)
     windows = Windows(run.generations, run.vocab_map)
     if len(windows) < 2:

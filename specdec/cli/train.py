@@ -62,6 +62,8 @@ def run_train(args) -> None:
     from specdec.train import TrainConfig, train
 
     given = {name: value for name, value in vars(args).items() if value is not None}
+    if args.distill_from is None and args.head:
+        raise SpecDecError("--head trains a draft head for a target: give it with --distill-from TARGET")
     if args.distill_from is None:
         config = TrainConfig(**{f.name: given[f.name] for f in fields(TrainConfig) if f.name in given})
         state = train(config)

@@ -86,7 +86,7 @@ def load_draft(path: str | os.PathLike, target: CausalLM, config: RuntimeConfig 
     from specdec.runtime.pruned import PrunedVocab, VocabMap
 
     if head.is_head(path):  # a draft head on the target's states
-        net, vocab_map = head.load_head(path)
+        net, vocab_map = head.load_head(path, head.inference_dtype())
         return PrunedVocab(head.HeadModel(net, vocab_map, target, str(path)), vocab_map, target.tokenizer)
     model = load_model(path, config, slots=slots, **options)
     vocab_map = VocabMap.of(path)

@@ -152,13 +152,18 @@ class NormCapture:
 class CpuHead:
     """One GGUF file's output matrix, packed for the kernel: logits from the final norm's rows."""
 
-    def __init__(self, path: str | Path, llama_cpp_module, width: int, vocab_size: int, threads: int):
+    def __init__(self, path: str | Path, llama_cpp_module, width: int, vocab_size: int, threads: int, rows=None):
+        """rows: only these rows of the matrix (a draft head's pruned vocabulary), in this order."""
         kernels = _kernels()
         if isinstance(kernels, str):
             raise ValueError(kernels)
-        self.kernels, self.width, self.vocab_size, self.threads = kernels, width, vocab_size, threads
+        self.kernels, self.width, self.threads = kernels, width, threads
         library = _ggml_base(llama_cpp_module)
         matrix, ggml_type, self.softcap = _output_matrix(library, Path(path), width, vocab_size)
+        if rows is not None:
+            matrix = np.ascontiguousarray(matrix.reshape(vocab_size, -1)[np.asarray(rows)]).reshape(-1)
+            vocab_size = len(rows)
+        self.vocab_size = vocab_size
         self.kind, (block, _) = list(KINDS).index(ggml_type), KINDS[ggml_type]
         rows_packed = -(-vocab_size // 16) * 16
         self.weights = np.empty(rows_packed * width, np.uint8)

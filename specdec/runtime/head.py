@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from specdec.errors import SpecDecError
-from specdec.runtime import base
+from specdec.runtime import base, cpu_head
 from specdec.runtime.entries import SequenceEntries
 from specdec.runtime.pruned import VocabMap
 
@@ -39,7 +39,7 @@ UNSEEN_STEPS = 16  # entries walked back for a state the target gave; past that 
 class HeadShape:
     width: int  # the target's hidden size: states in and out
     blocks: int = 2  # residual MLP blocks
-    inner: int = 1280  # each block's gated hidden width
+    inner: int = 640  # each block's gated hidden width
     vocab: int = 8192  # tokens the head predicts (the map's target ids)
 
 
@@ -84,15 +84,29 @@ class HeadNet(nn.Module):
         self.out_norm = RMSNorm(shape.width)
 
     def forward(self, states: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        guessed = self.guess(states, tokens)
+        return guessed, self.score(guessed)
+
+    def guess(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[n, width] states and [n] draft ids -> [n, width]: the target's next final-norm state, as the head guesses it."""
+        states = states.to(self.fuse.weight.dtype)
         x = self.fuse(torch.cat([self.state_norm(states), self.token_norm(self.inputs[tokens])], dim=-1))
         for block in self.blocks:
             x = block(x)
-        guessed = self.out_norm(x)  # [n, width]: the target's final-norm state, as the head guesses it
-        return guessed, guessed @ self.outputs.T
+        return self.out_norm(x)
+
+    def score(self, guessed: torch.Tensor) -> torch.Tensor:
+        """[n, width] -> [n, vocab] logits through the target's output rows."""
+        return guessed @ self.outputs.T
 
 
-def load_head(directory: str | Path) -> tuple[HeadNet, VocabMap]:
-    """A head written by `save_head`, on the CPU in float32."""
+def inference_dtype() -> torch.dtype:
+    """bfloat16 where this CPU multiplies it natively (a draft level then reads half the bytes), else float32."""
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
+def load_head(directory: str | Path, dtype: torch.dtype = torch.float32) -> tuple[HeadNet, VocabMap]:
+    """A head written by `save_head`, on the CPU."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
@@ -105,7 +119,7 @@ def load_head(directory: str | Path) -> tuple[HeadNet, VocabMap]:
     vocab_map = VocabMap(tuple(saved["vocab_map"]["target_ids"]), saved["vocab_map"]["target_vocab_size"], saved["vocab_map"]["target_fingerprint"])
     net = HeadNet(shape, weights["inputs"], weights["outputs"])
     net.load_state_dict({k: v.float() for k, v in weights.items()})
-    return net.eval(), vocab_map
+    return net.to(dtype).eval(), vocab_map
 
 
 def save_head(net: HeadNet, vocab_map: VocabMap, directory: str | Path, extra: dict | None = None) -> None:
@@ -137,12 +151,15 @@ class HeadModel:
         if net.shape.width != target.hidden_size:
             raise SpecDecError(f"the head {path} reads states {net.shape.width} wide; the target's are {target.hidden_size}")
         self.net, self.path = net, str(path)
+        # the output rows through specdec's CPU kernel where the target's GGUF matrix suits it (the same
+        # rows, quantized as the target reads them; far fewer bytes per draft level), else the network's matmul
+        self.score = _kernel_score(target, vocab_map) or (lambda guessed: net.score(guessed.to(net.outputs.dtype)))
         self.tokenizer, self.max_length = target.tokenizer, target.max_length
         self.vocab_size = vocab_map.draft_vocab_size
         self.hidden_size = net.shape.width
         self.parameters = sum(p.numel() for p in net.parameters())
-        self.weight_bytes = 4 * (self.parameters + net.outputs.numel())  # one forward reads the network and the output rows
-        self.dtype = "float32"
+        self.weight_bytes = net.fuse.weight.element_size() * (self.parameters + net.outputs.numel())  # one forward reads the network and the output rows
+        self.dtype = str(net.fuse.weight.dtype).removeprefix("torch.")
         draft_id = {target_id: i for i, target_id in enumerate(vocab_map.target_ids)}
         self.stop_token_ids = frozenset(draft_id[t] for t in target.stop_token_ids if t in draft_id)
 
@@ -182,7 +199,8 @@ class HeadModel:
             for wave in plan:
                 states = torch.stack([sequence.input_state(entry) for sequence, entry in wave])  # [n, width]
                 tokens = torch.tensor([sequence.token(entry) for sequence, entry in wave])
-                guessed, logits = self.net(states, tokens)
+                guessed = self.net.guess(states, tokens).float()
+                logits = self.score(guessed).float()
                 for i, (sequence, entry) in enumerate(wave):
                     sequence.guesses[entry] = (guessed[i], logits[i])
 
@@ -191,6 +209,18 @@ class HeadModel:
         if entries:
             rows[:, : self.vocab_size - 1] = torch.stack([sequence.guesses[entry][1] for entry in entries])
         return rows
+
+
+def _kernel_score(target: base.CausalLM, vocab_map: VocabMap):
+    """The head's scoring by `cpu_head.CpuHead` over the target's own rows of its GGUF output matrix, or
+    None where that kernel cannot run (not llama.cpp, no AVX-512 VNNI, a matrix type it does not take)."""
+    if getattr(target, "backend", None) != "llamacpp" or cpu_head.unavailable() is not None:
+        return None
+    try:
+        kernel = cpu_head.CpuHead(target.path, target.llama_cpp, target.hidden_size, target.vocab_size, 1, rows=vocab_map.target_ids)
+    except ValueError:
+        return None
+    return lambda guessed: kernel.logits(guessed.float())
 
 
 def _plan(targets: list[tuple[HeadSequence, int]]) -> list[list[tuple[HeadSequence, int]]]:
