@@ -269,14 +269,16 @@ class ModelDrafter:
         and the inner's probability of it lies: it is rejected and the residual drawn exactly as
         they would be in the target's vocabulary (not q itself: the guess was drawn before it was
         seen to lack a column)."""
-        outside = fed - len(guessed)  # 0 or 1
+        outside = fed > len(guessed)  # never for a draft over the whole vocabulary
         tokens = torch.tensor(guessed + [q.shape[-1]] * outside, dtype=torch.long)
         if not sampled:  # deterministic children: the spine is the draft's most likely continuation
-            return verify_greedy(tokens, torch.nn.functional.pad(logits, (0, outside), value=-torch.inf))
+            return verify_greedy(tokens, torch.nn.functional.pad(logits, (0, 1), value=-torch.inf) if outside else logits)
         probs = None if guess.probs is None else self.columns.select(guess.probs[:fed])  # [fed, columns]
-        if outside and probs is not None:
-            probs = torch.cat([probs, guess.probs[:fed, guess.tokens[fed - 1]].unsqueeze(1)], dim=1)
-        return verify_chain(tokens, probs, torch.nn.functional.pad(q, (0, outside)), rng, rng)
+        if outside:
+            q = torch.nn.functional.pad(q, (0, 1))
+            if probs is not None:
+                probs = torch.cat([probs, guess.probs[:fed, guess.tokens[fed - 1]].unsqueeze(1)], dim=1)
+        return verify_chain(tokens, probs, q, rng, rng)
 
     def _add_siblings(self, nodes: DraftTree, rows, shape: TreeShape, sampled: bool, rng) -> None:
         """Leaves beside the spine, root side first: each spine position may get up to width - 1 more
