@@ -273,3 +273,20 @@ def test_residual_over_columns_is_the_full_width_residual():
     rest = verify_module.residual(target_probs, torch.ones(4, dtype=torch.float64), 2, columns)  # q >= p on every column
     assert float(rest[columns].abs().max()) == 0
     assert torch.allclose(rest[outside], target_probs[outside] / target_probs[outside].sum())
+
+
+def test_the_engine_checks_a_drafts_columns():
+    """A draft's q over columns: as wide as they are, distinct target ids within the vocabulary;
+    the verifier refuses a drawn token outside them (it had q = 0: it cannot have been drawn)."""
+    from specdec.engine import _checked
+    from specdec.types import Draft, SamplingParams
+
+    sampling, probs = SamplingParams(1.0), torch.full((2, 3), 1 / 3)
+    good = Draft(torch.tensor([7, 2]), probs, columns=torch.tensor([2, 7, 4]))
+    assert _checked(good, 2, 9, sampling) is good
+    for columns, message in (([2, 7, 7], "distinct"), ([2, 7, 9], r"in \[0, 9\)"), ([2, 7], r"\[2, 2\]")):
+        with pytest.raises(ValueError, match=message):
+            _checked(Draft(torch.tensor([7, 2]), probs, columns=torch.tensor(columns)), 2, 9, sampling)
+    target_probs = torch.full((3, 9), 1 / 9)
+    with pytest.raises(ValueError, match="not among its distribution's columns"):
+        verify_chain(torch.tensor([5, 2]), probs, target_probs, torch.Generator(), torch.Generator(), torch.tensor([2, 7, 4]))
