@@ -285,9 +285,27 @@ def _checked(draft: Draft, gamma: int, vocab_size: int, sampling: SamplingParams
     tree.check_parents(draft.parents)
     if draft.depth > gamma:
         raise ValueError(f"the drafter proposed {draft.depth} tokens deep; at most {gamma} were asked for")
-    if draft.probs is not None and not sampling.greedy and tuple(draft.probs.shape) != (len(draft), vocab_size):
-        raise ValueError(f"draft probs must be [{len(draft)}, {vocab_size}], got {list(draft.probs.shape)}")
+    if draft.probs is not None and not sampling.greedy:
+        width = vocab_size if draft.columns is None else _checked_columns(draft.columns, vocab_size)
+        if tuple(draft.probs.shape) != (len(draft), width):
+            raise ValueError(f"draft probs must be [{len(draft)}, {width}], got {list(draft.probs.shape)}")
     return draft
+
+
+def _checked_columns(columns: torch.Tensor, vocab_size: int) -> int:
+    """How many columns a draft's distributions have: distinct target ids (two columns with one id
+    would make q's mass at it ambiguous and the residual's scatter undefined)."""
+    if columns.dim() != 1 or columns.dtype != torch.long or not len(columns):
+        raise ValueError(f"draft columns must be a non-empty [columns] int64 tensor, got {columns.dtype} {list(columns.shape)}")
+    low, high = columns.aminmax()
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"draft columns must be target ids in [0, {vocab_size})")
+    order = torch.arange(len(columns), dtype=torch.int32)
+    owner = torch.empty(vocab_size, dtype=torch.int32)
+    owner[columns] = order  # a repeated id keeps one of its columns, so another reads back wrong
+    if not torch.equal(owner[columns], order):
+        raise ValueError("draft columns must be distinct target ids")
+    return len(columns)
 
 
 def _feed(sequence: CachedSequence, last: int, draft: Draft, on_device: bool = False) -> Feed:
@@ -309,7 +327,7 @@ def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, stream
         if draft.probs is not None:
             raise ValueError("a generation with keyed draws verifies point-mass drafts only; the drafter drew from a distribution")
         return verify_tree_coupled(draft.tokens, draft.parents, target_probs, noise.for_verifier)
-    return verify_tree(draft.tokens, draft.parents, draft.probs, target_probs, streams.accept, streams.recover)
+    return verify_tree(draft.tokens, draft.parents, draft.probs, target_probs, streams.accept, streams.recover, draft.columns)
 
 
 def _logprobs(logits: torch.Tensor, path: list[int], tokens: list[int], top: int) -> list[TokenLogprob]:

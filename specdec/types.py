@@ -42,12 +42,19 @@ class Draft:
     later siblings: the draft's distribution with the earlier siblings removed); None means
     point-mass (deterministic) drafts. sources[i] (optional) names what proposed node i, for the
     policy's acceptance statistics: (kind, index) pairs such as ("lookup", 2) or ("model", 7).
+
+    Tokens are always target ids. The distributions' columns may be the draft's own vocabulary:
+    columns[c] is the target id of column c (distinct ids; q is 0 at every target id not among
+    them), so a draft with a pruned vocabulary never widens q to the target's (`runtime.pruned`).
+    None: column c is target id c, the target's whole vocabulary. Every node's token is among the
+    columns whenever there are probs.
     """
 
     tokens: torch.Tensor  # [n] int64
-    probs: torch.Tensor | None = None  # [n, vocab] float
+    probs: torch.Tensor | None = None  # [n, len(columns)] float, or [n, vocab] when columns is None
     parents: torch.Tensor = None  # [n] int64; leave it out for a chain (filled in by __post_init__)
     sources: list[list[tuple[str, int]]] | None = None
+    columns: torch.Tensor | None = None  # [len(columns)] int64 target ids of probs' columns; None: all, in order
 
     def __post_init__(self):
         if self.parents is None:
@@ -75,7 +82,7 @@ class Draft:
             return self
         probs = None if self.probs is None else self.probs[:count]
         sources = None if self.sources is None else self.sources[:count]
-        return Draft(self.tokens[:count], probs, self.parents[:count], sources)
+        return Draft(self.tokens[:count], probs, self.parents[:count], sources, self.columns)
 
 
 @dataclass

@@ -15,30 +15,47 @@ from specdec.sampling import draw, sample, uniform
 from specdec.types import VerifyResult
 
 
-def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, token: int) -> torch.Tensor:
+def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, token: int,
+             columns: torch.Tensor | None = None) -> torch.Tensor:
     """norm(max(0, p - q)) at one position; a point-mass q removes `token` from p.
 
-    target_probs (p, or what earlier rejected siblings left of it), draft_probs: [vocab]. If the
-    residual has no mass (p <= q everywhere, which in exact arithmetic means p == q and rejection
-    is impossible; in floating point it can happen) fall back to p rather than divide by zero
-    (docs/design.md, pitfall 3).
+    target_probs (p, or what earlier rejected siblings left of it): [vocab]; draft_probs: [vocab],
+    or [len(columns)] over the target ids `columns` (`Draft.columns`): q is 0 outside them, where
+    p - q = p, so only the columns change. If the residual has no mass (p <= q everywhere, which in
+    exact arithmetic means p == q and rejection is impossible; in floating point it can happen)
+    fall back to p rather than divide by zero (docs/design.md, pitfall 3).
     """
     if draft_probs is None:
         rest = target_probs.clone()
         rest[token] = 0
-    else:
+    elif columns is None:
         rest = (target_probs - draft_probs).clamp_(min=0)
+    else:
+        rest = target_probs.clone()
+        rest[columns] = (target_probs[columns] - draft_probs).clamp_(min=0)
     total = rest.sum()
     return rest / total if total > 0 else target_probs
 
 
+def column(columns: torch.Tensor | None, token: int) -> int:
+    """The column of target id `token` among `columns` (None: the token itself). A drawn token
+    outside its distribution's columns had q = 0 and cannot have been drawn: a broken drafter."""
+    if columns is None:
+        return token
+    found = torch.nonzero(columns == token)
+    if found.numel() != 1:
+        raise ValueError(f"draft token {token} is not among its distribution's columns exactly once")
+    return int(found[0, 0])
+
+
 def verify_tree(
-    tokens: torch.Tensor,  # [n] int64, the tree's nodes
+    tokens: torch.Tensor,  # [n] int64 target ids, the tree's nodes
     parents: torch.Tensor,  # [n] int64, -1 for a child of the root
-    draft_probs: torch.Tensor | None,  # [n, vocab]: row i is the distribution node i was drawn from; None: point masses
+    draft_probs: torch.Tensor | None,  # [n, columns]: row i is the distribution node i was drawn from; None: point masses
     target_probs: torch.Tensor,  # [n + 1, vocab]: row 0 scores the root's children, row i + 1 node i's children
     accept_rng: torch.Generator,
     recover_rng: torch.Generator,
+    columns: torch.Tensor | None = None,  # [columns] int64: the target ids of draft_probs' columns; None: [vocab], in order
 ) -> VerifyResult:
     """Multi-step speculative sampling down a token tree (SpecInfer; Leviathan/Chen for a chain).
 
@@ -47,7 +64,8 @@ def verify_tree(
     r <- norm(max(0, r - q_c)). Each step emits exactly r, so the node emits exactly p, as long as
     every child was drawn from its q_c given only what was drawn before it (sampled children: q
     with earlier siblings removed; deterministic children: a point mass). If no child is accepted,
-    emit y ~ r; at a leaf, a bonus y ~ p.
+    emit y ~ r; at a leaf, a bonus y ~ p. q is read at the child's column (`columns`): a draft
+    with a pruned vocabulary is verified without widening its q to the target's.
     """
     assert target_probs.shape[0] == tokens.numel() + 1, "target_probs needs a row for the root and one per node"
     path, node = [], -1
@@ -55,13 +73,13 @@ def verify_tree(
         rest = target_probs[node + 1]
         for child in tree.children(parents, node):
             token = int(tokens[child])
-            q = 1.0 if draft_probs is None else float(draft_probs[child, token])
+            q = 1.0 if draft_probs is None else float(draft_probs[child, column(columns, token)])
             # q > 0 for a token drawn from q; u < r/q accepts.
             if uniform(accept_rng) * q < float(rest[token]):
                 path.append(child)
                 node = child
                 break
-            rest = residual(rest, None if draft_probs is None else draft_probs[child], token)
+            rest = residual(rest, None if draft_probs is None else draft_probs[child], token, columns)
         else:  # no child accepted, or a leaf: rest is the residual (a leaf's is p itself)
             last = sample(rest, recover_rng)
             return VerifyResult(accepted=len(path), tokens=tokens[path].tolist() + [last], path=path)
@@ -112,10 +130,11 @@ def _follow_target(tokens: torch.Tensor, parents: torch.Tensor, target_token) ->
 
 def verify_chain(
     draft_tokens: torch.Tensor,  # [n] int64
-    draft_probs: torch.Tensor | None,  # [n, vocab], or None for point-mass drafts
+    draft_probs: torch.Tensor | None,  # [n, columns], or None for point-mass drafts
     target_probs: torch.Tensor,  # [n + 1, vocab]; row i scores draft_tokens[i], row n is the bonus
     accept_rng: torch.Generator,
     recover_rng: torch.Generator,
+    columns: torch.Tensor | None = None,  # [columns] int64 target ids of draft_probs' columns; None: [vocab]
 ) -> VerifyResult:
     """Modified rejection sampling (Leviathan Alg. 1, Chen Alg. 2): a chain is a tree of one branch.
 
@@ -123,7 +142,7 @@ def verify_chain(
     which makes this "accept with probability p_i(x_i)".
     """
     parents = torch.tensor(tree.chain_parents(draft_tokens.numel()), dtype=torch.long)
-    return verify_tree(draft_tokens, parents, draft_probs, target_probs, accept_rng, recover_rng)
+    return verify_tree(draft_tokens, parents, draft_probs, target_probs, accept_rng, recover_rng, columns)
 
 
 def verify_greedy(

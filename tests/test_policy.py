@@ -16,7 +16,7 @@ from specdec.drafters import AutoDrafter, ModelDrafter, PromptLookupDrafter
 from specdec.drafters.base import DraftRequest
 from specdec.policy import BatchDepth, Budget, CostAwareDepth, CostAwarePolicy, confidence_bin, expected_tokens
 from specdec.types import SamplingParams
-from test_tree_exact import DRAFTER_PROMPT, TableLM, proposal_deviation
+from test_tree_exact import DRAFTER_PROMPT, PRUNED_COLUMNS, PrunedTableLM, TableLM, proposal_deviation
 from test_verify_exact import Conditional, enumerator  # noqa: F401 (enumerator: a fixture)
 
 # costs under which a node pays or not depending on its value: verify nearly flat, draft levels dear
@@ -47,18 +47,25 @@ def trained_policy(depth: int, probing: bool = False) -> CostAwarePolicy:
     return policy
 
 
-def auto_iteration_deviation(enumerator, model: bool, lookup: bool, depth: int = 3, probing: bool = False) -> float:
+def auto_iteration_deviation(enumerator, model: bool, lookup: bool, depth: int = 3, probing: bool = False, pruned: bool = False,
+                             seen: list | None = None) -> float:
     """Largest deviation of one AutoDrafter + verify_tree iteration's joint from the target's,
-    every draw of the drafter and of the verifier enumerated, the policy deciding in the loop."""
+    every draw of the drafter and of the verifier enumerated, the policy deciding in the loop.
+    pruned: the draft model predicts PRUNED_COLUMNS only, of a vocabulary of 4 (lookup proposes
+    a token outside them); seen: collects the proposals."""
     draft = draft_table()
 
     def propose():
-        drafter = AutoDrafter(ModelDrafter(TableLM(draft, DRAFTER_PROMPT)) if model else None, PromptLookupDrafter() if lookup else None)
+        table = PrunedTableLM(draft, DRAFTER_PROMPT, PRUNED_COLUMNS) if pruned else TableLM(draft, DRAFTER_PROMPT)
+        drafter = AutoDrafter(ModelDrafter(table) if model else None, PromptLookupDrafter() if lookup else None)
         slot = drafter.open(DRAFTER_PROMPT)
         request = DraftRequest(slot, list(DRAFTER_PROMPT), depth, SamplingParams(temperature=1.0), None, trained_policy(depth, probing))
-        return drafter.propose([request])[0]
+        proposal = drafter.propose([request])[0]
+        if seen is not None:
+            seen.append(proposal)
+        return proposal
 
-    return proposal_deviation(enumerator, propose, Conditional(3, seed=41), depth)
+    return proposal_deviation(enumerator, propose, Conditional(4 if pruned else 3, seed=41), depth)
 
 
 @pytest.mark.parametrize("probing", [False, True], ids=["estimates", "probes due"])
@@ -67,6 +74,19 @@ def test_auto_drafter_iteration_keeps_target_distribution(enumerator, model, loo
     """Depth, which source and whether a lookup token stands beside the model's all vary with what
     was drawn, and with the probe schedule; the output still has the target's joint distribution exactly."""
     assert auto_iteration_deviation(enumerator, model, lookup, probing=probing) < 1e-9
+
+
+@pytest.mark.parametrize("probing", [False, True], ids=["estimates", "probes due"])
+@pytest.mark.parametrize("lookup", [False, True], ids=["model", "model+lookup"])
+def test_auto_drafter_iteration_with_a_pruned_draft_keeps_target_distribution(enumerator, lookup, probing):
+    """The draft model's q in its own columns beside lookup's target ids: a lookup token without a
+    column stands beside drawn nodes on a column of its own (`DraftTree`), where q is 0."""
+    seen = []
+    assert auto_iteration_deviation(enumerator, True, lookup, probing=probing, pruned=True, seen=seen) < 1e-9
+    drawn = [d for d in seen if d.probs is not None]
+    assert drawn and all(d.columns[: len(PRUNED_COLUMNS)].tolist() == PRUNED_COLUMNS for d in drawn)
+    if lookup:
+        assert any(len(d.columns) > len(PRUNED_COLUMNS) for d in drawn), "a lookup token without a column beside drawn nodes"
 
 
 @pytest.mark.parametrize("lookup", [False, True])

@@ -22,32 +22,35 @@ from specdec.verify import verify_tree, verify_tree_greedy
 from test_verify_exact import CASES, Conditional, completions, enumerator, target_joint  # noqa: F401 (enumerator: a fixture)
 
 
-def grow(draft: Conditional, branching: list[int], sampled: bool):
-    """Children of every node at depth d: pick_children(q, branching[d]); breadth first."""
+def grow(draft: Conditional, branching: list[int], sampled: bool, columns=None):
+    """Children of every node at depth d: pick_children(q, branching[d]); breadth first. columns:
+    the target ids of the draft table's columns (None: the table covers the vocabulary)."""
+    ids = list(range(draft.vocab)) if columns is None else list(columns)
     tokens, parents, probs, histories = [], [], [], {-1: ()}
     level = [-1]
     for count in branching:
         new = []
         for node in level:
-            for token, drawn_from in model_module.pick_children(draft(histories[node]), count, sampled, rng=None):
-                tokens.append(token)
+            for column, drawn_from in model_module.pick_children(draft(histories[node]), count, sampled, rng=None):
+                tokens.append(ids[column])
                 parents.append(node)
                 probs.append(drawn_from)
-                histories[len(tokens) - 1] = histories[node] + (token,)
+                histories[len(tokens) - 1] = histories[node] + (ids[column],)
                 new.append(len(tokens) - 1)
         level = new
     probs = torch.stack(probs) if sampled else None
     return torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), probs, histories
 
 
-def tree_iteration_joint(enumerator, target, draft, branching, sampled) -> dict[tuple, float]:
+def tree_iteration_joint(enumerator, target, draft, branching, sampled, columns=None) -> dict[tuple, float]:
     length = len(branching) + 1
     joint: dict[tuple, float] = {}
 
     def iteration():
-        tokens, parents, probs, histories = grow(draft, branching, sampled)
+        tokens, parents, probs, histories = grow(draft, branching, sampled, columns)
         target_probs = torch.stack([target(histories[node]) for node in range(-1, len(tokens))])
-        result = verify_tree(tokens, parents, probs, target_probs, None, None)
+        where = None if columns is None else torch.tensor(columns)
+        result = verify_tree(tokens, parents, probs, target_probs, None, None, where)
         assert result.tokens[:-1] == tokens[result.path].tolist()
         assert result.path == tree.path_to(parents, result.path[-1]) if result.path else True
         return tuple(result.tokens)
@@ -78,9 +81,26 @@ def test_tree_iteration_keeps_target_distribution(enumerator, case, sampled, voc
     assert worst < 1e-9, f"largest deviation from the target's joint: {worst:.3g}"
 
 
+# (vocab, children per node at each depth, the draft's columns: fewer target ids than the vocabulary)
+COLUMN_TREES = [(4, [2], [3, 0, 1]), (5, [2, 1], [4, 1, 2]), (4, [1, 2], [2, 0]), (5, [3], [0, 4, 2])]
+
+
+@pytest.mark.parametrize("sampled", [True, False], ids=["sampled", "top"])
+@pytest.mark.parametrize("vocab,branching,columns", COLUMN_TREES)
+def test_tree_iteration_with_q_over_fewer_columns_keeps_target_distribution(enumerator, vocab, branching, columns, sampled):
+    """Children picked in the draft's own columns (a pruned vocabulary's) and mapped to target ids;
+    verify_tree reads q at each child's column."""
+    target = Conditional(vocab, seed=vocab * 17 + len(branching))
+    draft = Conditional(len(columns), seed=600 + vocab)
+    got = tree_iteration_joint(enumerator, target, draft, branching, sampled, columns)
+    want = target_joint(target, len(branching) + 1)
+    assert abs(sum(got.values()) - 1) < 1e-9
+    assert max(abs(got.get(seq, 0.0) - p) for seq, p in want.items()) < 1e-9
+
+
 def test_tree_enumeration_catches_a_stale_residual(enumerator, monkeypatch):
     """The harness can fail: not updating the residual after a rejected sibling is caught."""
-    monkeypatch.setattr(verify_module, "residual", lambda rest, draft_probs, token: rest)
+    monkeypatch.setattr(verify_module, "residual", lambda rest, draft_probs, token, columns=None: rest)
     target, draft = Conditional(4, seed=1), Conditional(4, seed=2)
     got = tree_iteration_joint(enumerator, target, draft, [3], sampled=True)
     want = target_joint(target, 2)
@@ -133,6 +153,15 @@ class TableLM:
 
     def forward_batch(self, feeds):
         return forward_each(feeds)
+
+
+class PrunedTableLM(TableLM):
+    """A TableLM whose table covers only `columns` (target ids), as a pruned draft's logits do
+    (`runtime.pruned`); it takes any target id."""
+
+    def __init__(self, table: Conditional, prompt, columns: list[int], max_length: int = 64):
+        super().__init__(table, prompt, max_length)
+        self.columns = torch.tensor(columns, dtype=torch.long)
 
 
 class TableSequence:
@@ -207,7 +236,7 @@ def proposal_deviation(enumerator, propose, target: Conditional, depth: int) -> 
         paths = [tree.path_to(proposal.parents, node) for node in range(len(proposal))]
         histories = [()] + [tuple(proposal.tokens[path].tolist()) for path in paths]
         target_probs = torch.stack([target(h) for h in histories])
-        return tuple(verify_tree(proposal.tokens, proposal.parents, proposal.probs, target_probs, None, None).tokens)
+        return tuple(verify_tree(proposal.tokens, proposal.parents, proposal.probs, target_probs, None, None, proposal.columns).tokens)
 
     joint: dict[tuple, float] = {}
     for output, weight in enumerator.run(iteration):
@@ -217,27 +246,62 @@ def proposal_deviation(enumerator, propose, target: Conditional, depth: int) -> 
     return max(abs(joint.get(seq, 0.0) - p) for seq, p in target_joint(target, depth + 1).items())
 
 
-def drafter_iteration_deviation(enumerator, name) -> float:
-    """Largest deviation of one ModelDrafter + verify_tree iteration's joint from the target's."""
+PRUNED_COLUMNS = [3, 0, 1]  # a pruned draft's columns in a vocabulary of 4: never 2, which lookup proposes first after DRAFTER_PROMPT
+
+
+def drafter_iteration_deviation(enumerator, name, pruned: bool = False) -> float:
+    """Largest deviation of one ModelDrafter + verify_tree iteration's joint from the target's.
+    pruned: the draft model predicts PRUNED_COLUMNS only, of a vocabulary of 4."""
     options, depth = DRAFTERS[name]
-    vocab = 3
-    target, draft, inner_table = Conditional(vocab, seed=31), Conditional(vocab, seed=32), Conditional(vocab, seed=33)
+    vocab = 4 if pruned else 3
+    target, inner_table = Conditional(vocab, seed=31), Conditional(vocab, seed=33)
+    draft = Conditional(len(PRUNED_COLUMNS) if pruned else vocab, seed=32)
     inner = {"table": lambda: TableDrafter(inner_table, DRAFTER_PROMPT), "lookup": PromptLookupDrafter, None: lambda: None}[options.get("inner")]
 
     def propose():
-        drafter = ModelDrafter(TableLM(draft, DRAFTER_PROMPT), tree=options.get("tree"), inner=inner(), inner_gamma=2)
+        model = PrunedTableLM(draft, DRAFTER_PROMPT, PRUNED_COLUMNS) if pruned else TableLM(draft, DRAFTER_PROMPT)
+        drafter = ModelDrafter(model, tree=options.get("tree"), inner=inner(), inner_gamma=2)
         slot = drafter.open(DRAFTER_PROMPT)
         return drafter.propose([DraftRequest(slot, list(DRAFTER_PROMPT), depth, SamplingParams(temperature=1.0), None)])[0]
 
     return proposal_deviation(enumerator, propose, target, depth)
 
 
+@pytest.mark.parametrize("pruned", [False, True], ids=["whole vocabulary", "pruned"])
 @pytest.mark.parametrize("name", list(DRAFTERS))
-def test_model_drafter_iteration_keeps_target_distribution(enumerator, name):
+def test_model_drafter_iteration_keeps_target_distribution(enumerator, name, pruned):
     """ModelDrafter's own growth (frontier, budget, sibling rule, staged spine and siblings) feeding
-    the real verify_tree: every draw of the drafter, its inner stage and the verifier is enumerated."""
-    worst = drafter_iteration_deviation(enumerator, name)
+    the real verify_tree: every draw of the drafter, its inner stage and the verifier is enumerated.
+    Pruned: q stays in the draft's columns, and the inner's guesses are checked there (a guess
+    without a column, which both inners make, is rejected against q = 0)."""
+    worst = drafter_iteration_deviation(enumerator, name, pruned)
     assert worst < 1e-9, f"largest deviation from the target's joint: {worst:.3g}"
+
+
+def test_drafter_enumeration_catches_a_guess_cut_before_a_token_without_a_column(enumerator, monkeypatch):
+    """The harness can fail: ending the inner's guess before a token without a column, so that the
+    draft's own q is drawn there instead of the residual against the inner's guess, is caught
+    (the guess was drawn before it was seen to lack a column)."""
+    check = ModelDrafter._check_guesses
+
+    def cut(self, guess, guessed, fed, logits, q, sampled, rng):
+        return check(self, guess, guessed, len(guessed), logits[: len(guessed) + 1], q[: len(guessed) + 1], sampled, rng)
+
+    monkeypatch.setattr(ModelDrafter, "_check_guesses", cut)
+    assert drafter_iteration_deviation(enumerator, "staged chain, table inner d3", pruned=True) > 1e-3
+
+
+def test_a_pruned_model_drafter_keeps_q_in_its_columns():
+    """The drafts themselves: tokens are target ids within the columns, q is as wide as the columns."""
+    for name, (options, depth) in DRAFTERS.items():
+        inner = {"table": lambda: TableDrafter(Conditional(4, seed=33), DRAFTER_PROMPT), "lookup": PromptLookupDrafter, None: lambda: None}[options.get("inner")]
+        drafter = ModelDrafter(PrunedTableLM(Conditional(3, seed=32), DRAFTER_PROMPT, PRUNED_COLUMNS), tree=options.get("tree"), inner=inner(), inner_gamma=2)
+        for seed in range(5):
+            request = DraftRequest(drafter.open(DRAFTER_PROMPT), list(DRAFTER_PROMPT), depth, SamplingParams(temperature=1.0), torch.Generator().manual_seed(seed))
+            proposal, = drafter.propose([request])
+            assert set(proposal.tokens.tolist()) <= set(PRUNED_COLUMNS), name
+            if proposal.probs is not None:
+                assert proposal.columns.tolist() == PRUNED_COLUMNS and proposal.probs.shape == (len(proposal), 3), name
 
 
 @pytest.mark.parametrize("name", ["tree sampled 5 w3 d3", "staged tree sampled, lookup inner d3"])

@@ -17,7 +17,9 @@ Both sources' nodes share one tree: in greedy mode a token both propose is one n
 a lookup token is a point mass, and the draft model's child beside it is drawn from q with the
 lookup token removed (renormalised) and carries that distribution: siblings drawn given the earlier
 ones, which is what `verify_tree` needs to stay lossless. Whether a model token is drawn at all is
-decided on its distribution before the draw, never on the token.
+decided on its distribution before the draw, never on the token. The model's q stays in its own
+columns (a pruned vocabulary's, `VocabColumns`): a lookup token without a column has q = 0
+already, and a chosen column becomes a target id only when it becomes a node.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from specdec.drafters.base import DraftRequest, DraftSlot, DraftTree
+from specdec.drafters.base import DraftRequest, DraftSlot, DraftTree, VocabColumns
 from specdec.drafters.model import ModelDrafter, pick_children
 from specdec.drafters.prompt_lookup import PromptLookupDrafter, lookup_continuation
 from specdec.policy import MAX_DEPTH, Budget, CostAwarePolicy, confidence_bin
@@ -78,7 +80,7 @@ class AutoDrafter:
         policy = request.policy
         if not isinstance(policy, CostAwarePolicy):
             raise ValueError("the auto drafter is shaped by the cost-aware policy (gamma 'auto')")
-        budget, nodes = policy.budget(), DraftTree()
+        budget, nodes = policy.budget(), DraftTree(self.model.columns if self.model is not None else VocabColumns())
         depth = min(request.max_tokens, self.max_lookup)
         chains = [(source.kind, source.proposal(request.context, depth)) for source in request.chains]
         if self.lookup is not None:
@@ -136,19 +138,21 @@ class AutoDrafter:
         (with `force`, the best one whether it pays or not); returns the level's nodes (lookup nodes
         the model also proposes included, at no cost). Chosen children: greedy, the most likely;
         keyed, those ranked first by the level's noise."""
-        candidates = []  # (value, parent, token or None for a draw, q, source)
+        candidates = []  # (value, parent, column or None for a draw, q, source); q: [columns]
+        columns = nodes.columns
         for parent, q in zip(frontier, rows):
             if request.point_masses:
-                tokens = torch.topk(q, min(width, q.numel())).indices.tolist() if request.noise is None else ranked(q, request.noise(level - 1), width)
-                for token in tokens:
-                    source = ("model", confidence_bin(float(q[token])))
-                    candidates.append((nodes.value(parent) * policy.accept_probability(source), parent, token, q, source))
+                chosen = torch.topk(q, min(width, q.numel())).indices.tolist() if request.noise is None else \
+                    ranked(q, columns.select(request.noise(level - 1)), width)
+                for column in chosen:
+                    source = ("model", confidence_bin(float(q[column])))
+                    candidates.append((nodes.value(parent) * policy.accept_probability(source), parent, column, q, source))
             else:  # the decision is taken on q before anything is drawn from it
                 source = ("model", confidence_bin(float(q.max())))
                 candidates.append((nodes.value(parent) * policy.accept_probability(source), parent, None, q, source))
         grown = []
-        for value, parent, token, q, source in sorted(candidates, key=lambda c: -c[0]):
-            existing = nodes.child(parent, token) if token is not None else None
+        for value, parent, column, q, source in sorted(candidates, key=lambda c: -c[0]):
+            existing = nodes.child(parent, columns.token(column)) if column is not None else None
             if existing is not None:  # lookup proposed it too: one node, two sources
                 nodes.sources[existing].append(source)
                 grown.append(existing)
@@ -157,12 +161,12 @@ class AutoDrafter:
                 continue  # no sequence id left for another branch
             if not (budget.take_node(value) or (force and not grown)):
                 break
-            if token is None:
-                drawn = list(pick_children(q, 1, True, request.rng, exclude=nodes.child_tokens(parent)))
+            if column is None:
+                drawn = list(pick_children(q, 1, True, request.rng, exclude=columns.inside(nodes.child_tokens(parent))))
                 if not drawn:
                     continue
-                (token, drawn_from), = drawn
+                (column, drawn_from), = drawn
             else:
                 drawn_from = None
-            grown.append(nodes.add(token, parent, drawn_from, value, source))
+            grown.append(nodes.add(columns.token(column), parent, drawn_from, value, source))
         return grown

@@ -122,17 +122,57 @@ class ContextDrafter:
         pass
 
 
+class VocabColumns:
+    """Which target token each column of a draft model's distributions stands for: ids[c] for
+    column c (a pruned vocabulary's, `runtime.pruned`), or c itself when ids is None (the target's
+    whole vocabulary: every method is then the identity, at no cost). Drafters choose columns and
+    map only the chosen ones to target ids; q is 0 at a target id outside the columns."""
+
+    def __init__(self, ids: torch.Tensor | None = None):  # [columns] int64 distinct target ids, or None
+        self.ids = ids
+        self._tokens = None if ids is None else ids.tolist()
+        self._columns = None if ids is None else {token: c for c, token in enumerate(self._tokens)}
+
+    def token(self, column: int) -> int:
+        return column if self._tokens is None else self._tokens[column]
+
+    def column(self, token: int) -> int | None:
+        """The column of target id `token`, None outside the columns (where q is 0)."""
+        return token if self._columns is None else self._columns.get(token)
+
+    def inside(self, tokens: Sequence[int]) -> list[int]:
+        """The columns of those `tokens` that have one (to exclude them from q: the others are 0 there)."""
+        return list(tokens) if self._columns is None else [self._columns[t] for t in tokens if t in self._columns]
+
+    def leading(self, tokens: Sequence[int]) -> list[int]:
+        """The columns of `tokens` up to the first that has none."""
+        if self._columns is None:
+            return list(tokens)
+        columns = []
+        for token in tokens:
+            if token not in self._columns:
+                break
+            columns.append(self._columns[token])
+        return columns
+
+    def select(self, full: torch.Tensor) -> torch.Tensor:
+        """[..., vocab] indexed by target id -> [..., columns]."""
+        return full if self.ids is None else full[..., self.ids]
+
+
 @dataclass
 class DraftTree:
     """A draft being grown, by any drafter that grows trees (the draft model's, the default's).
-    Node i has a token, a parent (-1: the root, the last committed token), the distribution it
-    was drawn from (None: a point mass), its value, and the sources that proposed it. A value is
-    a probability of the node's whole path (the draft model's, or the policy's estimate that it is
-    accepted): a child's never exceeds its parent's, and the root's is 1."""
+    Node i has a token (a target id), a parent (-1: the root, the last committed token), the
+    distribution it was drawn from (None: a point mass; else over `columns`), its value, and the
+    sources that proposed it. A value is a probability of the node's whole path (the draft
+    model's, or the policy's estimate that it is accepted): a child's never exceeds its parent's,
+    and the root's is 1."""
 
+    columns: VocabColumns = field(default_factory=VocabColumns)
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
-    drawn_from: list[torch.Tensor | None] = field(default_factory=list)
+    drawn_from: list[torch.Tensor | None] = field(default_factory=list)  # each [columns]
     values: list[float] = field(default_factory=list)
     sources: list[list[tuple[str, int]]] = field(default_factory=list)
     branches: int = 0  # nodes that are not their parent's first child: each needs a branch (a llama.cpp sequence id)
@@ -168,17 +208,32 @@ class DraftTree:
         renumber = {old: new for new, old in enumerate(keep)}
         tokens = torch.tensor([self.tokens[i] for i in keep], dtype=torch.long)
         parents = torch.tensor([renumber[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep], dtype=torch.long)
-        drawn = [self.drawn_from[i] for i in keep if self.drawn_from[i] is not None]
-        probs = None
-        if drawn:
-            probs = torch.zeros(len(keep), drawn[0].numel(), dtype=drawn[0].dtype)
-            for row, i in enumerate(keep):
-                if self.drawn_from[i] is None:
-                    probs[row, self.tokens[i]] = 1.0
-                else:
-                    probs[row] = self.drawn_from[i]
+        drawn = any(self.drawn_from[i] is not None for i in keep)
+        probs, columns = self._distributions(keep) if drawn else (None, None)
         sources = [self.sources[i] for i in keep] if any(self.sources) else None
-        return Draft(tokens, probs, parents, sources)
+        return Draft(tokens, probs, parents, sources, columns)
+
+    def _distributions(self, keep: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The kept nodes' rows ([len(keep), columns]) and their columns' target ids (None: the
+        whole vocabulary). A point mass at a token outside the draft's columns (a lookup token the
+        draft model cannot propose) gets a column of its own after them, where every drawn row
+        is 0, exactly what q is there: the rows stay in the draft's space, never the target's."""
+        drawn = next(self.drawn_from[i] for i in keep if self.drawn_from[i] is not None)
+        masses = dict.fromkeys(self.tokens[i] for i in keep if self.drawn_from[i] is None)
+        extra = [token for token in masses if self.columns.column(token) is None]
+        width = drawn.numel()
+        column = {token: width + j for j, token in enumerate(extra)}
+        column.update((token, self.columns.column(token)) for token in masses if token not in column)
+        probs = torch.zeros(len(keep), width + len(extra), dtype=drawn.dtype)
+        for row, i in enumerate(keep):
+            if self.drawn_from[i] is None:
+                probs[row, column[self.tokens[i]]] = 1.0
+            else:
+                probs[row, :width] = self.drawn_from[i]
+        columns = self.columns.ids
+        if extra:
+            columns = torch.cat([columns, torch.tensor(extra, dtype=torch.long)])
+        return probs, columns
 
 
 def attempt(work):

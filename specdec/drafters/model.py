@@ -13,6 +13,11 @@ draft's most likely continuation) in greedy mode or with `TreeShape(sampled=Fals
 each child is drawn from the draft's distribution with its earlier siblings removed (without
 replacement, so no node is spent on a duplicate) and carries that distribution, which is what
 `verify_tree` needs.
+
+A draft model with a pruned vocabulary (`runtime.pruned`) gives logits over its own columns: q
+stays there, children are chosen as columns, and only they are mapped to target ids
+(`VocabColumns`); a target id to exclude from q (an earlier sibling) is mapped to its column, and
+one without a column has q = 0 already.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Callable, Sequence
 import torch
 
 from specdec import tree
-from specdec.drafters.base import ContextDrafter, DraftRequest, DraftSlot, DraftTree, empty_draft
+from specdec.drafters.base import ContextDrafter, DraftRequest, DraftSlot, DraftTree, VocabColumns, empty_draft
 from specdec.errors import SpecDecError
 from specdec.runtime import CausalLM
 from specdec.runtime import base as runtime
@@ -57,8 +62,9 @@ class TreeShape:
 
 
 def pick_children(q: torch.Tensor, count: int, sampled: bool, rng: torch.Generator, exclude: Sequence[int] = ()):
-    """Up to `count` children for a node whose draft distribution is q, never a token in `exclude`
-    (those are earlier siblings). Yields (token, the distribution it was drawn from or None).
+    """Up to `count` children for a node whose draft distribution is q ([columns]), never a column
+    in `exclude` (those are earlier siblings). Yields (column, the distribution it was drawn from
+    or None).
 
     Deterministic: the most likely tokens with q > 0. Sampled: each child is drawn from q with the
     earlier siblings removed and renormalised; after the first, another is drawn only while at
@@ -82,10 +88,11 @@ def pick_children(q: torch.Tensor, count: int, sampled: bool, rng: torch.Generat
 
 
 def _add_children(nodes: DraftTree, parent: int, q: torch.Tensor, count: int, sampled: bool, rng, exclude: Sequence[int] = ()) -> list[int]:
-    """Children of `parent`, whose draft distribution is q, from `pick_children`, each worth its
-    path's draft probability; returns their indices."""
-    return [nodes.add(token, parent, drawn_from, nodes.value(parent) * float(q[token]))
-            for token, drawn_from in pick_children(q, count, sampled, rng, exclude)]
+    """Children of `parent`, whose draft distribution is q ([columns]), from `pick_children`, never
+    a target id in `exclude`, each worth its path's draft probability; returns their indices."""
+    columns = nodes.columns
+    return [nodes.add(columns.token(column), parent, drawn_from, nodes.value(parent) * float(q[column]))
+            for column, drawn_from in pick_children(q, count, sampled, rng, columns.inside(exclude))]
 
 
 def _settled(nodes: DraftTree, frontier: list[int], budget: int) -> bool:
@@ -121,6 +128,7 @@ class ModelDrafter:
             raise SpecDecError(f"the inner draft length must be a positive integer, got {inner_gamma!r}")
         self.model, self.tree, self.inner, self.inner_gamma = model, tree, inner, inner_gamma
         self.reads_target_states = bool(getattr(model, "reads_target_states", False))
+        self.columns = VocabColumns(getattr(model, "columns", None))  # of the model's logits: a pruned vocabulary's, or all
         self.name = "draft-model" + (f"+{inner.name}" if inner else "") + (f" tree {tree.nodes}" if tree else "")
 
     def open(self, prompt: Sequence[int]) -> _Slot:
@@ -177,7 +185,7 @@ class ModelDrafter:
             shape = TreeShape(nodes=depth, width=1, sampled=shape.sampled)
         sampled = shape.sampled and not sampling.greedy
         depth = min(depth, shape.nodes)
-        nodes = DraftTree()
+        nodes = DraftTree(self.columns)
         if self.inner is None:
             yield from self._grow_levels(slot, nodes, depth, shape, sampled, sampling, rng)
         else:  # the spine takes depth slots, each draft² guess one more while it is checked
@@ -192,12 +200,12 @@ class ModelDrafter:
         grows trees with this model (this one's `tree` shape, the `AutoDrafter`'s policy), as a
         generator of its forwards (see `forward_together`). What differs is passed in:
         `children(level, frontier, rows)` adds the children of the frontier's nodes, whose draft
-        distributions are rows ([len(frontier), vocab]), at `level` (1: the root's children), and
+        distributions are rows ([len(frontier), columns]), at `level` (1: the root's children), and
         returns the level's nodes; `expand(level, grown)` picks those of them fed next, in one
         forward that gives their own distributions ([]: the tree is done). The tree also ends at
         `depth` and at a level that grew nothing."""
         frontier = [-1]  # the root: its distribution comes from feeding the pending committed tokens
-        rows = self.distributions((yield from self.feed_committed(slot))[-1:], sampling)  # [1, vocab]
+        rows = self.distributions((yield from self.feed_committed(slot))[-1:], sampling)  # [1, columns]
         for level in range(1, depth + 1):
             grown = children(level, frontier, rows)
             if level == depth or not grown:
@@ -206,7 +214,7 @@ class ModelDrafter:
             if not frontier:
                 return
             logits = yield from self.feed_frontier(slot, frontier, nodes.tokens, nodes.parents)
-            rows = self.distributions(logits, sampling)  # [len(frontier), vocab]
+            rows = self.distributions(logits, sampling)  # [len(frontier), columns]
 
     def _grow_levels(self, slot: _Slot, nodes: DraftTree, depth: int, shape: TreeShape, sampled: bool, sampling, rng):
         """A `shape`d tree: each frontier node gets up to `width` children (`_add_children`); the best
@@ -234,30 +242,48 @@ class ModelDrafter:
     def _grow_staged(self, slot: _Slot, nodes: DraftTree, context, depth: int, shape: TreeShape, sampled: bool, sampling, rng, inner_gamma: int):
         """The spine: the draft model's own continuation, decoded speculatively with the inner
         drafter (lossless for the draft model: each spine token is distributed as q given those
-        before it). With a tree shape, siblings are added along the spine from the same rows."""
-        spine, rows = [], []
+        before it), its guesses checked in the draft's columns (`_check_guesses`). With a tree
+        shape, siblings are added along the spine from the same rows."""
+        spine, spine_columns, rows = [], [], []
         while len(spine) < depth:
             guess = self.inner.propose_one(list(context) + spine, min(inner_gamma, depth - len(spine) - 1), sampling, rng)
             if not tree.is_chain(guess.parents):
                 raise ValueError(f"the inner drafter {self.inner.name} must propose a chain")
-            guess_tokens = guess.tokens.tolist()
+            guessed = self.columns.leading(guess.tokens.tolist())
+            fed = guess.tokens[: len(guessed) + 1].tolist()  # one without a column is rejected for sure: none after it matters
             if not spine:
-                logits = yield from self.feed_committed(slot, guess_tokens)
+                logits = yield from self.feed_committed(slot, fed)
             else:
-                parents = [len(slot.branch_tokens) - 1 + j for j in range(len(guess_tokens) + 1)]
-                logits = yield from self.feed_nodes(slot, [spine[-1]] + guess_tokens, parents)
-            q = self.distributions(logits, sampling)  # [len(guess) + 1, vocab]
-            if not sampled:  # deterministic children: the spine is the draft's most likely continuation
-                result = verify_greedy(guess.tokens, logits)
-            else:
-                result = verify_chain(guess.tokens, guess.probs, q, rng, rng)
-            self._drop_branch_tail(slot, len(guess_tokens) - result.accepted)  # the rejected guesses
-            spine += result.tokens
+                parents = [len(slot.branch_tokens) - 1 + j for j in range(len(fed) + 1)]
+                logits = yield from self.feed_nodes(slot, [spine[-1]] + fed, parents)
+            q = self.distributions(logits, sampling)  # [len(fed) + 1, columns]
+            result = self._check_guesses(guess, guessed, len(fed), logits, q, sampled, rng)
+            self._drop_branch_tail(slot, len(fed) - result.accepted)  # the rejected guesses
+            spine += [self.columns.token(column) for column in result.tokens]
+            spine_columns += result.tokens
             rows += list(q[: result.accepted + 1])
-        for i, (token, q) in enumerate(zip(spine, rows)):
-            nodes.add(token, i - 1, q if sampled else None, nodes.value(i - 1) * float(q[token]))
+        for i, (column, q) in enumerate(zip(spine_columns, rows)):
+            nodes.add(spine[i], i - 1, q if sampled else None, nodes.value(i - 1) * float(q[column]))
         if self.tree is not None:
             self._add_siblings(nodes, rows, shape, sampled, rng)
+
+    def _check_guesses(self, guess: Draft, guessed: list[int], fed: int, logits: torch.Tensor, q: torch.Tensor, sampled: bool, rng):
+        """The inner's first `fed` guesses (target ids; the first len(guessed) have those columns)
+        verified against the draft's logits and q ([fed + 1, columns]); the result's tokens are
+        columns. A last guess without a column gets one of its own after the draft's, where q is 0
+        and the inner's probability of it lies: it is rejected and the residual drawn exactly as
+        they would be in the target's vocabulary (not q itself: the guess was drawn before it was
+        seen to lack a column)."""
+        outside = fed > len(guessed)  # never for a draft over the whole vocabulary
+        tokens = torch.tensor(guessed + [q.shape[-1]] * outside, dtype=torch.long)
+        if not sampled:  # deterministic children: the spine is the draft's most likely continuation
+            return verify_greedy(tokens, torch.nn.functional.pad(logits, (0, 1), value=-torch.inf) if outside else logits)
+        probs = None if guess.probs is None else self.columns.select(guess.probs[:fed])  # [fed, columns]
+        if outside:
+            q = torch.nn.functional.pad(q, (0, 1))
+            if probs is not None:
+                probs = torch.cat([probs, guess.probs[:fed, guess.tokens[fed - 1]].unsqueeze(1)], dim=1)
+        return verify_chain(tokens, probs, q, rng, rng)
 
     def _add_siblings(self, nodes: DraftTree, rows, shape: TreeShape, sampled: bool, rng) -> None:
         """Leaves beside the spine, root side first: each spine position may get up to width - 1 more
@@ -268,7 +294,8 @@ class ModelDrafter:
             _add_children(nodes, i - 1, q, count, sampled, rng, exclude=[spine[i]])
 
     def distributions(self, logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-        """q after the sampling transform; in greedy mode the plain softmax, used only to rank nodes."""
+        """q ([rows, columns]) after the sampling transform; in greedy mode the plain softmax, used
+        only to rank nodes."""
         return torch.softmax(logits, dim=-1) if sampling.greedy else probs_from_logits(logits, sampling)
 
     def feed_committed(self, slot: _Slot, chain: list[int] = ()):

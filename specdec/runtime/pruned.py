@@ -2,10 +2,13 @@
 
 The draft model has its own small vocabulary: draft id i stands for target id `target_ids[i]`, and
 one more id, `unknown`, stands for every other target token in its input. `PrunedVocab` wraps the
-loaded draft so that the engine sees the target's vocabulary: target ids in, target-sized logits
-out, with -inf (q = 0) at every token the draft cannot predict. Speculative sampling stays exact:
-the draft never proposes such a token, and the residual max(0, p - q) = p there gives the target its
-full mass back after a rejection. The unknown id is an input only; it is never proposed either.
+loaded draft so that it takes target ids and gives logits over its own predicted tokens only:
+column c is target id `columns[c]`, and every other target token has q = 0. Drafters choose in
+that space and map only the chosen tokens to target ids, and the verifier reads q there
+(`Draft.columns`): nothing is widened to the target's vocabulary. Speculative sampling stays
+exact: the draft never proposes a token outside its columns, and the residual max(0, p - q) = p
+there gives the target its full mass back after a rejection. The unknown id is an input only; it
+is never proposed either.
 
 The map travels with the draft: `vocab_map.json` in a checkpoint directory, the metadata keys
 `specdec.vocab_map.*` in a GGUF file. It records the target tokenizer's fingerprint, so a draft is
@@ -100,7 +103,8 @@ def _gguf_map(path: Path) -> VocabMap | None:
 
 
 class PrunedVocab:
-    """A draft model with a `VocabMap`, seen through the target's vocabulary (see the module docstring)."""
+    """A draft model with a `VocabMap`: target ids in (`vocab_size` is the target's), logits over its
+    own predicted tokens out, whose target ids are `columns` (see the module docstring)."""
 
     def __init__(self, draft: base.CausalLM, vocab_map: VocabMap, target_tokenizer):
         vocab_map.check()
@@ -114,15 +118,15 @@ class PrunedVocab:
         self.tokenizer, self.vocab_size = target_tokenizer, vocab_map.target_vocab_size
         self.stop_token_ids = frozenset(int(vocab_map.target_ids[i]) for i in draft.stop_token_ids if i < vocab_map.unknown)
         self._to_draft = torch.from_numpy(vocab_map.to_draft())
-        self._columns = torch.tensor(vocab_map.target_ids, dtype=torch.long)
+        self.columns = torch.tensor(vocab_map.target_ids, dtype=torch.long)  # [columns]: the target id of each logit's column
 
-    device_logits = False  # logits come back on the CPU, in the target's vocabulary
+    device_logits = False  # logits come back on the CPU, one column per predicted token (`columns`)
 
     def __getattr__(self, name):  # path, backend, max_length, weight_bytes, dtype ...: the draft model's own
         return getattr(self.inner, name)
 
     def describe(self) -> str:
-        return f"{self.inner.describe()}, predicting {len(self._columns)} of the target's {self.vocab_size} tokens"
+        return f"{self.inner.describe()}, predicting {len(self.columns)} of the target's {self.vocab_size} tokens"
 
     def sequence(self) -> PrunedSequence:
         return PrunedSequence(self, self.inner.sequence())
@@ -130,15 +134,13 @@ class PrunedVocab:
     def draft_tokens(self, tokens) -> list[int]:
         return self._to_draft[torch.as_tensor(tokens, dtype=torch.long).reshape(-1)].tolist()
 
-    def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """[n, draft vocab] -> [n, target vocab]: each predicted token's logit at its target id, -inf elsewhere."""
-        out = torch.full((logits.shape[0], self.vocab_size), -torch.inf, dtype=logits.dtype)
-        out[:, self._columns] = logits[:, : len(self._columns)]
-        return out
+    def predicted(self, logits: torch.Tensor) -> torch.Tensor:
+        """[n, draft vocab] -> [n, columns]: the unknown id's column dropped (an input only)."""
+        return logits[:, : len(self.columns)]
 
     def forward_batch(self, feeds: list[base.Feed]) -> list[torch.Tensor]:
         inner = [base.Feed(f.sequence.inner, self.draft_tokens(f.tokens), f.parents, f.last) for f in feeds]
-        return [self.target_logits(logits) for logits in self.inner.forward_batch(inner)]
+        return [self.predicted(logits) for logits in self.inner.forward_batch(inner)]
 
 
 class PrunedSequence:
@@ -152,7 +154,7 @@ class PrunedSequence:
         return self.inner.cache_len
 
     def forward(self, tokens, parents=None, last: int | None = None) -> torch.Tensor:
-        return self.owner.target_logits(self.inner.forward(self.owner.draft_tokens(tokens), parents, last))
+        return self.owner.predicted(self.inner.forward(self.owner.draft_tokens(tokens), parents, last))
 
     def keep(self, start: int, indices) -> None:
         self.inner.keep(start, indices)
