@@ -19,6 +19,7 @@ Files: DIR/head.safetensors (the network and the two matrices of target rows) an
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from specdec.runtime.entries import SequenceEntries
 from specdec.runtime.pruned import VocabMap
 
 HEAD_FILE, CONFIG_FILE = "head.safetensors", "head.json"
-UNSEEN_STEPS = 16  # entries walked back for a state the target gave; past that the head starts from zeros
+KEPT_STATES = 16  # the target's states a sequence keeps, by position (it reads the latest; a few spare for a rollback)
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ class HeadModel:
         """Fill in the guessed states of `targets` and of the entries they read from, in waves: each
         wave holds the entries whose input state is known, all in one run of the network."""
         plan = _plan(targets)
-        with torch.inference_mode():
+        with torch.inference_mode(), _one_thread():
             for wave in plan:
                 states = torch.stack([sequence.input_state(entry) for sequence, entry in wave])  # [n, width]
                 tokens = torch.tensor([sequence.token(entry) for sequence, entry in wave])
@@ -211,6 +212,18 @@ class HeadModel:
         return rows
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """torch on one thread for the head's small matmuls: a second thread only waits on the first at
+    these sizes, and spins for milliseconds when another process holds a core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _kernel_score(target: base.CausalLM, vocab_map: VocabMap):
     """The head's scoring by `cpu_head.CpuHead` over the target's own rows of its GGUF output matrix, or
     None where that kernel cannot run (not llama.cpp, no AVX-512 VNNI, a matrix type it does not take)."""
@@ -224,25 +237,18 @@ def _kernel_score(target: base.CausalLM, vocab_map: VocabMap):
 
 
 def _plan(targets: list[tuple[HeadSequence, int]]) -> list[list[tuple[HeadSequence, int]]]:
-    """Waves of entries to run, each needing only states known before it: an entry needs its
-    parent's state, from the target (observed), from an earlier guess, or from its own wave's
-    predecessor; walking back stops after UNSEEN_STEPS entries (that one starts from zeros)."""
+    """Waves of the entries to compute (those asked for and not yet guessed), each wave needing only
+    states known before it: an entry reads its parent's state, the target's (observed), the head's
+    earlier guess, or a guess of an earlier wave when its parent is asked for too. A parent with none
+    of these, not asked for, reads zeros (`input_state`): the head never computes what nobody asked."""
     depth: dict[tuple[int, int], int] = {}
     order: list[tuple[HeadSequence, int]] = []
-
-    def level(sequence: HeadSequence, entry: int, steps: int) -> int:
-        key = (id(sequence), entry)
-        if key in depth:
-            return depth[key]
-        parent = sequence.parent(entry)
-        known = parent < 0 or steps >= UNSEEN_STEPS or sequence.observed(parent) is not None or sequence.guesses[parent] is not None
-        depth[key] = 0 if known else level(sequence, parent, steps + 1) + 1
+    for sequence, entry in sorted(set(targets), key=lambda t: (id(t[0]), t[1])):  # parents (earlier entries) first
+        if sequence.guesses[entry] is not None:
+            continue
+        parent = (id(sequence), sequence.parent(entry))
+        depth[(id(sequence), entry)] = depth[parent] + 1 if parent in depth else 0  # a parent computed here first
         order.append((sequence, entry))
-        return depth[key]
-
-    for sequence, entry in targets:
-        if sequence.guesses[entry] is None:
-            level(sequence, entry, 0)
     waves: list[list] = [[] for _ in range(max(depth.values(), default=-1) + 1)]
     for sequence, entry in order:
         waves[depth[(id(sequence), entry)]].append((sequence, entry))
@@ -265,9 +271,9 @@ class HeadSequence(SequenceEntries):
     def observe(self, position: int, state: torch.Tensor) -> None:
         """The target's final-norm state at `position` of the committed text ([width]). Positions
         below it keep theirs only while they could still be read (the head reads one state back)."""
-        self._observed = {p: s for p, s in self._observed.items() if position - UNSEEN_STEPS < p < position}
+        self._observed = {p: s for p, s in self._observed.items() if position - KEPT_STATES < p < position}
         self._observed[position] = state.detach().float().cpu()
-        for entry in range(max(0, self.cache_len - UNSEEN_STEPS), self.cache_len):  # guesses that read a now-known state are stale
+        for entry in range(max(0, self.cache_len - KEPT_STATES), self.cache_len):  # guesses that read a now-known state are stale
             if self._positions[entry] == position + 1 and self.parent(entry) >= 0:
                 self.guesses[entry] = None
 
@@ -284,7 +290,7 @@ class HeadSequence(SequenceEntries):
 
     def input_state(self, entry: int) -> torch.Tensor:
         """The state entry's guess reads: its parent's, the target's where known, else the head's own
-        (zeros at position 0 and past UNSEEN_STEPS, where `_plan` left it uncomputed)."""
+        (zeros at position 0 and where `_plan` left the parent uncomputed)."""
         parent = self._parents[entry]
         if parent < 0:
             return torch.zeros(self.owner.hidden_size)
