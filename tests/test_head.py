@@ -427,8 +427,10 @@ def test_sampled_speculation_with_a_head_keeps_the_target_distribution_llamacpp(
         counts[tuple(result.tokens)] += 1
         drafted, accepted = drafted + result.stats.drafted, accepted + result.stats.accepted
     assert 0.02 < accepted / drafted < 0.95 and accepted > 50, "both acceptances and rejections must happen"
-    assert sum(n for seq, n in counts.items() if seq[0] not in keep) > 20, "tokens the head cannot propose must still be emitted"
-    assert chi_square(counts, pruned_joint(target, prompt, SamplingParams(**setting), SAMPLES), SAMPLES) > ALPHA
+    joint = pruned_joint(target, prompt, SamplingParams(**setting), SAMPLES)
+    if sum(p for seq, p in joint.items() if seq[0] not in keep) > 0.03:  # at T 0.7 top-5 the first token is always kept
+        assert sum(n for seq, n in counts.items() if seq[0] not in keep) > 20, "tokens the head cannot propose must still be emitted"
+    assert chi_square(counts, joint, SAMPLES) > ALPHA
 
 
 # ------------------------------------------------------------------------------ refusals
@@ -531,5 +533,7 @@ def test_the_cli_trains_a_head_that_generate_takes(gguf_models, tmp_path):
 
 
 def test_the_cli_refuses_a_head_without_a_target(tmp_path):
-    done = run("train", "--head", "-o", str(tmp_path / "h"), str(tmp_path), timeout=120)
-    assert done.returncode != 0 and "--distill-from" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    (tmp_path / "text.txt").write_text("abc def ghi jkl m " * 200)  # files to train on: the refusal is the missing target's
+    done = run("train", "--head", "-o", str(tmp_path / "h"), str(tmp_path), "--steps", "1", timeout=120)
+    assert done.returncode == 1 and "--distill-from" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "h").exists(), "nothing is trained"

@@ -63,6 +63,8 @@ def run_train(args) -> None:
 
     given = {name: value for name, value in vars(args).items() if value is not None}
     if args.distill_from is None:
+        if args.head:
+            raise SpecDecError("--head trains a draft head on a target's states: name the target with --distill-from TARGET")
         config = TrainConfig(**{f.name: given[f.name] for f in fields(TrainConfig) if f.name in given})
         state = train(config)
         loss = state.history[-1]["heldout_loss"] if state.history else float("nan")
