@@ -41,6 +41,7 @@ from specdec.engine import DecodeState, Engine
 from specdec.policy import FixedGamma
 from specdec.runtime import load_draft
 from specdec.runtime.head import HeadModel, HeadNet, HeadShape, save_head
+from specdec.runtime.prefix import PrefixCache
 from specdec.runtime.pruned import PrunedVocab, VocabMap
 from specdec.runtime.vocab import tokenizer_fingerprint
 from specdec.sampling import RandomStreams, probs_from_logits
@@ -339,14 +340,17 @@ MATRIX_PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]  # repeats: prompt lookup has dra
 
 @pytest.fixture(scope="module")
 def arch_head_dirs(tmp_path_factory):
-    """A saved 2-layer target per architecture and an untrained head for it, made when first asked for."""
+    """A saved 2-layer target per architecture and an untrained head for it, made when first asked
+    for. The head predicts the tokens of the target's greedy output and two more: few, so that it
+    agrees with the target now and then."""
     root, made = tmp_path_factory.mktemp("head-architectures"), {}
 
     def make(arch: str) -> tuple[str, Path]:
         if arch not in made:
             target_dir = str(save_tiny_model(root / arch, arch, seed=list(ARCHITECTURES).index(arch)))
             target = specdec.load_model(target_dir, device="cpu", dtype="float64")
-            head_for(target, HF_KEEP, root / f"{arch}-head")
+            greedy = set(reference_greedy(target, MATRIX_PROMPT, 24))
+            head_for(target, sorted(greedy | set([t for t in range(16) if t not in greedy][:2])), root / f"{arch}-head")
             made[arch] = target_dir, root / f"{arch}-head"
         return made[arch]
 
@@ -365,7 +369,7 @@ def test_every_head_drafter_equals_plain_greedy_on_the_architecture_matrix(arch,
             pytest.skip(f"transformers has no {implementation} attention for {arch}")
         raise
     draft = load_draft(head_dir, target)
-    new = target.max_length - len(MATRIX_PROMPT)  # into the context's end
+    new = min(100, target.max_length - len(MATRIX_PROMPT))  # into the context's end (Bloom's is 2048)
     plain = SpeculativeDecoder(target).generate(MATRIX_PROMPT, max_new_tokens=new, temperature=0).tokens
     assert plain == reference_greedy(target, MATRIX_PROMPT, len(plain))
     drafters = {"chain": (ModelDrafter(draft), 3), "tree": (ModelDrafter(draft, tree=TreeShape(nodes=8, width=2)), 3),
@@ -500,11 +504,8 @@ def test_generations_without_states_are_refused(trained, gguf_models, tmp_path):
 
 
 def test_training_a_head_from_a_checkpoint_target(model_dirs, tmp_path):
-    corpus = tmp_path / "text"
-    corpus.mkdir()
-    for i in range(6):
-        (corpus / f"t{i}.txt").write_text("abc def ghi jkl m " * 40)
-    out = tmp_path / "h"
+    corpus, out = tmp_path / "text.txt", tmp_path / "h"
+    corpus.write_text("abc def ghi jkl m " * 240)
     summary = distill_head(DistillConfig(target=model_dirs["llama-eos"], output=str(out), files=[str(corpus)], corpus_tokens=5000, prompts=24,
                                          short_prompts=8, prompt_tokens=8, new_tokens=8, draft_vocab=10, steps=20, head=True, **TINY_DRAFT))
     assert summary["shape"] == {"width": 32, "blocks": 2, "inner": 64, "vocab": 10} and len(summary["heldout_agreement_by_depth"]) == 3
@@ -537,3 +538,20 @@ def test_the_cli_refuses_a_head_without_a_target(tmp_path):
     done = run("train", "--head", "-o", str(tmp_path / "h"), str(tmp_path), "--steps", "1", timeout=120)
     assert done.returncode == 1 and "--distill-from" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "h").exists(), "nothing is trained"
+
+
+@pytest.mark.xfail(strict=True, reason="engine.prefill reports a state only after feeding a chunk: a prompt whose "
+                                       "text but the last token is all in the prefix cache is fed nothing, so the head "
+                                       "drafts its first step without the target's state (lossless, less accepted)")
+def test_a_prompt_taken_whole_from_the_prefix_cache_still_tells_the_head_the_targets_state(hf_head):
+    target, draft, _ = hf_head
+    engine = Engine(target, ModelDrafter(draft), prefixes=PrefixCache(target, 4096, min_shared=4))
+    for attempt in range(2):  # the second opens on the first's kept cache, which holds the whole prompt but its last token
+        state = DecodeState(list(PREFIX), SamplingParams(0.0), 4, FixedGamma(2), RandomStreams(0))
+        engine.open(state)
+        observed = head_of(state.draft_slot)._observed.get(len(PREFIX) - 2)
+        assert observed is not None, f"generation {attempt}: no state reported after the prompt"
+        torch.testing.assert_close(observed, final_norm_output(target, PREFIX[:-1]).float(), rtol=0, atol=1e-6)
+        while state.finish_reason is None:
+            engine.step([state])
+        engine.close(state)
