@@ -65,6 +65,8 @@ def run_train(args) -> None:
     if args.distill_from is None and args.head:
         raise SpecDecError("--head trains a draft head for a target: give it with --distill-from TARGET")
     if args.distill_from is None:
+        if args.head:
+            raise SpecDecError("--head trains a draft head on a target's states: name the target with --distill-from TARGET")
         config = TrainConfig(**{f.name: given[f.name] for f in fields(TrainConfig) if f.name in given})
         state = train(config)
         loss = state.history[-1]["heldout_loss"] if state.history else float("nan")
