@@ -110,7 +110,9 @@ class Engine:
         """Take the generation's slots; its prompt is not fed yet (`prefill`)."""
         state.context = list(state.prompt)
         state.token_limit = min(state.max_new_tokens, self.target.max_length - len(state.context))
-        state.sequence = self.prefixes.take(state.context, state.scope) if self.prefixes is not None else self.target.sequence()
+        # a drafter that reads states gets one from the prefill: at least one prompt token is fed
+        reusable = state.context[:-1] if self.reads_states else state.context
+        state.sequence = self.prefixes.take(reusable, state.scope) if self.prefixes is not None else self.target.sequence()
         state.stats.cached_tokens = state.sequence.cache_len
         try:
             if self.drafter is not None:

@@ -106,12 +106,13 @@ def hf_head(model_dirs, tmp_path_factory):
 def test_the_head_is_made_of_the_targets_rows(hf_head):
     target, draft, _ = hf_head
     net = draft.inner.net
-    assert torch.equal(net.inputs[:-1], target.model.get_input_embeddings().weight[HF_KEEP].float())
+    dtype = net.inputs.dtype  # loaded for inference: bfloat16 where the CPU has it
+    assert torch.equal(net.inputs[:-1], target.model.get_input_embeddings().weight[HF_KEEP].to(dtype))
     assert float(net.inputs[-1].abs().max()) == 0, "the unknown id's input row is zero"
-    assert torch.equal(net.outputs, target.model.get_output_embeddings().weight[HF_KEEP].float())
+    assert torch.equal(net.outputs, target.model.get_output_embeddings().weight[HF_KEEP].to(dtype))
     logits = draft.sequence().forward([1, 2, 3, 5])  # 3 and 5 are not predicted: the unknown id as input
-    outside = [i for i in range(16) if i not in HF_KEEP]
-    assert logits.shape == (4, 16) and torch.isinf(logits[:, outside]).all() and torch.isfinite(logits[:, HF_KEEP]).all()
+    assert draft.columns.tolist() == HF_KEEP, "q stays in the head's own columns, the kept target ids"
+    assert logits.shape == (4, len(HF_KEEP)) and torch.isfinite(logits).all()
 
 
 # ------------------------------------------------------------------------------ exact
@@ -540,9 +541,6 @@ def test_the_cli_refuses_a_head_without_a_target(tmp_path):
     assert not (tmp_path / "h").exists(), "nothing is trained"
 
 
-@pytest.mark.xfail(strict=True, reason="engine.prefill reports a state only after feeding a chunk: a prompt whose "
-                                       "text but the last token is all in the prefix cache is fed nothing, so the head "
-                                       "drafts its first step without the target's state (lossless, less accepted)")
 def test_a_prompt_taken_whole_from_the_prefix_cache_still_tells_the_head_the_targets_state(hf_head):
     target, draft, _ = hf_head
     engine = Engine(target, ModelDrafter(draft), prefixes=PrefixCache(target, 4096, min_shared=4))

@@ -62,8 +62,6 @@ def run_train(args) -> None:
     from specdec.train import TrainConfig, train
 
     given = {name: value for name, value in vars(args).items() if value is not None}
-    if args.distill_from is None and args.head:
-        raise SpecDecError("--head trains a draft head for a target: give it with --distill-from TARGET")
     if args.distill_from is None:
         if args.head:
             raise SpecDecError("--head trains a draft head on a target's states: name the target with --distill-from TARGET")
@@ -78,6 +76,11 @@ def run_train(args) -> None:
         torch_threads(args.threads)
     if args.head:
         from specdec.distill_head import HEAD_DEFAULTS
+
+        model_flags = [f"--{name.replace('_', '-')}" for name in ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size")
+                       if name in given] + (["--no-gguf"] if args.no_gguf else [])
+        if model_flags:
+            raise SpecDecError(f"{', '.join(model_flags)} shape a draft model; a head is as wide as its target (drop them, or --head)")
 
         given = {**HEAD_DEFAULTS, **given}
     config = DistillConfig(target=args.distill_from, gguf=not args.no_gguf,
