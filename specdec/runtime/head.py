@@ -189,26 +189,29 @@ class HeadModel:
             n = len(tokens)
             count = n if feed.last is None else min(feed.last, n)
             wanted.append((sequence, list(range(start + n - count, start + n))))
-        self._compute([(sequence, entry) for sequence, entries in wanted for entry in entries])
-        return [self._logits(sequence, entries) for sequence, entries in wanted]
+        logits = self._compute([(sequence, entry) for sequence, entries in wanted for entry in entries])
+        return [self._rows([logits[id(sequence), entry] for entry in entries]) for sequence, entries in wanted]
 
-    def _compute(self, targets: list[tuple[HeadSequence, int]]) -> None:
-        """Fill in the guessed states of `targets` and of the entries they read from, in waves: each
-        wave holds the entries whose input state is known, all in one run of the network."""
-        plan = _plan(targets)
+    def _compute(self, targets: list[tuple[HeadSequence, int]]) -> dict[tuple[int, int], torch.Tensor]:
+        """Guess the states of new entries `targets`, in waves (`_plan`), each one run of the network;
+        returns their logits, by (id of the sequence, entry)."""
+        logits = {}
         with torch.inference_mode(), _one_thread():
-            for wave in plan:
+            for wave in _plan(targets):
                 states = torch.stack([sequence.input_state(entry) for sequence, entry in wave])  # [n, width]
                 tokens = torch.tensor([sequence.token(entry) for sequence, entry in wave])
-                guessed = self.net.guess(states, tokens).float()
-                logits = self.score(guessed).float()
+                guessed = self.net.guess(states, tokens).float()  # [n, width]
+                scores = self.score(guessed).float()  # [n, vocab]
                 for i, (sequence, entry) in enumerate(wave):
-                    sequence.guesses[entry] = (guessed[i], logits[i])
+                    sequence.guesses[entry] = guessed[i]
+                    logits[id(sequence), entry] = scores[i]
+        return logits
 
-    def _logits(self, sequence: HeadSequence, entries: list[int]) -> torch.Tensor:
-        rows = torch.full((len(entries), self.vocab_size), -torch.inf)
-        if entries:
-            rows[:, : self.vocab_size - 1] = torch.stack([sequence.guesses[entry][1] for entry in entries])
+    def _rows(self, logits: list[torch.Tensor]) -> torch.Tensor:
+        """[n, vocab + 1]: the predicted tokens' logits, then the input-only unknown id at -inf."""
+        rows = torch.full((len(logits), self.vocab_size), -torch.inf)
+        if logits:
+            rows[:, : self.vocab_size - 1] = torch.stack(logits)
         return rows
 
 
@@ -256,13 +259,13 @@ def _plan(targets: list[tuple[HeadSequence, int]]) -> list[list[tuple[HeadSequen
 
 
 class HeadSequence(SequenceEntries):
-    """One sequence of a head. Invariant: `guesses[i]` is None or (the head's state, its logits)
-    for entry i computed from its parent's input state (`input_state`); `_observed` maps positions
-    of committed text to the target's verified states there."""
+    """One sequence of a head. Invariant: `guesses[i]` is None or the head's state [width] for entry
+    i, computed from its parent's (`input_state`); `_observed` maps positions of committed text to the
+    target's verified states there."""
 
     def __init__(self, owner: HeadModel):
         super().__init__(owner)
-        self.guesses: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self.guesses: list[torch.Tensor | None] = []
         self._observed: dict[int, torch.Tensor] = {}
 
     def forward(self, tokens, parents=None, last: int | None = None) -> torch.Tensor:
@@ -298,7 +301,7 @@ class HeadSequence(SequenceEntries):
         if observed is not None:
             return observed
         guess = self.guesses[parent]
-        return guess[0] if guess is not None else torch.zeros(self.owner.hidden_size)
+        return guess if guess is not None else torch.zeros(self.owner.hidden_size)
 
     def keep(self, start: int, indices) -> None:
         indices = self.kept_path(start, indices)
