@@ -9,9 +9,11 @@ acceptance is checked to be neither 0 nor 1. Then what is particular to a head: 
 target's verified states (the engine's `observe`), its tree rows equal each path alone, its slots
 keep the right guesses, and `specdec train --distill-from T --head` trains one, small and fast.
 
-The enumeration of q with zeros outside a fixed subset is covered generically (test_distill's
-`keep_subset` for chains; test_tree_exact's "q zero where p > 0" and "disjoint supports" for sampled
-trees); here the real drafter grows its draft from the head's actual rows on the real tiny target.
+The enumeration of q over a subset's columns (`Draft.columns`, q = 0 elsewhere) is covered
+generically (test_verify_exact's and test_tree_exact's "q over fewer columns", test_distill's pruned
+chain step); here the real drafter grows its draft from the head's actual rows on the real tiny
+target. The head runs in bfloat16 where the CPU has it: rows compared across batches allow its
+rounding (`head_atol`), and each such comparison also checks that a wrong state or token is caught.
 """
 
 from __future__ import annotations
@@ -89,10 +91,32 @@ def head_of(slot) -> object:
 
 
 def by_hand(draft: PrunedVocab, state: torch.Tensor, token: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The head's guessed state [width] and logits [vocab] after the target's `state` and `token`, computed directly."""
+    """The head's guessed state [width] and logits [columns] after the target's `state` and `token`,
+    computed directly: the loaded net in its own dtype (bfloat16 where the CPU has it), its guess
+    scored by the head's own scoring, both float32 as the head returns them."""
     with torch.inference_mode():
-        guessed, logits = draft.inner.net(state.float()[None], torch.tensor(draft.draft_tokens([token])))
+        guessed = draft.inner.net.guess(state.float()[None], torch.tensor(draft.draft_tokens([token]))).float()  # [1, width]
+        logits = draft.inner.score(guessed).float()  # [1, columns]
     return guessed[0], logits[0]
+
+
+def head_atol(draft: PrunedVocab) -> float:
+    """The absolute tolerance between the head's rows (states, logits, q) computed in different
+    batches: float32's, or bfloat16's where the net was loaded in it (another batch may round a row
+    otherwise). A wrong state or token moves a row by far more: each comparison checks that too."""
+    return 1e-5 if draft.inner.net.fuse.weight.dtype == torch.float32 else 2e-2
+
+
+def assert_guessed_from(draft: PrunedVocab, guess: tuple[torch.Tensor, torch.Tensor], state: torch.Tensor, token: int) -> None:
+    """The head's `guess` (state [width], logits [columns]) was made from the target's `state` and
+    `token`: it equals the guess by hand, which a zero state (none reported) or another token misses."""
+    atol, want = head_atol(draft), by_hand(draft, state, token)
+    for got, expected in zip(guess, want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=atol)
+    columns = draft.columns.tolist()
+    other = columns[(columns.index(token) + 1) % len(columns)] if token in columns else columns[0]
+    for wrong in (by_hand(draft, torch.zeros_like(state), token), by_hand(draft, state, other)):
+        assert not torch.allclose(wrong[1], want[1], rtol=0, atol=atol), "a wrong state or token must be caught"
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +187,7 @@ def head_iteration_deviation(enumerator, exact_head, case: str, monkeypatch) -> 
         drafter.prefill(slot)
         proposal = drafter.propose([DraftRequest(slot, EXACT_PROMPT, depth, sampling, None)])[0]
         assert isinstance(proposal, Draft) and len(proposal) and proposal.probs is not None
+        assert proposal.columns.tolist() == EXACT_KEEP, "q stays in the head's own columns"
         return proposal
 
     return proposal_deviation(enumerator, propose, TargetTable(target, EXACT_PROMPT, sampling), depth)
@@ -178,7 +203,7 @@ def test_the_head_enumeration_catches_a_wrong_residual(enumerator, exact_head, m
     """The harness can fail: a recovery drawn from p instead of norm(max(0, p - q)) is caught."""
     import specdec.verify as verify_module
 
-    monkeypatch.setattr(verify_module, "residual", lambda target_probs, draft_probs, token: target_probs)
+    monkeypatch.setattr(verify_module, "residual", lambda target_probs, draft_probs, token, columns=None: target_probs)
     assert head_iteration_deviation(enumerator, exact_head, "chain t1 d2", monkeypatch) > 1e-3
 
 
@@ -197,27 +222,28 @@ def observed_sequence(draft: PrunedVocab, target, tokens: list[int]):
 
 
 def path_row(draft: PrunedVocab, target, path: list[int]) -> torch.Tensor:
-    """[vocab]: the head's row after PREFIX + path, the path fed alone in a fresh sequence."""
-    return observed_sequence(draft, target, PREFIX).forward(path, last=1)[0]
+    """[columns]: the head's row after PREFIX + path, the path fed alone in a fresh sequence (every
+    row asked for: the head computes only those, and the path's last entry reads the guesses before it)."""
+    return observed_sequence(draft, target, PREFIX).forward(path)[-1]
 
 
-def assert_rows_equal(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_rows_equal(draft: PrunedVocab, got: torch.Tensor, want: torch.Tensor) -> None:
     finite = torch.isfinite(want)
     assert torch.equal(finite, torch.isfinite(got))
-    torch.testing.assert_close(got[finite], want[finite], rtol=0, atol=1e-5)  # float32, run in other batches
+    torch.testing.assert_close(got[finite], want[finite], rtol=0, atol=head_atol(draft))  # run in other batches
 
 
 def test_a_tree_forwards_rows_equal_each_path_alone(hf_head):
     target, draft, _ = hf_head
     sequence = observed_sequence(draft, target, PREFIX)
     root = len(PREFIX) - 1
-    rows = sequence.forward(TREE_TOKENS, tree.entries(torch.tensor(TREE_PARENTS), root).tolist())  # [7, vocab]
-    _, first = by_hand(draft, final_norm_output(target, PREFIX), TREE_TOKENS[0])
-    assert_rows_equal(rows[0, HF_KEEP], first)  # the root's children read the target's state
+    rows = sequence.forward(TREE_TOKENS, tree.entries(torch.tensor(TREE_PARENTS), root).tolist())  # [7, columns]
+    first_state = sequence.inner.guesses[root + 1][0]  # the root's children read the target's state
+    assert_guessed_from(draft, (first_state, rows[0]), final_norm_output(target, PREFIX), TREE_TOKENS[0])
     paths = [[TREE_TOKENS[j] for j in tree.path_to(torch.tensor(TREE_PARENTS), node)] for node in range(len(TREE_TOKENS))]
     for node, path in enumerate(paths):
-        assert_rows_equal(rows[node], path_row(draft, target, path))
-    assert float((rows[5] - rows[6])[torch.isfinite(rows[5])].abs().max()) > 1e-2, "rows of different paths differ: the test can fail"
+        assert_rows_equal(draft, rows[node], path_row(draft, target, path))
+    assert not torch.allclose(rows[5], rows[6], rtol=0, atol=head_atol(draft)), "rows of different paths differ: the test can fail"
 
 
 def test_keep_and_truncate_keep_the_guesses_of_the_path(hf_head):
@@ -233,10 +259,10 @@ def test_keep_and_truncate_keep_the_guesses_of_the_path(hf_head):
     for k, (state, logits) in enumerate(guessed):
         assert head.guesses[start + k][0] is state and head.guesses[start + k][1] is logits
     tokens = [TREE_TOKENS[node] for node in path]
-    assert_rows_equal(sequence.forward([3], last=1)[0], path_row(draft, target, tokens + [3]))
+    assert_rows_equal(draft, sequence.forward([3], last=1)[0], path_row(draft, target, tokens + [3]))
     sequence.truncate(start + 1)
     assert len(head.guesses) == start + 1 and head.guesses[start][0] is guessed[0][0]
-    assert_rows_equal(sequence.forward([8, 2])[-1], path_row(draft, target, tokens[:1] + [8, 2]))
+    assert_rows_equal(draft, sequence.forward([8, 2])[-1], path_row(draft, target, tokens[:1] + [8, 2]))
 
 
 @pytest.mark.parametrize("kind", ["chain", "tree"])
@@ -259,15 +285,13 @@ def test_the_engine_reports_the_targets_state_and_the_head_reads_it(hf_head, kin
             committed = state.context[:-1]
             fresh = final_norm_output(target, committed)
             torch.testing.assert_close(head._observed[len(committed) - 1], fresh.float(), rtol=0, atol=1e-6)
-            roots[id(state)] = (state.draft_slot.cached + len(state.draft_slot.pending) - 1, by_hand(draft, fresh, state.context[-1]))
+            roots[id(state)] = (state.draft_slot.cached + len(state.draft_slot.pending) - 1, fresh, state.context[-1])
         results = engine.step(running)
         for state, result in zip(running, results):
             assert result.error is None
             if result.drafted:
-                entry, (want_state, want_logits) = roots[id(state)]
-                got_state, got_logits = head_of(state.draft_slot).guesses[entry]
-                torch.testing.assert_close(got_state, want_state, rtol=0, atol=1e-5)
-                torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-5)
+                entry, fresh, token = roots[id(state)]
+                assert_guessed_from(draft, head_of(state.draft_slot).guesses[entry], fresh, token)
                 checked += 1
             drafted, accepted = drafted + result.drafted, accepted + result.accepted
         running = [state for state in running if state.finish_reason is None]
@@ -300,8 +324,8 @@ def test_a_slot_after_a_generation_drafts_as_a_fresh_slot_on_its_text(hf_head):
         drafter.prefill(slot)
     old, new, unseen = draft_from(state.draft_slot), draft_from(fresh), draft_from(blind)
     assert torch.equal(old.tokens, new.tokens) and torch.equal(old.parents, new.parents)
-    torch.testing.assert_close(old.probs, new.probs, rtol=0, atol=1e-6)
-    assert float((unseen.probs[0] - new.probs[0]).abs().max()) > 1e-3
+    torch.testing.assert_close(old.probs, new.probs, rtol=0, atol=head_atol(draft))
+    assert not torch.allclose(unseen.probs[0], new.probs[0], rtol=0, atol=head_atol(draft)), "the state read changes the draft"
     engine.close(state)
 
 
@@ -509,7 +533,8 @@ def test_training_a_head_from_a_checkpoint_target(model_dirs, tmp_path):
     corpus.write_text("abc def ghi jkl m " * 240)
     summary = distill_head(DistillConfig(target=model_dirs["llama-eos"], output=str(out), files=[str(corpus)], corpus_tokens=5000, prompts=24,
                                          short_prompts=8, prompt_tokens=8, new_tokens=8, draft_vocab=10, steps=20, head=True, **TINY_DRAFT))
-    assert summary["shape"] == {"width": 32, "blocks": 2, "inner": 64, "vocab": 10} and len(summary["heldout_agreement_by_depth"]) == 3
+    # the default shape: inner as wide as the target's states
+    assert summary["shape"] == {"width": 32, "blocks": 2, "inner": 32, "vocab": 10} and len(summary["heldout_agreement_by_depth"]) == 3
     decoder = specdec.load(model_dirs["llama-eos"], draft=str(out), gamma=3, dtype="float64")
     assert isinstance(decoder.draft_model.inner, HeadModel)
     plain = specdec.load(model_dirs["llama-eos"], plain=True, dtype="float64")
