@@ -128,8 +128,9 @@ def distill_head(config: DistillConfig, shape: HeadShape | None = None) -> dict:
         raise SpecDecError("the target's generations hold no window long enough to train a head on")
     with torch.no_grad():
         net.out_norm.weight.copy_(output_scale(windows.states))
-    held, train = split_rows(len(windows), config)
-    held = held[:4096]
+    held_rows, _ = split_rows(len(run.generations.tokens), config)  # whole continuations held out, as for a draft
+    is_held = np.isin(windows.rows.numpy(), held_rows)
+    held, train = np.flatnonzero(is_held)[:4096], np.flatnonzero(~is_held)
     work, history = Path(config.output) / "work", Report()  # the head's own history (a draft may share the work folder)
     state = run.stage("train head", lambda: fit(
         net, config, work / "head-checkpoint", history, "training the head", UNROLL, lambda rows: windows.loss(net, rows, config.device),

@@ -107,16 +107,19 @@ def head_atol(draft: PrunedVocab) -> float:
     return 1e-5 if draft.inner.net.fuse.weight.dtype == torch.float32 else 2e-2
 
 
-def assert_guessed_from(draft: PrunedVocab, guess: tuple[torch.Tensor, torch.Tensor], state: torch.Tensor, token: int) -> None:
-    """The head's `guess` (state [width], logits [columns]) was made from the target's `state` and
-    `token`: it equals the guess by hand, which a zero state (none reported) or another token misses."""
-    atol, want = head_atol(draft), by_hand(draft, state, token)
-    for got, expected in zip(guess, want):
-        torch.testing.assert_close(got, expected, rtol=0, atol=atol)
+def assert_guessed_from(draft: PrunedVocab, guess: torch.Tensor, state: torch.Tensor, token: int, logits: torch.Tensor | None = None) -> None:
+    """The head's guessed state [width] (and the logits [columns] it returned, if given) was made from
+    the target's `state` and `token`: it equals the guess by hand, which a zero state (none reported)
+    or another token misses."""
+    atol, (want_state, want_logits) = head_atol(draft), by_hand(draft, state, token)
+    torch.testing.assert_close(guess, want_state, rtol=0, atol=atol)
+    if logits is not None:
+        torch.testing.assert_close(logits, want_logits, rtol=0, atol=atol)
     columns = draft.columns.tolist()
     other = columns[(columns.index(token) + 1) % len(columns)] if token in columns else columns[0]
     for wrong in (by_hand(draft, torch.zeros_like(state), token), by_hand(draft, state, other)):
-        assert not torch.allclose(wrong[1], want[1], rtol=0, atol=atol), "a wrong state or token must be caught"
+        assert not torch.allclose(wrong[1], want_logits, rtol=0, atol=atol), "a wrong state or token must be caught"
+        assert not torch.allclose(wrong[0], want_state, rtol=0, atol=atol)
 
 
 @pytest.fixture(scope="module")
@@ -238,8 +241,8 @@ def test_a_tree_forwards_rows_equal_each_path_alone(hf_head):
     sequence = observed_sequence(draft, target, PREFIX)
     root = len(PREFIX) - 1
     rows = sequence.forward(TREE_TOKENS, tree.entries(torch.tensor(TREE_PARENTS), root).tolist())  # [7, columns]
-    first_state = sequence.inner.guesses[root + 1][0]  # the root's children read the target's state
-    assert_guessed_from(draft, (first_state, rows[0]), final_norm_output(target, PREFIX), TREE_TOKENS[0])
+    first_state = sequence.inner.guesses[root + 1]  # the root's children read the target's state
+    assert_guessed_from(draft, first_state, final_norm_output(target, PREFIX), TREE_TOKENS[0], logits=rows[0])
     paths = [[TREE_TOKENS[j] for j in tree.path_to(torch.tensor(TREE_PARENTS), node)] for node in range(len(TREE_TOKENS))]
     for node, path in enumerate(paths):
         assert_rows_equal(draft, rows[node], path_row(draft, target, path))
@@ -256,12 +259,12 @@ def test_keep_and_truncate_keep_the_guesses_of_the_path(hf_head):
     guessed = [head.guesses[start + node] for node in path]
     sequence.keep(start, [start + node for node in path])
     assert sequence.cache_len == start + len(path)
-    for k, (state, logits) in enumerate(guessed):
-        assert head.guesses[start + k][0] is state and head.guesses[start + k][1] is logits
+    for k, state in enumerate(guessed):
+        assert head.guesses[start + k] is state
     tokens = [TREE_TOKENS[node] for node in path]
     assert_rows_equal(draft, sequence.forward([3], last=1)[0], path_row(draft, target, tokens + [3]))
     sequence.truncate(start + 1)
-    assert len(head.guesses) == start + 1 and head.guesses[start][0] is guessed[0][0]
+    assert len(head.guesses) == start + 1 and head.guesses[start] is guessed[0]
     assert_rows_equal(draft, sequence.forward([8, 2])[-1], path_row(draft, target, tokens[:1] + [8, 2]))
 
 
