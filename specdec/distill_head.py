@@ -7,7 +7,8 @@ serves both. Then the head (`specdec.runtime.head`) learns to guess the target's
 
 - loss per position = KL(the target's top-k soft labels || the head's q) + a small regression of the
   guessed state onto the target's, for `unroll` positions in a row, each one after the first reading
-  the head's own guess (as it will when it drafts: "training-time test");
+  the head's own guess (as it will when it drafts: "training-time test"); the target's state it starts
+  from carries a little noise (EAGLE's, so that guesses near it are read alike);
 - held-out agreement per depth: how often the head's most likely token at depth d is the target's
   (from the target's states at depth 1, its own guesses deeper): about the per-position acceptance of
   a greedy chain.
@@ -31,6 +32,7 @@ from specdec.runtime.pruned import VocabMap
 HEAD_DEFAULTS = dict(batch_size=256, steps=2000, lr=1e-3, weight_decay=0.0)  # `specdec train --head`'s, where the draft's differ
 UNROLL = 3  # positions trained in a row from one state of the target's
 STATE_WEIGHT = 0.1  # of the state regression beside the KL
+STATE_NOISE = 0.1  # Gaussian noise on the target's state fed in training, relative to its RMS (EAGLE: robust to its own guesses)
 
 
 def head_inputs(target, vocab_map: VocabMap) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,6 +87,7 @@ class Windows:
         """Mean over the windows' positions of KL + STATE_WEIGHT x the state regression."""
         rows, starts = self.rows[windows], self.starts[windows]
         state = self.states[rows, starts].float().to(device)
+        state = state + STATE_NOISE * state.pow(2).mean(-1, keepdim=True).sqrt() * torch.randn_like(state)
         total = torch.zeros((), device=device)
         for k in range(UNROLL):
             at = starts + k + 1
