@@ -134,6 +134,9 @@ def distill_head(config: DistillConfig, shape: HeadShape | None = None) -> dict:
     held_rows, _ = split_rows(len(run.generations.tokens), config)  # whole continuations held out, as for a draft
     is_held = np.isin(windows.rows.numpy(), held_rows)
     held, train = np.flatnonzero(is_held)[:4096], np.flatnonzero(~is_held)
+    if len(held) == 0 or len(train) == 0:
+        raise SpecDecError(f"the {len(held_rows)} held-out continuations hold no training window (or all of them do): "
+                           "use more prompts or another --holdout")
     work, history = Path(config.output) / "work", Report()  # the head's own history (a draft may share the work folder)
     state = run.stage("train head", lambda: fit(
         net, config, work / "head-checkpoint", history, "training the head", UNROLL, lambda rows: windows.loss(net, rows, config.device),
