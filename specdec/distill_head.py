@@ -39,15 +39,16 @@ def head_inputs(target, vocab_map: VocabMap) -> tuple[torch.Tensor, torch.Tensor
     """The target's input embeddings of the predicted tokens plus a zero row for the rest
     ([vocab + 1, width]), and its output rows of them ([vocab, width])."""
     embeddings = target_embeddings(target)
-    outputs = target_output_rows(target)
+    outputs = target_output_rows(target, embeddings)
     if embeddings is None or outputs is None:
         raise SpecDecError(f"a draft head needs the target's embedding and output matrices, which specdec cannot read from {target.path}")
     ids = list(vocab_map.target_ids)
     return torch.cat([embeddings[ids], torch.zeros(1, embeddings.shape[1])]), outputs[ids]
 
 
-def target_output_rows(target) -> torch.Tensor | None:
-    """The target's output matrix [vocab, width] in float32 (its input embeddings where tied)."""
+def target_output_rows(target, embeddings: torch.Tensor | None) -> torch.Tensor | None:
+    """The target's output matrix [vocab, width] in float32: `embeddings` (its input embeddings,
+    already read) where a GGUF file ties the two, not dequantized a second time."""
     inner = getattr(target, "model", None)
     if inner is not None and hasattr(inner, "get_output_embeddings"):
         return inner.get_output_embeddings().weight.detach().float().cpu()[: target.vocab_size]
@@ -55,8 +56,9 @@ def target_output_rows(target) -> torch.Tensor | None:
         from gguf import GGUFReader
         from gguf.quants import dequantize
 
-        tensors = {tensor.name: tensor for tensor in GGUFReader(str(target.path)).tensors}
-        tensor = tensors.get("output.weight", tensors.get("token_embd.weight"))
+        tensor = next((t for t in GGUFReader(str(target.path)).tensors if t.name == "output.weight"), None)
+        if tensor is None:
+            return None if embeddings is None else embeddings[: target.vocab_size]
         return torch.from_numpy(np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))[: target.vocab_size]
     return None
 

@@ -273,12 +273,11 @@ class HeadSequence(SequenceEntries):
 
     def observe(self, position: int, state: torch.Tensor) -> None:
         """The target's final-norm state at `position` of the committed text ([width]). Positions
-        below it keep theirs only while they could still be read (the head reads one state back)."""
+        below it keep theirs only while they could still be read (the head reads one state back).
+        Entries fed after it read it (`input_state` prefers it to a guess); an entry guessed before
+        it came is a draft node the engine's keep drops next."""
         self._observed = {p: s for p, s in self._observed.items() if position - KEPT_STATES < p < position}
         self._observed[position] = state.detach().float().cpu()
-        for entry in range(max(0, self.cache_len - KEPT_STATES), self.cache_len):  # guesses that read a now-known state are stale
-            if self._positions[entry] == position + 1 and self.parent(entry) >= 0:
-                self.guesses[entry] = None
 
     def observed(self, entry: int) -> torch.Tensor | None:
         """The target's state at this entry, if it is committed text the target reported."""
