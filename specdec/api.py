@@ -12,11 +12,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from specdec.build import build_decoder
-from specdec.config import DecoderConfig, DrafterSpec
+from specdec.config import GAMMA, PREFIX_TOKENS, DecoderConfig, DrafterSpec, RuntimeConfig, TreeShape
 from specdec.decoder import Generation, GenerationResult, SpeculativeDecoder, Stream, TextAssembler
-from specdec.drafters import TreeShape
-from specdec.runtime import RuntimeConfig
-from specdec.runtime.prefix import DEFAULT_TOKENS as PREFIX_TOKENS
 
 __all__ = ["load", "SpeculativeDecoder", "GenerationResult", "Generation", "Stream", "TextAssembler"]
 
@@ -30,10 +27,11 @@ def load(
     tree: int | TreeShape | None = None,
     staged: bool = False,
     plain: bool = False,
-    gamma: int | str = "auto",
+    gamma: int | str = GAMMA,
     explore: bool = True,
     prefix_cache: int | None = PREFIX_TOKENS,
     slots: int = 1,
+    share_acceptance: bool = False,
     runtime: RuntimeConfig | None = None,
     **runtime_options,
 ) -> SpeculativeDecoder:
@@ -45,8 +43,8 @@ def load(
     `plain`: no drafter at all. `tree` (a node budget or a TreeShape) makes the draft model draft
     token trees `gamma` deep. `staged` makes the draft model draft with the n-gram model or prompt
     lookup as its own drafter (draft², Spector & Ré). With no target, the demo pair shipped with
-    specdec (`specdec.demo`). `explore`, `prefix_cache` (tokens kept between generations): see
-    `SpeculativeDecoder`; `slots`: generations that may run at once. How the models run: a
+    specdec (`specdec.demo`). `explore`, `prefix_cache` (tokens kept between generations),
+    `share_acceptance` (a server's): see `SpeculativeDecoder`; `slots`: generations that may run at once. How the models run: a
     `RuntimeConfig`, or its fields as keywords (backend, device, dtype, threads, ...), which apply
     to both models (`batch_invariant` to the target only). Refused: drafter combinations that mean
     nothing, and trees on a model that cannot score them exactly. Extra drafter options:
@@ -58,5 +56,6 @@ def load(
     spec = DrafterSpec.choose(target_given=target is not None, draft=draft, ngram=ngram, prompt_lookup=prompt_lookup, tree=tree,
                               staged=staged, gamma=gamma, plain=plain, **drafter_options)
     config = DecoderConfig(target=target, drafter=spec, runtime=replace(runtime or RuntimeConfig(), **runtime_options),
-                           gamma=gamma, explore=explore, prefix_cache=prefix_cache or 0, slots=slots)
+                           gamma=gamma, explore=explore, prefix_cache=prefix_cache or 0, slots=slots,
+                           share_acceptance=share_acceptance)
     return build_decoder(config)

@@ -6,14 +6,13 @@ the CLI, the server and the bench all assemble drafters through it.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from specdec import profiling
 from specdec.config import DecoderConfig, DrafterSpec
 from specdec.decoder import SpeculativeDecoder
-from specdec.drafters import AutoDrafter, Drafter, ModelDrafter, NgramDrafter, PromptLookupDrafter
+from specdec.drafters import AutoDrafter, Drafter, History, ModelDrafter, NgramDrafter, PromptLookupDrafter
+from specdec.errors import SpecDecError
 from specdec.katz import KatzTrigram
 from specdec.runtime import CausalLM, RuntimeConfig, choose_backend, load_draft, load_model
 
@@ -61,8 +60,9 @@ def with_demo_paths(config: DecoderConfig) -> DecoderConfig:
     return replace(config, target=target, drafter=spec)
 
 
-def build_decoder(config: DecoderConfig) -> SpeculativeDecoder:
-    """Load the models `config` names and assemble its decoder."""
+def build_decoder(config: DecoderConfig, prepare: bool = True) -> SpeculativeDecoder:
+    """Load the models `config` names and assemble its decoder, its forward costs read or measured
+    (unless not `prepare`: `specdec profile` measures them itself)."""
     if config.target is None:
         choose_backend("", config.runtime.backend)  # validates the name before the demo pair is looked for
     config = with_demo_paths(config)
@@ -76,7 +76,23 @@ def build_decoder(config: DecoderConfig) -> SpeculativeDecoder:
         parts.draft = load_draft(spec.draft, target, draft_runtime(runtime, target, spec.draft), slots=config.slots)
     if spec.uses_ngram:
         parts.ngram = KatzTrigram.load(spec.ngram)
-    return SpeculativeDecoder(target, assemble(spec, parts), config.gamma, config.explore, prefix_cache=config.prefix_cache)
+    if config.chat_template is not None:
+        target.tokenizer.chat_template = config.chat_template
+    drafter = assemble(spec, parts)
+    return SpeculativeDecoder(target, drafter, config.gamma, config.explore, history=history(config, drafter),
+                              prefix_cache=config.prefix_cache, share_acceptance=config.share_acceptance, prepare=prepare)
+
+
+def history(config: DecoderConfig, drafter: Drafter | None) -> History | None:
+    """Earlier requests' history, for a drafter that drafts from one (None: off, or one that does not)."""
+    if drafter is None or not drafter.takes_chains:
+        if config.history_tokens or config.share_history:
+            raise SpecDecError("--history-tokens and --share-history are for the default drafter; this decoder runs a fixed strategy")
+        return None
+    if config.history_tokens == 0:
+        return None
+    tokens = {} if config.history_tokens is None else {"tokens": config.history_tokens}
+    return History(**tokens, shared=config.share_history)
 
 
 def draft_runtime(runtime: RuntimeConfig, target: CausalLM, draft_path: str) -> RuntimeConfig:
@@ -87,12 +103,3 @@ def draft_runtime(runtime: RuntimeConfig, target: CausalLM, draft_path: str) -> 
     if device is None and target.backend == "transformers" and choose_backend(draft_path, runtime.backend) == "transformers":
         device = str(target.device)
     return replace(runtime, device=device, batch_invariant=False)
-
-
-def ensure_profile(decoder: SpeculativeDecoder) -> None:
-    """Time the forwards the auto policy needs now, with a notice, if they are not cached yet (not
-    in the middle of the first request)."""
-    if decoder.uses_profile and not profiling.cache_path(decoder.target, decoder.draft_model).is_file():
-        print("specdec: timing the models' forwards for the auto policy (once per model and machine; `specdec profile` shows them)",
-              file=sys.stderr)
-        decoder.profile()

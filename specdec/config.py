@@ -1,10 +1,11 @@
-"""What to build, as data: a drafter spec, a decoder config and a serve config (frozen dataclasses),
-and the one reader that turns a mapping of options into them.
+"""What to build, as data: how a model runs, a drafter spec, a decoder config and a serve config
+(frozen dataclasses), every default once, and the one reader that turns a mapping of options
+into them.
 
 Every front end builds these once and hands them to one builder (`specdec.build`): the CLI from its
 argv (argparse leaves out what was not given), the Ray Serve builder from its key=value options,
 `specdec.load` from its keywords, the bench from its own settings. A default lives in one place:
-the dataclass field.
+here. This is the bottom layer: it imports nothing of specdec's but its errors.
 """
 
 from __future__ import annotations
@@ -14,16 +15,81 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
-from specdec.drafters.model import TreeShape
-from specdec.errors import SpecDecError
-from specdec.runtime.config import RuntimeConfig
-from specdec.runtime.prefix import DEFAULT_TOKENS as PREFIX_TOKENS
+from specdec.errors import SpecDecError, check_integer
 
 # drafter kinds (the registry's names, `specdec.build.DRAFTERS`)
 DRAFTERS = ("auto", "plain", "model", "ngram", "lookup")
 INNER_DRAFTERS = ("ngram", "lookup")  # what may draft for a staged draft model (draft², Spector & Ré)
+GAMMA = "auto"  # draft depth per iteration: "auto" chooses it every iteration from measured costs
+INNER_GAMMA = 4  # draft² tokens per draft-model forward when staged
+TREE_WIDTH, TREE_CHILDREN = 3, "sampled"  # a token tree's children per node (and nodes expanded per level); drawn or top
+PREFIX_TOKENS = 4096  # tokens of finished generations kept for prefix reuse: a long conversation, or a few shorter ones
 SERVER_PREFIX_TOKENS = 16_384  # a server keeps more than one process's generations do
+SERVER_DECODER = {"prefix_cache": SERVER_PREFIX_TOKENS, "share_acceptance": True}  # how a server's decoder differs
 DEFAULT_BATCH = {"cpu": 16, "gpu": 64}  # a server's generations at once (`ServeConfig.batch`)
+BACKENDS = ("auto", "transformers", "llamacpp")
+OUTPUT_LAYERS = ("auto", "specdec", "llama.cpp")  # who computes a GGUF model's logits on the CPU (see cpu_head)
+COMPILE_CHOICES = ("auto", "on", "off", "graphs", "inductor", "aot_eager", "static")  # see RuntimeConfig.compile
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Options for loading a model (`specdec.runtime.load_model`).
+
+    backend: "auto" (a .gguf file runs on llama.cpp, a checkpoint directory on transformers),
+    "transformers" or "llamacpp".
+    transformers: device ("cpu", "cuda", "cuda:1"; default cuda when there is one), dtype,
+    attn_implementation; compile: "auto" ("on" on a GPU, "off" on the CPU), "on" (a static KV pool
+    and forwards run per shape, `runtime.static`: "graphs" on a GPU, "inductor" on the CPU), "off"
+    (growing caches, eager kernels), or how the pool's forwards run: "graphs" (CUDA graphs captured
+    by hand), "inductor" (torch.compile's kernels, CUDA graphs on a GPU), "aot_eager" (traced by
+    torch.compile, run eagerly), "static" (the pool, nothing compiled).
+    llama.cpp: gpu_layers (layers offloaded where the build has a GPU backend; -1 = all), tokenizer
+    (a Hugging Face tokenizer directory to use instead of the file's own), output_layer ("auto",
+    "specdec" or "llama.cpp": who computes the logits from the final norm's rows on the CPU,
+    `runtime.cpu_head`), batch_invariant (kernels that give a row the same logits in a batch of any
+    size, checked at load, so greedy speculation equals plain greedy decoding bit for bit).
+    Both: threads (CPU threads; torch's for transformers), context (llama.cpp: KV cells; the static
+    pool: a row's length; default min(4096, the trained context)).
+    """
+
+    backend: str = "auto"
+    device: str | None = None
+    dtype: str | None = None
+    attn_implementation: str | None = None
+    compile: str = "auto"
+    threads: int | None = None
+    context: int | None = None
+    gpu_layers: int | None = None
+    tokenizer: str | None = None
+    output_layer: str = "auto"
+    batch_invariant: bool = False
+
+    def __post_init__(self):
+        for name, value, choices in (("backend", self.backend, BACKENDS), ("output layer", self.output_layer, OUTPUT_LAYERS),
+                                     ("compile setting", self.compile, COMPILE_CHOICES)):
+            if value not in choices:
+                raise SpecDecError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+        for name, value in (("threads", self.threads), ("context", self.context)):
+            if value is not None:
+                check_integer(value, name)
+        if self.gpu_layers is not None and (isinstance(self.gpu_layers, bool) or not isinstance(self.gpu_layers, int)):
+            raise SpecDecError(f"gpu_layers must be an integer (-1 = all), got {self.gpu_layers!r}")
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A draft model's fixed token tree. nodes: node budget per tree; width: children per node and
+    nodes expanded per level. sampled: at temperature > 0, draw children from the draft (True) or
+    take its most likely tokens (False). Greedy decoding always takes the most likely tokens."""
+
+    nodes: int
+    width: int = TREE_WIDTH
+    sampled: bool = TREE_CHILDREN == "sampled"
+
+    def __post_init__(self):
+        check_integer(self.nodes, "tree nodes")
+        check_integer(self.width, "tree width")
 
 
 @dataclass(frozen=True)
@@ -43,7 +109,7 @@ class DrafterSpec:
     ngram: str | None = None
     tree: TreeShape | None = None
     inner: str | None = None
-    inner_gamma: int = 4  # draft² tokens per draft-model forward when staged
+    inner_gamma: int = INNER_GAMMA  # draft² tokens per draft-model forward when staged
     ngram_stochastic: bool = True  # sample n-gram drafts (False: the most likely token)
     demo_draft: bool = True
 
@@ -54,7 +120,7 @@ class DrafterSpec:
             raise SpecDecError(f"a staged draft model drafts with one of {', '.join(INNER_DRAFTERS)}, not {self.inner!r}")
         if (self.tree is not None or self.inner is not None) and self.kind != "model":
             raise SpecDecError("token trees and staging shape a draft model's drafts (kind 'model')")
-        check_positive(self.inner_gamma, "inner_gamma")
+        check_integer(self.inner_gamma, "inner_gamma")
 
     @property
     def uses_draft_model(self) -> bool:
@@ -66,8 +132,8 @@ class DrafterSpec:
 
     @classmethod
     def choose(cls, *, target_given: bool, draft: str | None = None, ngram: str | None = None, prompt_lookup: bool = False,
-               tree: TreeShape | None = None, staged: bool = False, gamma: int | str = "auto", plain: bool = False,
-               inner_gamma: int = 4, ngram_stochastic: bool = True) -> DrafterSpec:
+               tree: TreeShape | None = None, staged: bool = False, gamma: int | str = GAMMA, plain: bool = False,
+               inner_gamma: int = INNER_GAMMA, ngram_stochastic: bool = True) -> DrafterSpec:
         """The spec the drafter flags describe (`specdec generate --draft ... --staged ...`), refusing
         combinations that mean nothing. A numeric gamma with one drafter runs that drafter; gamma
         "auto" with no n-gram, tree or staging is the auto drafter (which also looks up the prompt)."""
@@ -107,36 +173,45 @@ class DecoderConfig:
     depth), or "auto": chosen every iteration from measured costs. explore: the auto drafter probes
     prompt lookup when its estimate does not pay. prefix_cache: tokens of finished generations kept
     for later ones to start from (0: none). slots: generations that may run at once (a server's
-    batch).
+    batch). history_tokens: the auto drafter's history of earlier requests, per tenant (None: the
+    default; 0: off); share_history: one history for all tenants of a scope. share_acceptance:
+    what earlier requests of a scope learnt of each source's acceptance starts its new ones (a
+    server's). chat_template: the template's text, replacing the tokenizer's (checked when parsed).
     """
 
     target: str | None = None
     drafter: DrafterSpec = field(default_factory=DrafterSpec)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    gamma: int | str = "auto"
+    gamma: int | str = GAMMA
     explore: bool = True
     prefix_cache: int = PREFIX_TOKENS
     slots: int = 1
+    history_tokens: int | None = None
+    share_history: bool = False
+    share_acceptance: bool = False
+    chat_template: str | None = None
 
     def __post_init__(self):
         check_gamma(self.gamma)
-        check_positive(self.slots, "slots")
-        if isinstance(self.prefix_cache, bool) or not isinstance(self.prefix_cache, int) or self.prefix_cache < 0:
-            raise SpecDecError(f"the prefix cache must be a number of tokens >= 0, got {self.prefix_cache!r}")
+        check_integer(self.slots, "slots")
+        check_integer(self.prefix_cache, "the prefix cache (tokens)", minimum=0)
+        if self.history_tokens is not None and self.history_tokens < 0:
+            raise SpecDecError("--history-tokens must be >= 0")
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """`specdec serve`: the decoder, and how the server runs it (`specdec.server.build`).
+    """`specdec serve`: the decoder (a server's: more prefix cache, acceptance shared across
+    requests; its history and chat template are the decoder's too), and how the server runs it
+    (`specdec.server.build`).
 
     max_batch: generations that run together (None: `DEFAULT_BATCH` by the device, `batch`).
     batch_depth: "measured" (a numeric gamma's depth is capped per step for the batch size) or
-    "fixed". api_keys: each a tenant (none: one tenant). history_tokens: the auto drafter's history
-    per tenant (None: the default; 0: off). replicas / max_replicas: Ray Serve replicas (None: one
-    process, no Ray). chat_template: the template's text (read and checked when parsed).
+    "fixed". api_keys: each a tenant (none: one tenant). replicas / max_replicas: Ray Serve
+    replicas (None: one process, no Ray).
     """
 
-    decoder: DecoderConfig = field(default_factory=lambda: DecoderConfig(prefix_cache=SERVER_PREFIX_TOKENS))
+    decoder: DecoderConfig = field(default_factory=lambda: DecoderConfig(**SERVER_DECODER))
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str | None = None
@@ -148,23 +223,18 @@ class ServeConfig:
     keys_share_caches: bool = False
     public_metrics: bool = False
     allowed_origins: tuple[str, ...] = ()
-    chat_template: str | None = None
     max_connections: int = 256
-    history_tokens: int | None = None
-    share_history: bool = False
     replicas: int | None = None
     max_replicas: int | None = None
 
     def __post_init__(self):
         for name in ("max_queue", "max_connections", "max_batch", "replicas", "max_replicas"):
             if getattr(self, name) is not None:
-                check_positive(getattr(self, name), name)
+                check_integer(getattr(self, name), name)
         if self.batch_depth not in ("measured", "fixed"):
             raise SpecDecError(f"batch depth must be 'measured' or 'fixed', got {self.batch_depth!r}")
         if not 0 <= self.shutdown_timeout <= 3600:
             raise SpecDecError("--shutdown-timeout must be between 0 and 3600 seconds")
-        if self.history_tokens is not None and self.history_tokens < 0:
-            raise SpecDecError("--history-tokens must be >= 0")
         if self.max_replicas is not None and self.replicas is None:
             raise SpecDecError("--max-replicas autoscales Ray Serve replicas: give --replicas too")
         if self.max_replicas is not None and self.max_replicas < self.replicas:
@@ -188,11 +258,6 @@ class ServeConfig:
 def check_gamma(gamma) -> None:
     if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
         raise SpecDecError(f"gamma must be a positive integer or 'auto', got {gamma!r}")
-
-
-def check_positive(value, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpecDecError(f"{name} must be a positive integer, got {value!r}")
 
 
 # ------------------------------------------------------------------- options -> configurations
@@ -270,7 +335,6 @@ SERVE_OPTIONS: dict[str, Callable] = {
     "keys_share_caches": parse_flag, "public_metrics": parse_flag, "allowed_origins": parse_words, "chat_template": _text,
     "max_connections": parse_positive, "history_tokens": parse_integer, "share_history": parse_flag,
     "prefix_cache_tokens": parse_integer, "replicas": parse_positive, "max_replicas": parse_positive}
-TREE_WIDTH, TREE_CHILDREN = 3, "sampled"  # the CLI's defaults for --tree-width and --tree-children
 
 
 class Options:
@@ -315,12 +379,12 @@ def decoder_config(options: Options, **defaults) -> DecoderConfig:
         tree = TreeShape(nodes=given.pop("tree"), width=width, sampled=children == "sampled")
     elif tree_options:
         raise SpecDecError("--depth, --tree-width and --tree-children shape a tree: add --tree NODES")
-    if not given.get("staged") and given.get("inner_gamma", 4) != 4:
+    if not given.get("staged") and given.get("inner_gamma", INNER_GAMMA) != INNER_GAMMA:
         raise SpecDecError("--inner-gamma sets the draft² length of --staged drafting: add --staged")
-    gamma = tree_options.get("depth", given.get("gamma", "auto"))
+    gamma = tree_options.get("depth", given.get("gamma", GAMMA))
     spec = DrafterSpec.choose(target_given=target is not None, draft=given.get("draft"), ngram=given.get("ngram"),
                               prompt_lookup=given.get("prompt_lookup", False), tree=tree, staged=given.get("staged", False),
-                              gamma=gamma, plain=given.get("plain", False), inner_gamma=given.get("inner_gamma", 4),
+                              gamma=gamma, plain=given.get("plain", False), inner_gamma=given.get("inner_gamma", INNER_GAMMA),
                               ngram_stochastic=not given.get("ngram_top1", False))
     return DecoderConfig(target=target, drafter=spec, runtime=runtime, gamma=gamma, explore=not given.get("no_explore", False),
                          **defaults)
@@ -335,11 +399,13 @@ def serve_config(mapping: Mapping[str, object]) -> ServeConfig:
     prefix_tokens = given.pop("prefix_cache_tokens", SERVER_PREFIX_TOKENS)
     if prefix_tokens < 0:
         raise SpecDecError("--prefix-cache-tokens must be >= 0")
-    decoder = decoder_config(options, prefix_cache=prefix_tokens)
+    server = {**SERVER_DECODER, "prefix_cache": prefix_tokens}
+    server.update((name, given.pop(name)) for name in ("history_tokens", "share_history") if name in given)
+    if "chat_template" in given:
+        server["chat_template"] = read_template(given.pop("chat_template"))
+    decoder = decoder_config(options, **server)
     options.finish()
     keys = api_keys(given.pop("api_key", ()), given.pop("api_key_file", None))
-    if "chat_template" in given:
-        given["chat_template"] = read_template(given["chat_template"])
     return ServeConfig(decoder=decoder, api_keys=keys, **given)
 
 

@@ -2,26 +2,27 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Hashable, Iterator, Sequence
 
 from specdec import costs, profiling
-from specdec.config import check_gamma
-from specdec.drafters import AutoDrafter, Drafter, ModelDrafter, NgramDrafter
+from specdec.config import GAMMA, PREFIX_TOKENS, check_gamma
+from specdec.drafters import Drafter
 from specdec.drafters.history import History
 from specdec.drafters.prediction import Prediction
 from specdec.engine import DecodeState, Engine, StepResult, TokenLogprob
 from specdec.errors import SpecDecError
-from specdec.katz import KatzTrigram
-from specdec.runtime import CausalLM, check_same_vocabulary, require_trees, tokenizer_fingerprint
-from specdec.runtime.prefix import DEFAULT_TOKENS as PREFIX_TOKENS, PrefixCache
-from specdec.policy import AUTO_MAX_DEPTH, MAX_DEPTH, BatchDepth, CostAwareDepth, CostAwarePolicy, FixedGamma, SharedAcceptance
+from specdec.policy import (AUTO_MAX_DEPTH, MAX_DEPTH, BatchDepth, CostAwareDepth, CostAwarePolicy, DraftPolicy, FixedGamma,
+                            SharedAcceptance)
+from specdec.runtime import CausalLM
+from specdec.runtime.prefix import PrefixCache
 from specdec.sampling import RandomStreams
 from specdec.scopes import PerScope, Scope, check_scope, owner
 from specdec.stops import StopStrings
 from specdec.text import check_text, continuation_decoder
-from specdec.types import GenerationStats, SamplingParams
+from specdec.types import GenerationStats, Limits, SamplingParams, request_options
 
 
 @dataclass
@@ -77,18 +78,22 @@ class SpeculativeDecoder:
     ones again. On llama.cpp it needs KV cells beyond the
     slots' (`load_model(prefix_cells=...)`; `load` reserves them). Off on a batch-invariant target
     (as trees are: both would put KV cells out of position order).
+    share_acceptance: a server's: what each scope's earlier generations learnt of each source's
+    acceptance starts its new ones (the default drafter's policy). prepare: read or measure the
+    forward costs now (False: call `prepare()` before the first request).
     """
 
-    def __init__(self, target: CausalLM, drafter: Drafter | None = None, gamma: int | str = "auto", explore: bool = True,
-                 history: History | bool | None = True, prefix_cache: PrefixCache | int | None = PREFIX_TOKENS):
+    def __init__(self, target: CausalLM, drafter: Drafter | None = None, gamma: int | str = GAMMA, explore: bool = True,
+                 history: History | bool | None = True, prefix_cache: PrefixCache | int | None = PREFIX_TOKENS,
+                 share_acceptance: bool = False, prepare: bool = True):
         check_gamma(gamma)
-        _check_drafter(drafter, target)
-        if isinstance(drafter, AutoDrafter):  # it drafts trees (a prediction and lookup branching too) only where every model scores them exactly
-            drafter.trees = drafter.trees and target.tree_refusal() is None and (drafter.model is None or drafter.model.model.tree_refusal() is None)
+        if drafter is not None:
+            drafter.fit(target)
         self.target, self.drafter, self.gamma, self.explore = target, drafter, gamma, explore
+        takes_chains = drafter is not None and drafter.takes_chains
         if history is True:
-            history = History() if isinstance(drafter, AutoDrafter) else None
-        if history is not None and not isinstance(drafter, AutoDrafter):
+            history = History() if takes_chains else None
+        if history is not None and not takes_chains:
             raise SpecDecError("a history is drafted from by the default (auto) drafter; this decoder has " + _drafter_name(drafter))
         self.history: History | None = history or None
         if getattr(target, "batch_invariant", False):
@@ -96,19 +101,36 @@ class SpeculativeDecoder:
         if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
             prefix_cache = PrefixCache.of(target, prefix_cache) if prefix_cache else None
         self.prefixes = prefix_cache if prefix_cache is not None and prefix_cache.budget else None
-        self.shared_acceptance: PerScope[SharedAcceptance] | None = None  # a server's: what each owner's earlier requests saw, for its new ones
+        # a server's: what each scope's earlier requests saw, for its new ones (a policy shaped node by node learns it)
+        self.shared_acceptance = PerScope(SharedAcceptance) if share_acceptance and self.shapes_by_nodes else None
         self._busy = False  # one generation at a time: the caches belong to it
         self._profile: costs.LiveCosts | None = None
+        if prepare:
+            self.prepare()
 
     @property
     def draft_model(self) -> CausalLM | None:
-        drafter = self.drafter.model if isinstance(self.drafter, AutoDrafter) else self.drafter
-        return drafter.model if isinstance(drafter, ModelDrafter) else None
+        return self.drafter.draft_model if self.drafter is not None else None
+
+    @property
+    def shapes_by_nodes(self) -> bool:
+        """Whether a `CostAwarePolicy` shapes every iteration's draft node by node (the default drafter)."""
+        return self.drafter is not None and self.drafter.shaped_by_nodes
 
     @property
     def uses_profile(self) -> bool:
         """Whether decoding needs measured forward costs (any cost-aware choice)."""
-        return isinstance(self.drafter, AutoDrafter) or (self.drafter is not None and self.gamma == "auto")
+        return self.shapes_by_nodes or (self.drafter is not None and self.gamma == "auto")
+
+    def prepare(self) -> None:
+        """Read (or measure, with a notice, once per model and machine) the forward costs the policy
+        decides with, if it needs them: done when the decoder is made, so no request waits for it."""
+        if not self.uses_profile or self._profile is not None:
+            return
+        if not profiling.cache_path(self.target, self.draft_model).is_file():
+            print("specdec: timing the models' forwards for the auto policy (once per model and machine; "
+                  "`specdec profile` shows them)", file=sys.stderr)
+        self.profile()
 
     def profile(self) -> costs.LiveCosts:
         """The models' forward costs on this machine: cached on disk, measured on first use, then
@@ -117,31 +139,37 @@ class SpeculativeDecoder:
             self._profile = costs.LiveCosts.of(profiling.profile(self.target, self.draft_model))
         return self._profile
 
-    def policy(self, scope: Scope = None):
+    def _costs(self) -> costs.LiveCosts:
+        """The profile `prepare` read: never measured inside a request."""
+        if self._profile is None:
+            raise SpecDecError("this decoder was made with prepare=False: call its prepare() before the first request")
+        return self._profile
+
+    def policy(self, scope: Scope = None) -> DraftPolicy:
         """A fresh draft policy for one generation of `scope` (it starts from what that scope's
         earlier generations saw, on a server)."""
         if self.drafter is None:
             return FixedGamma(0)
-        if isinstance(self.drafter, AutoDrafter):
+        if self.shapes_by_nodes:
             shared = self.shared_acceptance[owner(scope)] if self.shared_acceptance is not None else None
-            return CostAwarePolicy(self.profile(), AUTO_MAX_DEPTH if self.gamma == "auto" else self.gamma, explore=self.explore, shared=shared)
-        limit = MAX_DEPTH if self.gamma == "auto" else self.gamma
+            return CostAwarePolicy(self._costs(), AUTO_MAX_DEPTH if self.gamma == "auto" else self.gamma, explore=self.explore, shared=shared)
         if self.gamma == "auto":
-            return self.depth_policy(CostAwareDepth, limit)
+            return self.depth_policy(CostAwareDepth, MAX_DEPTH)
         return FixedGamma(self.gamma)
 
     def depth_policy(self, kind: type[BatchDepth], max_gamma: int) -> BatchDepth:
         """A depth policy (`BatchDepth` or a subclass) for this decoder's drafter, with measured costs."""
-        width = self.drafter.tree.width if isinstance(self.drafter, ModelDrafter) and self.drafter.tree else 1
-        return kind(self.profile(), max_gamma, models_draft=isinstance(self.drafter, ModelDrafter), width=width)
+        tree = self.drafter.tree
+        return kind(self._costs(), max_gamma, models_draft=self.draft_model is not None, width=tree.width if tree else 1)
 
     @property
     def tokenizer(self):
         return self.target.tokenizer
 
-    def generate(self, prompt: str | Sequence[int], **options) -> GenerationResult:
-        """Options as for `stream`. Returns text, tokens and stats."""
-        return self.run(self.request(prompt, **options))
+    def generate(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, limits: Limits | None = None,
+                 **options) -> GenerationResult:
+        """Options as for `request`. Returns text, tokens and stats."""
+        return self.run(self.request(prompt, sampling, limits, **options))
 
     def run(self, generation: Generation) -> GenerationResult:
         """Run a generation made by `request` to its end."""
@@ -150,51 +178,53 @@ class SpeculativeDecoder:
             pass
         return stream.result
 
-    def stream(self, prompt: str | Sequence[int], **options) -> Stream:
+    def stream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, limits: Limits | None = None,
+               **options) -> Stream:
         """Text deltas as they are committed; options as for `request`."""
-        return Stream(self._deltas(self.request(prompt, **options)))
+        return Stream(self._deltas(self.request(prompt, sampling, limits, **options)))
 
-    def request(
-        self,
-        prompt: str | Sequence[int],
-        max_new_tokens: int = 128,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        logprobs: int | None = None,
-        prediction: str | None = None,
-        tenant: Hashable = None,
-        scope: Scope = None,
-    ) -> Generation:
+    def request(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, limits: Limits | None = None, *,
+                prediction: str | None = None, tenant: Hashable = None, scope: Scope = None, **shorthand) -> Generation:
         """A checked generation, not started: run it with `stream`, or in a batch with an `Engine`.
-        Temperature 0 is greedy. logprobs: the result also holds each token's log-probability under
-        the target (its raw distribution) and this many most likely alternatives. prediction: the
-        text the output is expected to be (OpenAI's Predicted Outputs), drafted from by the default
-        drafter; it changes the speed, never the output. scope: who may reuse what this generation
-        leaves (its kept cache, its history; `specdec.scopes`), and whose it may reuse; tenant:
-        whose history, within the scope, it drafts from and joins (see `History`). Both any hashable.
+        sampling: how tokens are chosen (`SamplingParams`: temperature 0 is greedy; the default
+        samples at temperature 1); limits: when it ends and what it reports (`Limits`: at most 128
+        tokens by default, stop strings, logprobs under the target's raw distribution). shorthand:
+        the fields of either as keywords (`temperature=0, max_new_tokens=64`), over the values given.
+        prediction: the text the output is expected to be (OpenAI's Predicted Outputs), drafted from
+        by the default drafter; it changes the speed, never the output. scope: who may reuse what
+        this generation leaves (its kept cache, its history; `specdec.scopes`), and whose it may
+        reuse; tenant: whose history, within the scope, it drafts from and joins (see `History`).
+        Both any hashable.
 
-        seed: sampling is repeatable. Under the default drafter, or with none, a seeded sampled
-        generation draws its i-th token as argmax(p / E_i), with noise E_i fixed by (seed, i), and
-        drafts point masses only, a draft model's ranked by the same noise, verified by that draw
-        (`verify.verify_tree_coupled`): its text is plain decoding's with the same seed, whatever
-        was drafted, so neither what the decoder learnt before (its history, the costs its steps
-        paid) nor the batch it runs in changes it, except where a runtime's numerics move with the
-        batch (llama.cpp; bfloat16 on a GPU: docs/backends.md) and nudge a draw that lay on a
-        boundary. A fixed drafter (a draft model's chain or tree, an n-gram) keeps Chen's rejection
-        sampling of drawn drafts: its seeded text repeats when its drafting does, i.e. with a
-        numeric gamma. `Generation.drawn` runs a seeded request the unseeded way."""
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        A seed (`SamplingParams.seed`) makes sampling repeatable. Under the default drafter, or
+        with none, a seeded sampled generation draws its i-th token as argmax(p / E_i), with noise
+        E_i fixed by (seed, i), and drafts point masses only, a draft model's ranked by the same
+        noise, verified by that draw (`verify.verify_tree_coupled`): its text is plain decoding's
+        with the same seed, whatever was drafted, so neither what the decoder learnt before (its
+        history, the costs its steps paid) nor the batch it runs in changes it, except where a
+        runtime's numerics move with the batch (llama.cpp; bfloat16 on a GPU: docs/backends.md)
+        and nudge a draw that lay on a boundary. A fixed drafter (a draft model's chain or tree, an
+        n-gram) keeps Chen's rejection sampling of drawn drafts: its seeded text repeats when its
+        drafting does, i.e. with a numeric gamma. `Generation.drawn` runs a seeded request the
+        unseeded way."""
+        sampling, limits = request_options(sampling, limits, shorthand)
         prompt_ids = self.prompt_ids(prompt)
         check_scope(tenant, "tenant")
         check_scope(scope, "scope")
-        stop = _checked_options(max_new_tokens, seed, stop, logprobs)
+        chains = self._chains(prediction, prompt_ids, tenant, scope)
+        keyed_draws = self.drafter is None or self.drafter.keyed_draws
+        keyed = sampling.seed is not None and not sampling.greedy and keyed_draws
+        state = DecodeState(prompt_ids, sampling, limits.max_new_tokens, self.policy(scope), RandomStreams(sampling.seed, keyed),
+                            GenerationStats(prompt_tokens=len(prompt_ids)), self.stop_token_ids, logprobs=limits.logprobs,
+                            chains=chains, scope=scope)
+        return Generation(state, TextAssembler(self.tokenizer, prompt_ids, list(limits.stop)))
+
+    def _chains(self, prediction: str | None, prompt_ids: list[int], tenant: Hashable, scope: Scope) -> tuple:
+        """The request's own chain sources: its prediction, its view of the history."""
         if prediction is not None:
             if not isinstance(prediction, str):
                 raise SpecDecError(f"a prediction must be text, got {type(prediction).__name__}")
-            if not isinstance(self.drafter, AutoDrafter):
+            if self.drafter is None or not self.drafter.takes_chains:
                 raise SpecDecError("a prediction is drafted by the default (auto) drafter; this decoder has " + _drafter_name(self.drafter),
                                    param="prediction")
         try:
@@ -203,10 +233,7 @@ class SpeculativeDecoder:
             raise SpecDecError(str(error), param="prediction") from None
         if self.history is not None:
             chains += (self.history.view(tenant, scope),)
-        keyed = seed is not None and not sampling.greedy and (self.drafter is None or isinstance(self.drafter, AutoDrafter))
-        state = DecodeState(prompt_ids, sampling, max_new_tokens, self.policy(scope), RandomStreams(seed, keyed),
-                            GenerationStats(prompt_tokens=len(prompt_ids)), self.stop_token_ids, logprobs=logprobs, chains=chains, scope=scope)
-        return Generation(state, TextAssembler(self.tokenizer, prompt_ids, stop))
+        return chains
 
     def engine(self) -> Engine:
         return Engine(self.target, self.drafter, self.prefixes)
@@ -335,21 +362,6 @@ class TextAssembler:
         return delta
 
 
-def _checked_options(max_new_tokens, seed, stop, logprobs) -> list[str]:
-    """A request's plain options checked (the one place every front end's requests are checked);
-    returns the stop strings as a list."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise SpecDecError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise SpecDecError(f"seed must be a non-negative integer, got {seed!r}")
-    stop = [stop] if isinstance(stop, str) else list(stop)
-    if any(not isinstance(s, str) or not s for s in stop):
-        raise SpecDecError("stop strings must be non-empty strings", param="stop")
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20):
-        raise SpecDecError(f"logprobs must be an integer from 0 to 20, got {logprobs!r}")
-    return stop
-
-
 def _tokens_within(decode_text, tokens: list[int], text: str) -> list[int]:
     """The longest prefix of tokens whose text is a prefix of `text` (the text before a stop string).
     A prefix's text grows with it (but for a character still missing bytes, a few replacement
@@ -368,29 +380,5 @@ def _tokens_within(decode_text, tokens: list[int], text: str) -> list[int]:
     return tokens[:n]
 
 
-def _check_drafter(drafter: Drafter | None, target: CausalLM) -> None:
-    """A draft model or an n-gram model (also as a staged draft model's draft²) must speak the target's
-    vocabulary; a tree drafter needs two models that score token trees exactly."""
-    if isinstance(drafter, AutoDrafter):
-        _check_drafter(drafter.model, target)
-    if isinstance(drafter, ModelDrafter):
-        check_same_vocabulary(target.tokenizer, drafter.model.tokenizer, f"draft model ({drafter.model.path})")
-        if drafter.tree is not None:  # both models score trees: each must do so exactly, or refuse
-            require_trees(target)
-            require_trees(drafter.model)
-        _check_drafter(drafter.inner, target)
-    if isinstance(drafter, NgramDrafter):
-        check_ngram(drafter.model, target)
-
-
 def _drafter_name(drafter: Drafter | None) -> str:
     return drafter.name if drafter is not None else "no drafter"
-
-
-def check_ngram(model: KatzTrigram, target: CausalLM) -> None:
-    """The n-gram must count the target's token ids: same tokenizer (when recorded), same vocabulary size."""
-    expected = tokenizer_fingerprint(target.tokenizer)
-    if model.fingerprint and model.fingerprint != expected:
-        raise SpecDecError(f"the n-gram model was built with another tokenizer than the target's (fingerprint {model.fingerprint} vs {expected})")
-    if model.vocab_size != target.vocab_size:
-        raise SpecDecError(f"the n-gram model covers {model.vocab_size} tokens; the target's tokenizer has {target.vocab_size}")

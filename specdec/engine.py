@@ -96,7 +96,7 @@ class Engine:
         longest prefix it shares with them."""
         self.target, self.drafter, self.prefixes = target, drafter, prefixes
         # a draft head reads the target's final-norm states of what was verified (`Drafter.observe`)
-        self.reads_states = bool(getattr(drafter, "reads_target_states", False))
+        self.reads_states = drafter is not None and drafter.reads_target_states
         if self.reads_states:
             target.keep_states()
 
@@ -161,8 +161,9 @@ class Engine:
 
     def close(self, state: DecodeState, failed: bool = False) -> None:
         """Give the slots back (llama.cpp's cells are shared by all sequences) and, unless the
-        generation failed, keep the target's committed text where there is a prefix cache and tell
-        the chain sources what the generation committed; safe to repeat."""
+        generation failed, keep the target's committed text where there is a prefix cache, tell
+        the chain sources what the generation committed and let its policy hand on what it learnt;
+        safe to repeat."""
         sequence, slot = state.sequence, state.draft_slot
         state.sequence = state.draft_slot = None
         try:
@@ -175,6 +176,8 @@ class Engine:
                     sequence.release()
                 for chain in state.chains if not failed else ():
                     chain.end(state.context)
+                if not failed:
+                    state.gamma_policy.finish()
         finally:
             if slot is not None:
                 self.drafter.close(slot)

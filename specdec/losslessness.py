@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
@@ -47,8 +47,8 @@ import torch
 from tqdm import tqdm
 
 from specdec.decoder import SpeculativeDecoder
-from specdec.errors import SpecDecError
-from specdec.types import SamplingParams
+from specdec.errors import SpecDecError, check_integer
+from specdec.types import Limits, SamplingParams
 
 MIN_CELL = 10  # pooled count below which a continuation joins the "other" cell
 PERMUTATIONS_PER_REJECTION = 20  # B ~ 20 / level: the threshold is the ~20th largest of B null TVs
@@ -166,20 +166,21 @@ def check_lossless(
     prompts: Sequence[str | Sequence[int]],
     samples: int = 1000,
     length: int | None = None,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    sampling: SamplingParams | None = None,
     seed: int = 0,
     alpha: float = 1e-3,
     progress: bool = True,
+    **shorthand,
 ) -> LosslessnessReport:
     """Compare `speculative` with plain decoding of its own target (no second load); see the module doc.
 
     A lossless decoder fails with probability <= alpha; greedy (temperature 0) compares exactly.
     length: tokens per continuation; default the draft depth + 1, so that every draft position
     (and the bonus token after a fully accepted draft) is verified. A shorter one is reported.
+    sampling: the setting checked (default temperature 1; shorthand: its fields as keywords); seed:
+    the check's own, from which every sample's seed follows.
     """
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    sampling = replace(sampling or SamplingParams(), **shorthand)
     if speculative.drafter is None:
         raise SpecDecError("nothing to verify: the decoder has no drafter, so it already decodes plainly")
     depth = draft_depth(speculative)
@@ -195,10 +196,10 @@ def check_lossless(
     with tqdm(total=2 * runs * len(prompts), desc="verify", unit="sample", disable=not progress, leave=False) as bar:
         for j, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
             base = seed + 2 * runs * j
-            options = dict(max_new_tokens=length, temperature=temperature, top_k=top_k, top_p=top_p)
+            setting = (sampling, Limits(max_new_tokens=length))
             texts: dict[Continuation, str] = {}
-            plain_counts, _ = _sample(plain, ids, runs, base, options, texts, bar)
-            spec_counts, (drafted, accepted) = _sample(speculative, ids, runs, base + runs, options, texts, bar)
+            plain_counts, _ = _sample(plain, ids, runs, base, setting, texts, bar)
+            spec_counts, (drafted, accepted) = _sample(speculative, ids, runs, base + runs, setting, texts, bar)
             check = PromptCheck(
                 prompt=prompt if isinstance(prompt, str) else [int(i) for i in prompt], prompt_tokens=len(ids),
                 plain=plain_counts, speculative=spec_counts, texts=texts, drafted=drafted, accepted=accepted, passed=True,
@@ -228,19 +229,18 @@ def draft_depth(decoder: SpeculativeDecoder) -> int:
 
 
 def check_settings(samples, length, alpha, seed) -> None:
-    for name, value in (("samples", samples), ("length", length)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise SpecDecError(f"{name} must be an integer >= 1, got {value!r}")
+    check_integer(samples, "samples")
+    check_integer(length, "length")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
         raise SpecDecError(f"alpha must be in (0, 1), got {alpha!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise SpecDecError(f"seed must be a non-negative integer, got {seed!r}")
+    check_integer(seed, "seed", minimum=0)
 
 
-def _sample(decoder, ids, runs, first_seed, options, texts, bar) -> tuple[Counter, tuple[int, int]]:
-    counts, drafted, accepted = Counter(), 0, 0
+def _sample(decoder, ids, runs, first_seed, setting, texts, bar) -> tuple[Counter, tuple[int, int]]:
+    (sampling, limits), counts, drafted, accepted = setting, Counter(), 0, 0
     for i in range(runs):
-        result = decoder.run(decoder.request(ids, seed=first_seed + i, **options).drawn(first_seed + i))  # the path unseeded requests take
+        seeded = replace(sampling, seed=first_seed + i)
+        result = decoder.run(decoder.request(ids, seeded, limits).drawn(first_seed + i))  # the path unseeded requests take
         key = tuple(result.tokens)  # shorter than `length` only after EOS or at the context's end
         counts[key] += 1
         texts.setdefault(key, result.text)

@@ -56,6 +56,30 @@ class DraftPolicy(Protocol):
     def update(self, draft: Draft, result: VerifyResult) -> None:
         ...
 
+    def finish(self) -> None:
+        """The generation has ended (not by a failure): hand on what outlives it (`SharedAcceptance`)."""
+        ...
+
+
+class NodePolicy(Protocol):
+    """What a drafter shaped node by node (`AutoDrafter`) asks of the policy in `DraftRequest.policy`
+    (`CostAwarePolicy`): a budget for this iteration's nodes, each source's chance of acceptance,
+    and which sources to probe whatever their estimates say."""
+
+    probe_model: bool  # this iteration drafts at least one model token
+
+    def budget(self) -> Budget:
+        ...
+
+    def accept_probability(self, source: tuple) -> float:
+        ...
+
+    def model_rate(self) -> float:
+        ...
+
+    def probe_tokens(self, kind: str) -> int:
+        ...
+
 
 @runtime_checkable
 class CostFollowing(Protocol):
@@ -77,6 +101,9 @@ class FixedGamma:
         return self.gamma
 
     def update(self, draft: Draft, result: VerifyResult) -> None:
+        pass
+
+    def finish(self) -> None:
         pass
 
     def __repr__(self) -> str:
@@ -111,6 +138,9 @@ class BatchDepth:
         self.profile, self.max_gamma, self.models_draft, self.width, self.prior = profile, max_gamma, models_draft, width, prior
         self.acceptance = Acceptance()
         self.idle = 0
+
+    def finish(self) -> None:
+        pass  # α is the generation's own
 
     @property
     def alpha(self) -> float:
@@ -312,6 +342,10 @@ class CostAwarePolicy:
         for node, accepted in trials(draft.parents, result.path):
             for source in draft.sources[node]:
                 self._acceptance(source).observe(1, accepted)
+
+    def finish(self) -> None:
+        if self.shared is not None:
+            self.shared.absorb(self)
 
     def _acceptance(self, source: tuple) -> Acceptance:
         """The counts behind a source's estimate: a chain source's positions after the first share one."""

@@ -164,8 +164,8 @@ def test_reports_a_drafter_that_was_never_exercised(target):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(samples=0), "samples must be an integer >= 1"),
-    (dict(length=0), "length must be an integer >= 1"),
+    (dict(samples=0), "samples must be a positive integer"),
+    (dict(length=0), "length must be a positive integer"),
     (dict(alpha=0.0), "alpha must be in"),
     (dict(alpha=1.0), "alpha must be in"),
     (dict(seed=-1), "seed must be"),
@@ -327,8 +327,8 @@ def test_cli_fails_with_exit_1_on_a_broken_verifier(cli, model_dirs, monkeypatch
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--samples", "0"], "samples must be an integer >= 1"),
-    (["--length", "0"], "length must be an integer >= 1"),
+    (["--samples", "0"], "samples must be a positive integer"),
+    (["--length", "0"], "length must be a positive integer"),
     (["--alpha", "2"], "alpha must be in"),
     (["--temperature", "-1"], "temperature must be"),
 ])

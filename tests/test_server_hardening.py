@@ -601,7 +601,7 @@ def test_new_requests_start_from_what_earlier_ones_saw(model_dirs):
 
     LOOKUP_PRIORS = CHAIN_PRIORS["lookup"]
 
-    decoder = specdec.load(model_dirs["llama"], device="cpu")  # the default: prompt lookup alone on this tiny model
+    decoder = specdec.load(model_dirs["llama"], device="cpu", share_acceptance=True)  # as a server builds it: lookup alone here
     live = LiveServer(create_app(decoder, MODEL))
     try:
         assert decoder.policy().accept_probability(("lookup", 1)) == pytest.approx(LOOKUP_PRIORS[1])

@@ -27,11 +27,11 @@ from specdec.demo import demo_ngram
 from specdec.bench.prompts import file_prompts
 from specdec.bench.peers import peers
 from specdec.bench.suites import WITH_REFERENCES, suite_tasks
-from specdec.drafters import History, ModelDrafter, TreeShape
+from specdec.drafters import History, TreeShape
 from specdec.errors import SpecDecError
 from specdec.katz import KatzTrigram
 from specdec.runtime import CausalLM, RuntimeConfig, choose_backend
-from specdec.types import GenerationStats, SamplingParams
+from specdec.types import GenerationStats, Limits, SamplingParams
 
 # every run prefills its whole prompt, as the peers' do: no strategy starts from another's kept prefix
 Decoder = functools.partial(SpeculativeDecoder, prefix_cache=None)
@@ -105,11 +105,12 @@ def specdec_strategy(name, family, decoder: SpeculativeDecoder, max_new_tokens: 
 
     def run(prompt_ids, sampling, seed, reference: str = "") -> Run:
         # seeded for repeatability, drawn as unseeded requests are: the path users' requests take
-        result = decoder.run(decoder.request(prompt_ids, max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
-                                             top_p=sampling.top_p, seed=seed, prediction=(reference or None) if predicts else None).drawn(seed))
+        prediction = (reference or None) if predicts else None
+        generation = decoder.request(prompt_ids, replace(sampling, seed=seed), Limits(max_new_tokens), prediction=prediction)
+        result = decoder.run(generation.drawn(seed))
         return Run(result.tokens, result.stats.total_seconds, result.stats)
 
-    uses_draft = isinstance(decoder.drafter, ModelDrafter)
+    uses_draft = decoder.draft_model is not None and not decoder.shapes_by_nodes  # a fixed strategy's draft model
     return Strategy(name, family, decoder.gamma if decoder.drafter else None, uses_draft, run, decoder.history)
 
 

@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 
 from specdec import profiling
-from specdec.build import build_decoder, ensure_profile
+from specdec.build import build_decoder
 from specdec.cli.arguments import add_model_arguments, add_sampling_arguments, decoder_config
 from specdec.errors import SpecDecError
+from specdec.types import Limits, SamplingParams
 
 
 def add_parsers(commands) -> None:
@@ -53,12 +54,10 @@ def run_generate(args) -> None:
             prediction = Path(args.prediction).expanduser().read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as error:
             raise SpecDecError(f"cannot read the prediction file {args.prediction}: {error}") from None
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    limits = Limits(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
     decoder = build_decoder(decoder_config(args, prefix_cache=0))
-    ensure_profile(decoder)
-    stream = decoder.stream(
-        args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop, prediction=prediction or None,
-    )
+    stream = decoder.stream(args.prompt, sampling, limits, prediction=prediction or None)
     if args.json:
         for _ in stream:
             pass
@@ -72,7 +71,7 @@ def run_generate(args) -> None:
 
 
 def run_profile(args) -> None:
-    decoder = build_decoder(decoder_config(args, prefix_cache=0))
+    decoder = build_decoder(decoder_config(args, prefix_cache=0), prepare=False)  # measured here, once
     profile = profiling.profile(decoder.target, decoder.draft_model, refresh=args.refresh)
     if args.json:
         print(json.dumps(profile.to_json()))
@@ -134,11 +133,11 @@ def format_stats(stats, decoder) -> str:
     if decoder.drafter is not None:
         rate = stats.acceptance_rate
         parts += [
-            f"drafter {decoder.drafter.name}, " + (f"depth {decoder.gamma}" if getattr(decoder.drafter, "tree", None) else f"gamma {decoder.gamma}"),
+            f"drafter {decoder.drafter.name}, " + (f"depth {decoder.gamma}" if decoder.drafter.tree else f"gamma {decoder.gamma}"),
             f"{stats.draft_forwards} draft forwards",
             f"acceptance {rate:.1%}" if rate is not None else "acceptance n/a",
         ]
-    if stats.tree_nodes and (getattr(decoder.drafter, "tree", None) or stats.drafters):
+    if stats.tree_nodes and ((decoder.drafter is not None and decoder.drafter.tree) or stats.drafters):
         parts.append(f"{sum(stats.tree_nodes) / len(stats.tree_nodes):.1f} draft nodes/iteration")
     if stats.drafters and decoder.gamma == "auto":
         counts = collections.Counter(stats.drafters)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from specdec.build import build_decoder, ensure_profile
+from specdec.build import build_decoder
 from specdec.cli.arguments import add_model_arguments, add_sampling_arguments, decoder_config
 from specdec.errors import SpecDecError
 from specdec.losslessness import DEFAULT_PROMPTS, check_lossless, check_settings, failure_summary, format_report
@@ -32,13 +32,10 @@ def add_parser(commands) -> None:
 
 def run_verify(args) -> None:
     check_settings(args.samples, 1 if args.length is None else args.length, args.alpha, args.seed)
-    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # fail before loading
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # fails before loading
     decoder = build_decoder(decoder_config(args, prefix_cache=0))
-    ensure_profile(decoder)
-    report = check_lossless(
-        decoder, args.prompt or DEFAULT_PROMPTS, samples=args.samples, length=args.length,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, alpha=args.alpha,
-    )
+    report = check_lossless(decoder, args.prompt or DEFAULT_PROMPTS, samples=args.samples, length=args.length, sampling=sampling,
+                            seed=args.seed, alpha=args.alpha)
     print(json.dumps(report.to_dict()) if args.json else format_report(report))
     if not report.passed:
         raise SpecDecError(failure_summary(report))

@@ -28,32 +28,50 @@ from typing import Sequence
 
 import torch
 
+from specdec.config import TREE_WIDTH
 from specdec.drafters.base import DraftRequest, DraftSlot, DraftTree, VocabColumns
 from specdec.drafters.model import ModelDrafter, pick_children
 from specdec.drafters.prompt_lookup import PromptLookupDrafter, lookup_continuation
-from specdec.policy import MAX_DEPTH, Budget, CostAwarePolicy, confidence_bin
+from specdec.policy import MAX_DEPTH, Budget, NodePolicy, confidence_bin
 from specdec.sampling import ranked
+from specdec.runtime import CausalLM
 from specdec.runtime.base import forward_together
 from specdec.types import Draft
 
 
 class AutoDrafter:
     """Prompt lookup and/or a draft model (a chain-mode `ModelDrafter`, whose slots it uses), shaped
-    by the `CostAwarePolicy` each request carries. width: children per node and nodes per level of
+    by the `NodePolicy` each request carries. width: children per node and nodes per level of
     greedy trees; max_lookup: the longest looked-up continuation considered (the policy's depth
     bounds it too); max_branches: nodes beside an earlier sibling per tree (each costs a sequence
     id on llama.cpp, for both models). The draft model drafts at most MAX_DEPTH levels."""
 
-    def __init__(self, model: ModelDrafter | None, lookup: PromptLookupDrafter | None = None, width: int = 3,
+    def __init__(self, model: ModelDrafter | None, lookup: PromptLookupDrafter | None = None, width: int = TREE_WIDTH,
                  max_lookup: int = 64, max_branches: int = 3):
         if model is None and lookup is None:
             raise ValueError("the auto drafter needs a draft model, prompt lookup or both")
         if model is not None and (model.tree is not None or model.inner is not None):
             raise ValueError("the auto drafter shapes its own trees: give it a plain ModelDrafter")
         self.model, self.lookup, self.width, self.max_lookup, self.max_branches = model, lookup, width, max_lookup, max_branches
+        self.draft_model = model.model if model is not None else None
         self.reads_target_states = model is not None and model.reads_target_states
         self.trees = True  # False: one chain per iteration, from one source (models that cannot score trees exactly)
         self.name = "auto (" + " + ".join(n for n, part in (("draft model", model), ("prompt lookup", lookup)) if part) + ")"
+
+    takes_chains = keyed_draws = shaped_by_nodes = True
+    tree = None  # shaped per iteration
+
+    @property
+    def sequence_ids(self) -> int:
+        return self.max_branches + 1
+
+    def fit(self, target: CausalLM) -> None:
+        """The draft model must fit; trees (a prediction and lookup branching too) are drafted only
+        where every model scores them exactly, chains elsewhere."""
+        if self.model is not None:
+            self.model.fit(target)
+        models = [target] + ([self.draft_model] if self.draft_model is not None else [])
+        self.trees = self.trees and all(model.tree_refusal() is None for model in models)
 
     def open(self, prompt: Sequence[int]) -> DraftSlot:
         return self.model.open(prompt) if self.model else DraftSlot()
@@ -78,8 +96,8 @@ class AutoDrafter:
     def _grow(self, request: DraftRequest):
         """One row's draft, as a generator of its draft-model forwards (see `forward_together`)."""
         policy = request.policy
-        if not isinstance(policy, CostAwarePolicy):
-            raise ValueError("the auto drafter is shaped by the cost-aware policy (gamma 'auto')")
+        if policy is None:
+            raise ValueError("the auto drafter is shaped node by node by a policy (`NodePolicy`: gamma 'auto')")
         budget, nodes = policy.budget(), DraftTree(self.model.columns if self.model is not None else VocabColumns())
         depth = min(request.max_tokens, self.max_lookup)
         chains = [(source.kind, source.proposal(request.context, depth)) for source in request.chains]
@@ -92,7 +110,7 @@ class AutoDrafter:
             yield from self._grow_model(nodes, request, policy, budget)
         return nodes.draft()
 
-    def _add_chain(self, nodes: DraftTree, kind: str, chain: list[int], policy: CostAwarePolicy, budget: Budget) -> None:
+    def _add_chain(self, nodes: DraftTree, kind: str, chain: list[int], policy: NodePolicy, budget: Budget) -> None:
         """A chain source's best prefix (all its values are known at once), or more when the policy
         probes the source. Where a chain spells what is in the tree already it shares its nodes;
         where it leaves them it branches (if a branch is left)."""
@@ -111,7 +129,7 @@ class AutoDrafter:
                 return  # a branch: none left, or the models cannot score trees
             parent = nodes.add(token, parent, None, values[position], (kind, position))
 
-    def _grow_model(self, nodes: DraftTree, request: DraftRequest, policy: CostAwarePolicy, budget: Budget):
+    def _grow_model(self, nodes: DraftTree, request: DraftRequest, policy: NodePolicy, budget: Budget):
         """The draft model's levels (`ModelDrafter.grow_levels`), while each pays for its forward:
         a level's children are those that pay (`_add_level`), and its best `width` are expanded."""
         model, context = self.model, request.context
@@ -133,7 +151,7 @@ class AutoDrafter:
         yield from model.grow_levels(request.slot, nodes, depth, request.sampling, children, expand)
 
     def _add_level(self, nodes: DraftTree, frontier: list[int], rows: torch.Tensor, level: int, width: int, request: DraftRequest,
-                   policy: CostAwarePolicy, budget: Budget, force: bool = False) -> list[int]:
+                   policy: NodePolicy, budget: Budget, force: bool = False) -> list[int]:
         """The model's children of the frontier (at `level`, 1 for the root's) that pay, best first
         (with `force`, the best one whether it pays or not); returns the level's nodes (lookup nodes
         the model also proposes included, at no cost). Chosen children: greedy, the most likely;

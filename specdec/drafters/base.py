@@ -8,6 +8,9 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from specdec import tree
+from specdec.config import TreeShape
+from specdec.policy import NodePolicy
+from specdec.runtime import CausalLM
 from specdec.types import Draft, SamplingParams
 
 
@@ -33,7 +36,7 @@ class DraftRequest:
     max_tokens: int
     sampling: SamplingParams
     rng: torch.Generator
-    policy: object = None
+    policy: NodePolicy | None = None
     chains: tuple[ChainSource, ...] = ()
     noise: Callable[[int], torch.Tensor] | None = None
 
@@ -69,6 +72,19 @@ class Drafter(Protocol):
     """
 
     name: str
+    # What it is, declared: the decoder, the server and the bench ask these, never a drafter's class.
+    draft_model: CausalLM | None  # the model whose forwards it pays for (None: it drafts from text alone)
+    reads_target_states: bool  # it reads the target's final-norm states (`observe`): the engine keeps them
+    takes_chains: bool  # it drafts a request's own chain sources (a prediction, the history) too
+    keyed_draws: bool  # given `DraftRequest.noise` it drafts point masses only: a seed then keys draws by position
+    shaped_by_nodes: bool  # a `NodePolicy` shapes every iteration's draft (else it drafts the depth asked for)
+    tree: TreeShape | None  # the fixed token tree it drafts (None: chains, or a tree shaped per iteration)
+    sequence_ids: int  # sequence ids one generation takes of each model on llama.cpp (one per branch)
+
+    def fit(self, target: CausalLM) -> None:
+        """Refuse (SpecDecError) a target it cannot draft for exactly (another vocabulary, trees a
+        model cannot score), and settle what depends on the target; called once, by the decoder."""
+        ...
 
     def open(self, prompt: Sequence[int]) -> DraftSlot:
         """A generation begins with `prompt` (no model work yet: see `prefill`)."""
@@ -91,10 +107,11 @@ class Drafter(Protocol):
         """The generation has ended: give back what the slot holds."""
         ...
 
-    # A drafter with `reads_target_states = True` (a draft head) also has
-    # observe(slot, position, state): the target's final-norm state [hidden] at `position` of the
-    # committed text, the one whose logits drew the token at position + 1 (the engine turns on the
-    # target's `keep_states` and reports the last such state after every prefill chunk and verify).
+    def observe(self, slot: DraftSlot, position: int, state: torch.Tensor) -> None:
+        """Where `reads_target_states`: the target's final-norm state [hidden] at `position` of the
+        committed text, the one whose logits drew the token at position + 1 (the engine turns on the
+        target's `keep_states` and reports the last such state after every prefill chunk and verify)."""
+        ...
 
 
 class ContextDrafter:
@@ -102,6 +119,12 @@ class ContextDrafter:
     Subclasses implement `propose_one`."""
 
     name = "context"
+    draft_model, tree = None, None
+    reads_target_states = takes_chains = keyed_draws = shaped_by_nodes = False
+    sequence_ids = 1
+
+    def fit(self, target: CausalLM) -> None:
+        pass
 
     def open(self, prompt: Sequence[int]) -> DraftSlot:
         return DraftSlot()

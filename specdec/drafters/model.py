@@ -29,9 +29,10 @@ from typing import Callable, Sequence
 import torch
 
 from specdec import tree
+from specdec.config import INNER_GAMMA, TreeShape
 from specdec.drafters.base import ContextDrafter, DraftRequest, DraftSlot, DraftTree, VocabColumns, empty_draft
-from specdec.errors import SpecDecError
-from specdec.runtime import CausalLM
+from specdec.errors import check_integer
+from specdec.runtime import CausalLM, check_same_vocabulary, require_trees
 from specdec.runtime import base as runtime
 from specdec.runtime.base import Feed, forward_together
 from specdec.sampling import probs_from_logits, sample
@@ -40,25 +41,6 @@ from specdec.verify import verify_chain, verify_greedy
 
 SIBLING_MASS = 0.1  # a sampled node draws another child only while this much of q is not yet drawn
 CATCH_UP = 16  # committed tokens a slot may hold unfed (steps without drafting) before they are fed
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    """nodes: node budget per tree; width: children per node and nodes expanded per level.
-
-    sampled: at temperature > 0, draw children from the draft (True) or take its most likely
-    tokens (False). Greedy decoding always takes the most likely tokens.
-    """
-
-    nodes: int
-    width: int = 3
-    sampled: bool = True
-
-    def __post_init__(self):
-        for name in ("nodes", "width"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise SpecDecError(f"tree {name} must be a positive integer, got {value!r}")
 
 
 def pick_children(q: torch.Tensor, count: int, sampled: bool, rng: torch.Generator, exclude: Sequence[int] = ()):
@@ -123,13 +105,29 @@ class ModelDrafter:
     """Drafts with a smaller model; see the module docstring for chain, tree and staged growth.
     Rows of a batch grow side by side: their draft forwards at each level go into one forward."""
 
-    def __init__(self, model: CausalLM, tree: TreeShape | None = None, inner: ContextDrafter | None = None, inner_gamma: int = 4):
-        if isinstance(inner_gamma, bool) or not isinstance(inner_gamma, int) or inner_gamma < 1:
-            raise SpecDecError(f"the inner draft length must be a positive integer, got {inner_gamma!r}")
+    def __init__(self, model: CausalLM, tree: TreeShape | None = None, inner: ContextDrafter | None = None,
+                 inner_gamma: int = INNER_GAMMA):
+        check_integer(inner_gamma, "the inner draft length")
         self.model, self.tree, self.inner, self.inner_gamma = model, tree, inner, inner_gamma
-        self.reads_target_states = bool(getattr(model, "reads_target_states", False))
+        self.draft_model = model
+        self.reads_target_states = bool(getattr(model, "reads_target_states", False))  # TODO(runtime protocol)
         self.columns = VocabColumns(getattr(model, "columns", None))  # of the model's logits: a pruned vocabulary's, or all
         self.name = "draft-model" + (f"+{inner.name}" if inner else "") + (f" tree {tree.nodes}" if tree else "")
+
+    takes_chains = keyed_draws = shaped_by_nodes = False
+
+    @property
+    def sequence_ids(self) -> int:
+        return self.tree.nodes + 1 if self.tree is not None else 1
+
+    def fit(self, target: CausalLM) -> None:
+        """The draft model speaks the target's vocabulary; for trees, both models score them exactly."""
+        check_same_vocabulary(target.tokenizer, self.model.tokenizer, f"draft model ({self.model.path})")
+        if self.tree is not None:
+            require_trees(target)
+            require_trees(self.model)
+        if self.inner is not None:
+            self.inner.fit(target)
 
     def open(self, prompt: Sequence[int]) -> _Slot:
         """A slot with the whole prompt pending: `prefill` feeds it (else the first proposal would)."""

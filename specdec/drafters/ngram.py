@@ -7,7 +7,9 @@ from typing import Sequence
 import torch
 
 from specdec.drafters.base import ContextDrafter
+from specdec.errors import SpecDecError
 from specdec.katz import KatzTrigram
+from specdec.runtime import CausalLM, tokenizer_fingerprint
 from specdec.sampling import probs_from_logits, sample
 from specdec.types import Draft, SamplingParams
 
@@ -21,6 +23,16 @@ class NgramDrafter(ContextDrafter):
         self.model = model
         self.stochastic = stochastic
         self.name = "ngram" if stochastic else "ngram-top1"
+
+    def fit(self, target: CausalLM) -> None:
+        """The n-gram must count the target's token ids: same tokenizer (when recorded), same vocabulary size."""
+        expected = tokenizer_fingerprint(target.tokenizer)
+        if self.model.fingerprint and self.model.fingerprint != expected:
+            raise SpecDecError("the n-gram model was built with another tokenizer than the target's "
+                               f"(fingerprint {self.model.fingerprint} vs {expected})")
+        if self.model.vocab_size != target.vocab_size:
+            raise SpecDecError(f"the n-gram model covers {self.model.vocab_size} tokens; "
+                               f"the target's tokenizer has {target.vocab_size}")
 
     def propose_one(
         self, context: Sequence[int], max_tokens: int, sampling: SamplingParams, rng: torch.Generator

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from specdec.errors import SpecDecError
 from specdec.runtime.base import CachedSequence, CausalLM, require_trees
-from specdec.runtime.config import BACKENDS, COMPILE_CHOICES, OUTPUT_LAYERS, RuntimeConfig
+from specdec.config import BACKENDS, COMPILE_CHOICES, OUTPUT_LAYERS, RuntimeConfig
 from specdec.runtime.vocab import check_same_vocabulary, tokenizer_fingerprint
 
 __all__ = ["CausalLM", "CachedSequence", "RuntimeConfig", "BACKENDS", "OUTPUT_LAYERS", "COMPILE_CHOICES", "load_model", "load_draft",

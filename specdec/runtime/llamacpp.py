@@ -27,7 +27,7 @@ import torch
 
 from specdec.errors import SpecDecError
 from specdec.runtime import base, cpu_head
-from specdec.runtime.config import OUTPUT_LAYERS
+from specdec.config import OUTPUT_LAYERS
 from specdec.runtime.entries import SequenceEntries
 from specdec.runtime.llama_lib import GGUFTokenizer, Weights, bindings, buffer_text, check_gguf_file, clear_log, last_log, untiled_matmuls
 

@@ -26,7 +26,6 @@ from specdec.runtime.base import CachedSequence, CausalLM
 from specdec.scopes import Scope, evictee, owner
 from specdec.stops import common_prefix
 
-DEFAULT_TOKENS = 4096  # kept tokens by default: a long conversation, or a few shorter ones
 MIN_SHARED = 16  # a shorter shared prefix costs about as much to copy as to compute
 MAX_KEPT = 16  # sequences kept at most (on llama.cpp each holds a sequence id, which tree branches need too)
 

@@ -8,10 +8,9 @@ from dataclasses import replace
 
 from fastapi import FastAPI
 
-from specdec.build import build_decoder, ensure_profile
+from specdec.build import build_decoder
 from specdec.config import DEFAULT_BATCH, ServeConfig
 from specdec.decoder import SpeculativeDecoder
-from specdec.drafters import AutoDrafter, History, ModelDrafter
 from specdec.errors import SpecDecError
 from specdec.runtime import choose_backend
 from specdec.server.app import routes
@@ -44,9 +43,9 @@ def max_batch(config: ServeConfig) -> int:
     return config.batch(on_gpu(config))
 
 
-def build_service(config: ServeConfig, measure: bool = True) -> Service:
-    """The Service `config` describes: models loaded, the batch thread started. With `measure`, the
-    forward costs the auto policy needs are timed now if they are not cached yet."""
+def build_service(config: ServeConfig) -> Service:
+    """The Service `config` describes: models loaded, the forward costs read (or measured), the
+    batch thread started."""
     batch = max_batch(config)
     # llama.cpp sizes its KV cells for every slot at load; a transformers static pool grows on demand,
     # so it starts with a CPU batch's rows (a GPU batch's 65 rows of an 8B model's KV are ~33 GB up front)
@@ -54,12 +53,7 @@ def build_service(config: ServeConfig, measure: bool = True) -> Service:
     on_llamacpp = target_backend(config) == "llamacpp" or (draft is not None and choose_backend(draft, config.decoder.runtime.backend) == "llamacpp")
     slots = batch if on_llamacpp else min(batch, DEFAULT_BATCH["cpu"])
     decoder = build_decoder(replace(config.decoder, slots=slots))
-    if measure:
-        ensure_profile(decoder)
     check_sequence_ids(decoder, batch)
-    if config.chat_template is not None:
-        decoder.tokenizer.chat_template = config.chat_template
-    decoder.history = server_history(decoder, config.history_tokens, config.share_history)
     name = config.model_name or os.path.basename(os.path.normpath(decoder.target.path))
     return Service(decoder, name, max_queue=config.max_queue, max_batch=batch, depth="measure" if config.batch_depth == "measured" else None)
 
@@ -70,26 +64,15 @@ def build_app(config: ServeConfig, service: Service) -> FastAPI:
                   public_metrics=config.public_metrics, allowed_hosts=["127.0.0.1", "localhost", "::1"] if config.loopback else None)
 
 
-def server_history(decoder: SpeculativeDecoder, tokens: int | None, shared: bool) -> History | None:
-    """The server's history of earlier requests, or None (off, or a fixed strategy, which does not draft from one)."""
-    if not isinstance(decoder.drafter, AutoDrafter):
-        if tokens or shared:
-            raise SpecDecError("--history-tokens and --share-history are for the default drafter; this server runs a fixed strategy")
-        return None
-    if tokens == 0:
-        return None
-    return History(tokens, shared=shared) if tokens is not None else History(shared=shared)
-
-
 def check_sequence_ids(decoder: SpeculativeDecoder, batch: int) -> None:
     """On llama.cpp every running generation takes a sequence id of each model, and every tree branch one more."""
     from specdec.runtime.llamacpp import MAX_SEQUENCE_IDS
     from specdec.runtime.prefix import MAX_KEPT
 
     drafter = decoder.drafter
-    tree = drafter.tree if isinstance(drafter, ModelDrafter) else None
+    tree = drafter.tree if drafter is not None else None
     models = [decoder.target] + ([decoder.draft_model] if decoder.draft_model else [])
-    per_generation = tree.nodes + 1 if tree is not None else drafter.max_branches + 1 if isinstance(drafter, AutoDrafter) else 1
+    per_generation = drafter.sequence_ids if drafter is not None else 1
     kept = MAX_KEPT if decoder.prefixes is not None else 0  # the prefix cache's sequences, on the target
     if any(model.backend == "llamacpp" for model in models) and batch * per_generation + kept > MAX_SEQUENCE_IDS:
         what = f"with {tree.nodes}-node trees " if tree is not None else ""

@@ -19,7 +19,7 @@ from specdec.api import GenerationResult, SpeculativeDecoder
 from specdec.engine import TokenLogprob
 from specdec.errors import SpecDecError
 from specdec.text import check_text
-from specdec.types import GenerationStats
+from specdec.types import GenerationStats, SamplingParams
 
 
 class BadRequest(Exception):
@@ -132,6 +132,9 @@ class SamplingFields(BaseModel):
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
 
     @model_validator(mode="after")
     def _defaults_for_nulls(self):

@@ -42,7 +42,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 
-from specdec.build import build_decoder, ensure_profile
+from specdec.build import build_decoder
 from specdec.config import ServeConfig, serve_config, with_runtime
 from specdec.server.app import MAX_BODY_BYTES, error_event
 from specdec.server.build import build_app, build_service, max_batch
@@ -62,7 +62,7 @@ class Replica:
     def __init__(self, config: ServeConfig):
         self.shutdown_timeout = config.shutdown_timeout
         pin_cores(config.decoder.runtime.threads, replica_rank())
-        self.service = build_service(config, measure=False)  # the profile was measured before replicas started
+        self.service = build_service(config)  # reads the profile measured before replicas started
         self.app = build_app(config, self.service)
         self.name = replica_name().encode()
 
@@ -328,7 +328,7 @@ def application(config: ServeConfig) -> serve.Application:
     replicas, threads = config.replicas or 1, replica_threads(config)
     # the batch each replica runs, decided here once: Ray's max_ongoing_requests must be the same
     config = replace(config, decoder=with_runtime(config.decoder, threads=threads), max_batch=max_batch(config))
-    ensure_profile(build_decoder(replace(config.decoder, prefix_cache=0)))  # reads or measures the profile the replicas will read
+    build_decoder(replace(config.decoder, prefix_cache=0))  # reads or measures the profile the replicas will read
     scaling = ({"autoscaling_config": {"min_replicas": replicas, "max_replicas": config.max_replicas, "initial_replicas": replicas,
                                        "target_ongoing_requests": max(1, config.max_batch // 2), "upscale_delay_s": 2, "downscale_delay_s": 10}}
                if config.max_replicas else {"num_replicas": replicas})

@@ -8,12 +8,12 @@ import asyncio
 import time
 
 from specdec.api import Generation, SpeculativeDecoder
-from specdec.drafters import AutoDrafter
 from specdec.errors import SpecDecError
-from specdec.policy import BatchDepth, SharedAcceptance
-from specdec.scopes import KeyScope, PerScope
+from specdec.policy import BatchDepth
+from specdec.scopes import KeyScope
 from specdec.server.batch import Batcher, Job, Metrics
 from specdec.server.openai import BadRequest, CompletionRequest, SamplingFields
+from specdec.types import Limits
 
 STALL_SECONDS = 120.0  # a batch with work that has not finished a round for this long is wedged
 
@@ -39,10 +39,6 @@ class Service:
         self.decoder, self.model_name, self.stall_seconds = decoder, model_name, stall_seconds
         self.created = int(time.time())
         self.metrics = Metrics()
-        if decoder.uses_profile:
-            decoder.profile()
-        if isinstance(decoder.drafter, AutoDrafter):  # new requests start from what their scope's earlier ones saw
-            decoder.shared_acceptance = PerScope(SharedAcceptance)
         self.batcher = Batcher(decoder, max_batch, max_queue, self.metrics, batch_depth(decoder) if depth == "measure" else depth)
 
     # ------------------------------------------------------------------ requests
@@ -68,9 +64,8 @@ class Service:
                              param="max_tokens")
         scope = None if key is None and body.cache_salt is None else KeyScope(key, body.cache_salt)
         try:
-            return decoder.request(ids, max_new_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                                   seed=body.seed, stop=body.stops(), logprobs=body.top_logprobs_wanted(), prediction=body.predicted_text(),
-                                   tenant=body.user, scope=scope)
+            limits = Limits(max_new_tokens=body.max_tokens, stop=tuple(body.stops()), logprobs=body.top_logprobs_wanted())
+            return decoder.request(ids, body.sampling(), limits, prediction=body.predicted_text(), tenant=body.user, scope=scope)
         except SpecDecError as error:
             raise BadRequest(str(error), param=error.param) from None
 
