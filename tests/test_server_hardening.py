@@ -99,7 +99,7 @@ def test_shutdown_ends_waiting_and_running_streams_in_bounded_time(model_dirs):
             streams = [pool.submit(stream, live.url, body) for _ in range(3)]
             time.sleep(0.4)
             started = time.time()
-            app.state.batcher.shut_down(timeout=0.3)
+            app.state.service.drain(timeout=0.3)
             ended = time.time() - started
             events = [f.result() for f in streams]
         assert ended < 2.0
@@ -475,7 +475,7 @@ def test_long_prompts_are_prefilled_in_turns_between_the_others_steps(model_dirs
     decoder = make_decoder(model_dirs)
     decoder.drafter = SlowDrafter(decoder.drafter)
     app = create_app(decoder, MODEL, depth=None)
-    engine, calls = app.state.batcher.engine, []
+    engine, calls = app.state.service.batcher.engine, []
     prefill, step = engine.prefill, engine.step
     monkeypatch.setattr(engine, "prefill", lambda state: calls.append(("prefill", len(state.prompt))) or prefill(state))
     monkeypatch.setattr(engine, "step", lambda states, cap=None: calls.append(("step", len(states))) or step(states, cap))

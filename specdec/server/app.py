@@ -18,12 +18,12 @@ from prometheus_client import generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdec.api import Generation, GenerationResult, SpeculativeDecoder
+from specdec.api import Generation, SpeculativeDecoder
 from specdec.policy import BatchDepth
-from specdec.server.batch import Batcher, Job
+from specdec.server.batch import Delta, Done, Failed, Job, QueueFull, Refused, ShuttingDown, Unavailable
 from specdec.server.openai import (ERROR_RESPONSES, BadRequest, ChatRequest, CompletionRequest, Reply, SamplingFields,
                                    chat_prompt, error_response)
-from specdec.server.service import Service
+from specdec.server.service import Health, Service
 
 MAX_BODY_BYTES = 1 << 20
 LONG_PROMPT_CHARS = 20_000  # tokenized on a thread of its own, not on the event loop
@@ -33,6 +33,7 @@ HOST_HEADER = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9.-]+
 STREAM_OR_JSON = {200: {"description": "The whole reply as JSON, or with `stream: true` server-sent events: one `data: {chunk}` "
                         "per text delta (an error event if the generation fails), then `data: [DONE]`",
                         "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+REFUSED_STATUS = {QueueFull: 429, ShuttingDown: 503}  # the batch's refusals, as HTTP (both with Retry-After)
 HEALTH_RESPONSES = {503: {"description": "The server is shutting down, or its batch is not making progress: send no more requests here"}}
 
 
@@ -53,13 +54,14 @@ def routes(service: Service, max_body_bytes: int = MAX_BODY_BYTES, api_keys: Seq
     allowed_origins: browser origins allowed by CORS. allowed_hosts: accepted Host header names
     (None: any). body_timeout: seconds a request body may take to arrive."""
     app = FastAPI(title="specdec", description="OpenAI-compatible lossless speculative decoding", version="1")
-    app.state.service, app.state.batcher = service, service.batcher
+    app.state.service = service
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     app.add_exception_handler(RequestValidationError, invalid_body)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(BadRequest, bad_request)
+    app.add_exception_handler(Refused, refused)
     endpoints = Endpoints(service)
     app.add_api_route("/health", endpoints.health, methods=["GET"], responses=HEALTH_RESPONSES)
     app.add_api_route("/health", endpoints.health, methods=["HEAD"], include_in_schema=False)
@@ -95,6 +97,10 @@ async def http_error(request: Request, error: StarletteHTTPException) -> JSONRes
 
 async def bad_request(request: Request, error: BadRequest) -> JSONResponse:
     return error_response(str(error), error.status, error.code, error.param)
+
+
+async def refused(request: Request, error: Refused) -> JSONResponse:
+    return error_response(str(error), REFUSED_STATUS[type(error)])
 
 
 def schema_without_422(app: FastAPI) -> dict:
@@ -163,8 +169,8 @@ class Endpoints:
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenize")
 
     async def health(self) -> JSONResponse:
-        status, body = self.service.health()
-        return JSONResponse(body, status_code=status)
+        health = self.service.health()
+        return JSONResponse(health_body(health), status_code=200 if health.ok else 503)
 
     async def prometheus(self) -> PlainTextResponse:
         return PlainTextResponse(generate_latest(self.service.metrics.registry).decode(), media_type="text/plain; version=0.0.4")
@@ -199,7 +205,7 @@ class Endpoints:
         if body.model != service.model_name:
             raise BadRequest(f"the model {body.model!r} does not exist; this server has {service.model_name!r}", 404, "model_not_found", "model")
         body.refuse_unsupported()
-        service.batcher.check_room()
+        service.check_room()
         key = request.scope.get("state", {}).get(KEY_STATE)
         check = lambda: service.generation(body, encode, param, key)
         size += len(body.predicted_text() or "")
@@ -207,28 +213,32 @@ class Endpoints:
 
     async def _serve(self, request: Request, body: SamplingFields, generation: Generation, reply: Reply):
         """The generation's reply: a stream of events, or the whole reply once it has finished."""
-        batcher = self.service.batcher
-        job = self.service.submit(generation)
+        service = self.service
+        job = service.submit(generation)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return CancellingStream(lambda: batcher.cancel(job), _sse(batcher, job, reply, include_usage), media_type="text/event-stream")
+            events = _sse(service, job, reply, include_usage)
+            return CancellingStream(lambda: service.cancel(job), events, media_type="text/event-stream")
         try:
-            result = await _result(request, job)
+            ending = await _ending(request, job)
         finally:  # whatever ends this handler, the batch stops working for it
-            batcher.cancel(job)
-        return await _whole(result, reply)
+            service.cancel(job)
+        return await _whole(ending, reply)
 
 
 # ---------------------------------------------------------------------------- replies
 
 
-async def _whole(result: GenerationResult | tuple[str, str] | None, reply: Reply):
-    """The response to a non-streamed request, from what `_result` gave."""
-    if result is None:
-        return error_response("the client disconnected", 499)
-    if isinstance(result, tuple):
-        kind, message = result
-        return error_response(message, 503) if kind == "unavailable" else error_response(f"generation failed: {message}", 500)
+async def _whole(ending: Done | Failed | Unavailable | None, reply: Reply):
+    """The response to a non-streamed request, from what `_ending` gave."""
+    match ending:
+        case None:
+            return error_response("the client disconnected", 499)
+        case Unavailable(message):
+            return error_response(message, 503)
+        case Failed(message):
+            return error_response(f"generation failed: {message}", 500)
+    result = ending.result
     try:
         if result.logprobs or result.prediction:  # a decode per token and alternative, an alignment: not on the event loop
             return await run_in_threadpool(reply.whole, result)
@@ -237,8 +247,8 @@ async def _whole(result: GenerationResult | tuple[str, str] | None, reply: Reply
         return error_response(f"generation failed: the reply could not be made: {type(error).__name__}", 500)
 
 
-async def _result(request: Request, job: Job) -> GenerationResult | tuple[str, str] | None:
-    """The finished GenerationResult; None as soon as the client leaves; (kind, message) if it failed."""
+async def _ending(request: Request, job: Job) -> Done | Failed | Unavailable | None:
+    """The job's last event (Deltas are passed over); None as soon as the client leaves."""
     left, event = asyncio.ensure_future(_disconnect(request)), None
     try:
         while True:
@@ -246,49 +256,49 @@ async def _result(request: Request, job: Job) -> GenerationResult | tuple[str, s
             await asyncio.wait((event, left), return_when=asyncio.FIRST_COMPLETED)
             if not event.done():
                 return None
-            kind, value = event.result()
-            if kind == "done":
-                return value
-            if kind != "delta":
-                return kind, value
+            if not isinstance(ending := event.result(), Delta):
+                return ending
     finally:  # however this ends (the handler itself may be cancelled), no task is left waiting
         left.cancel()
         if event is not None:
             event.cancel()
 
 
-async def _sse(batcher: Batcher, job: Job, reply: Reply, include_usage: bool):
+async def _sse(service: Service, job: Job, reply: Reply, include_usage: bool):
     """The events of a stream; however the generation or the making of an event fails, the
     stream ends with an error event and `[DONE]`."""
     try:
         first = reply.chunk("", None, first=True)
         if first is not None:
             yield _event(first)
-        async for event in _events(batcher, job, reply, include_usage):
+        async for event in _events(service, job, reply, include_usage):
             yield event
         yield "data: [DONE]\n\n"
     finally:  # a client that left (the response is cancelled) stops its generation
-        batcher.cancel(job)
+        service.cancel(job)
 
 
-async def _events(batcher: Batcher, job: Job, reply: Reply, include_usage: bool):
+async def _events(service: Service, job: Job, reply: Reply, include_usage: bool):
+    """One SSE event per Delta, then the last chunk (and usage), or an error event; then it returns."""
     while True:
-        kind, value = await job.events.get()
+        event = await job.events.get()
         try:
-            if kind == "delta":
-                text, logprobs = value
-                yield _event(reply.chunk(text, None, logprobs))
-                continue
-            if kind in ("error", "unavailable"):
-                yield error_event(value if kind == "unavailable" else f"generation failed: {value}", kind)
-                return
-            rest = value.logprobs[job.logprobs_sent:] if value.logprobs is not None else None
-            yield _event(reply.chunk("", value.finish_reason, rest))
-            if include_usage:
-                yield _event(await run_in_threadpool(reply.usage_chunk, value))
+            match event:
+                case Delta(text, logprobs):
+                    yield _event(reply.chunk(text, None, logprobs))
+                    continue
+                case Unavailable(message):
+                    yield error_event(message, "unavailable")
+                case Failed(message):
+                    yield error_event(f"generation failed: {message}", "error")
+                case Done(result):
+                    rest = result.logprobs[job.logprobs_sent:] if result.logprobs is not None else None
+                    yield _event(reply.chunk("", result.finish_reason, rest))
+                    if include_usage:
+                        yield _event(await run_in_threadpool(reply.usage_chunk, result))
             return
         except Exception as error:  # an event could not be made: the client is told, the generation stops
-            batcher.cancel(job)
+            service.cancel(job)
             yield error_event(f"generation failed: the reply could not be made: {type(error).__name__}", "error")
             return
 
@@ -382,6 +392,12 @@ class CancellingStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.on_exit()
+
+
+def health_body(health: Health) -> dict:
+    """/health's JSON: the status, how long the batch has stalled (only when unhealthy), its work."""
+    stalled = {} if health.stalled_seconds is None else {"stalled_seconds": health.stalled_seconds}
+    return {"status": health.status, **stalled, "queue_depth": health.queue_depth, "batch_size": health.batch_size}
 
 
 def _event(payload: dict) -> str:

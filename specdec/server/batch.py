@@ -10,15 +10,59 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from specdec.api import Generation, SpeculativeDecoder
+from specdec.api import Generation, GenerationResult, SpeculativeDecoder
 from specdec.policy import BatchDepth, CostAwarePolicy
-from specdec.server.openai import BadRequest
 from specdec.types import GenerationStats
+
+
+class Refused(Exception):
+    """A request the batch cannot take now; the message says why."""
+
+
+class QueueFull(Refused):
+    """`max_queue` requests already wait."""
+
+
+class ShuttingDown(Refused):
+    """The batch has begun to shut down: it takes no new requests."""
+
+
+# What the batch thread tells a job's reader: Deltas, then one of the others (none once the client has left).
+@dataclass(frozen=True)
+class Delta:
+    """New text, and the logprobs of the tokens whose text went out with it (None: the request wants none)."""
+
+    text: str
+    logprobs: list | None
+
+
+@dataclass(frozen=True)
+class Done:
+    """The generation finished; its result."""
+
+    result: GenerationResult
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The generation ended by an error of its own or of the batch's forward."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """The batch shut down before the generation finished (or began)."""
+
+    message: str
+
+
+Event = Delta | Done | Failed | Unavailable
 
 
 @dataclass(eq=False)  # a job is itself: found in the queues by identity
 class Job:
-    """One request: the batch thread fills `events`; the request handler reads them."""
+    """One request: the batch thread puts its Events in `events`; the request handler reads them."""
 
     generation: Generation
     loop: asyncio.AbstractEventLoop
@@ -28,9 +72,9 @@ class Job:
     last_token: float | None = None  # when the last text delta went out
     logprobs_sent: int = 0  # tokens whose logprobs went out with a delta
 
-    def emit(self, kind: str, value) -> None:
+    def emit(self, event: Event) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop has closed: nobody is listening any more
             pass
 
@@ -69,11 +113,11 @@ class Batcher:
             self.changed.notify()
 
     def check_room(self) -> None:
-        """Refuse a request that could not wait now: 429 when the queue is full, 503 when shutting down."""
+        """Refuse a request that could not wait now: ShuttingDown first, then QueueFull."""
         if self.closing:
-            raise BadRequest(self.closing, status=503)
+            raise ShuttingDown(self.closing)
         if len(self.waiting) >= self.max_queue:
-            raise BadRequest(f"the server is busy: {self.max_queue} requests are already waiting", status=429)
+            raise QueueFull(f"the server is busy: {self.max_queue} requests are already waiting")
 
     def stalled_for(self) -> float:
         """Seconds the batch has had work without beginning a round (0 when it has none)."""
@@ -96,7 +140,7 @@ class Batcher:
         with self.changed:
             self.closing = "the server is shutting down"
             while self.waiting:
-                self.waiting.popleft().emit("unavailable", "the server is shutting down")
+                self.waiting.popleft().emit(Unavailable("the server is shutting down"))
             self.changed.notify()
         self.thread.join(timeout)
         self.stop_now()
@@ -128,7 +172,7 @@ class Batcher:
         except Exception:
             pass  # its slots are lost; the other jobs go on
         self.metrics.failed.inc()
-        job.emit("error", message)
+        job.emit(Failed(message))
 
     def _round(self) -> bool:
         """Admit waiting jobs, retire cancelled ones, step once. Returns True when shut down."""
@@ -143,7 +187,7 @@ class Batcher:
         for job in admitted:
             self._open(job)
         for job in [job for job in self.running if job.cancelled.is_set() or stopping]:
-            self._retire(job, "unavailable" if stopping else None, "the server shut down before the generation finished")
+            self._retire(job, Unavailable("the server shut down before the generation finished") if stopping else None)
         self._prefill()
         ready = [job for job in self.running if job not in self.prefilling]
         if ready:
@@ -158,7 +202,7 @@ class Batcher:
             self._abandon(job, _describe(error))
             return
         if job.generation.done:  # nothing to generate (max_tokens 0)
-            self._retire(job, "done", None)
+            self._retire(job, Done)
         else:
             self.prefilling.append(job)
 
@@ -198,9 +242,9 @@ class Batcher:
                 continue
             if delta:
                 self.metrics.token_latency(job, now, len(result.tokens))
-                job.emit("delta", (delta, logprobs))
+                job.emit(Delta(delta, logprobs))
             if job.generation.done:
-                self._retire(job, "done", None)
+                self._retire(job, Done)
 
     @staticmethod
     def _new_logprobs(job: Job) -> list | None:
@@ -213,9 +257,9 @@ class Batcher:
         new, job.logprobs_sent = text.logprobs[job.logprobs_sent : settled], max(job.logprobs_sent, settled)
         return new
 
-    def _retire(self, job: Job, kind: str | None, message: str | None) -> None:
+    def _retire(self, job: Job, told: Unavailable | type[Done] | None) -> None:
         """The job leaves the batch; its slots go back, and what its policy learnt goes to the
-        next requests. kind: what the client is told (None: it left)."""
+        next requests. told: what the client is told (Done: its result; None: it left)."""
         self.engine.close(job.generation.state)
         policy = job.generation.state.gamma_policy
         if isinstance(policy, CostAwarePolicy) and policy.shared is not None:
@@ -223,14 +267,14 @@ class Batcher:
         self.running.remove(job)
         if job in self.prefilling:
             self.prefilling.remove(job)
-        if kind is None:
+        if told is None:
             self.metrics.cancelled.inc()
-        elif kind == "unavailable":
-            job.emit(kind, message)
+        elif isinstance(told, Unavailable):
+            job.emit(told)
         else:
             result = job.generation.result()
             self.metrics.record(result.stats, time.perf_counter() - job.arrived)
-            job.emit("done", result)
+            job.emit(Done(result))
 
 
 def _describe(error: Exception) -> str:

@@ -104,9 +104,9 @@ class Replica:
 
     def check_health(self) -> None:
         """Ray's health check: the batch's liveness. Raising marks the replica unhealthy; Ray replaces it."""
-        status, body = self.service.health()
-        if status != 200 and body["status"] != "shutting down":
-            raise RuntimeError(body["status"])
+        health = self.service.health()
+        if health.unhealthy:
+            raise RuntimeError(health.status)
 
     async def __del__(self):
         """Ray's graceful shutdown: refuse new work, let running generations finish."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 from specdec.api import Generation, SpeculativeDecoder
 from specdec.errors import SpecDecError
@@ -16,6 +17,25 @@ from specdec.server.openai import BadRequest, CompletionRequest, SamplingFields
 from specdec.types import Limits
 
 STALL_SECONDS = 120.0  # a batch with work that has not finished a round for this long is wedged
+
+
+@dataclass(frozen=True)
+class Health:
+    """How the batch is: "ok", "shutting down", or "unhealthy: <why>" (its thread is dead or wedged),
+    with the work it holds."""
+
+    status: str
+    queue_depth: int
+    batch_size: int
+    stalled_seconds: float | None = None  # only when unhealthy: seconds without beginning a round
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def unhealthy(self) -> bool:
+        return self.stalled_seconds is not None
 
 
 def batch_depth(decoder: SpeculativeDecoder) -> BatchDepth | None:
@@ -69,24 +89,32 @@ class Service:
         except SpecDecError as error:
             raise BadRequest(str(error), param=error.param) from None
 
+    def check_room(self) -> None:
+        """Refuse (QueueFull, ShuttingDown) a request that could not wait now; `submit` checks again."""
+        self.batcher.check_room()
+
     def submit(self, generation: Generation) -> Job:
-        """Queue a generation; its events arrive on the running event loop."""
+        """Queue a generation (QueueFull, ShuttingDown: it cannot); its events arrive on the running event loop."""
         job = Job(generation, asyncio.get_running_loop())
         self.batcher.submit(job)
         return job
 
+    def cancel(self, job: Job) -> None:
+        """The client left or its handler ended: the batch stops working for the job (see Batcher.cancel)."""
+        self.batcher.cancel(job)
+
     # ------------------------------------------------------------------ life
-    def health(self) -> tuple[int, dict]:
-        """(HTTP status, body): 200 while the batch makes progress; 503 while shutting down (a
-        load balancer takes the server out of rotation) or when the batch thread is dead or wedged."""
+    def health(self) -> Health:
+        """Ok while the batch makes progress; not while shutting down (a load balancer takes the server
+        out of rotation), nor when the batch thread is dead or wedged (unhealthy)."""
         batcher = self.batcher
         busy = {"queue_depth": len(batcher.waiting), "batch_size": len(batcher.running)}
         if batcher.closing:
-            return 503, {"status": "shutting down", **busy}
+            return Health("shutting down", **busy)
         stalled = batcher.stalled_for()
         if not batcher.thread.is_alive() or stalled > self.stall_seconds:
-            return 503, {"status": "unhealthy: the batch is not making progress", "stalled_seconds": round(stalled, 1), **busy}
-        return 200, {"status": "ok", **busy}
+            return Health("unhealthy: the batch is not making progress", **busy, stalled_seconds=round(stalled, 1))
+        return Health("ok", **busy)
 
     def drain(self, timeout: float) -> None:
         """Refuse new requests, let running ones finish for up to `timeout` seconds (see Batcher.shut_down)."""
