@@ -154,13 +154,15 @@ class SpeculativeDecoder:
             shared = self.shared_acceptance[owner(scope)] if self.shared_acceptance is not None else None
             return CostAwarePolicy(self._costs(), AUTO_MAX_DEPTH if self.gamma == "auto" else self.gamma, explore=self.explore, shared=shared)
         if self.gamma == "auto":
+            self._costs()  # read when made
             return self.depth_policy(CostAwareDepth, MAX_DEPTH)
         return FixedGamma(self.gamma)
 
     def depth_policy(self, kind: type[BatchDepth], max_gamma: int) -> BatchDepth:
-        """A depth policy (`BatchDepth` or a subclass) for this decoder's drafter, with measured costs."""
+        """A depth policy (`BatchDepth` or a subclass) for this decoder's drafter, with measured costs
+        (a server's batch-wide cap reads them when it starts, even where its rows' depth is fixed)."""
         tree = self.drafter.tree
-        return kind(self._costs(), max_gamma, models_draft=self.draft_model is not None, width=tree.width if tree else 1)
+        return kind(self.profile(), max_gamma, models_draft=self.draft_model is not None, width=tree.width if tree else 1)
 
     @property
     def tokenizer(self):

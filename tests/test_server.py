@@ -181,6 +181,9 @@ class SlowDrafter:
     def __init__(self, inner):
         self.inner, self.name = inner, "slow"
 
+    def __getattr__(self, name):  # what it declares (`Drafter`) is the wrapped drafter's
+        return getattr(self.inner, name)
+
     def open(self, prompt):
         return self.inner.open(prompt)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from specdec.api import Generation, GenerationResult, SpeculativeDecoder
-from specdec.policy import BatchDepth, CostAwarePolicy
+from specdec.policy import BatchDepth
 from specdec.types import GenerationStats
 
 
@@ -259,11 +259,8 @@ class Batcher:
 
     def _retire(self, job: Job, told: Unavailable | type[Done] | None) -> None:
         """The job leaves the batch; its slots go back, and what its policy learnt goes to the
-        next requests. told: what the client is told (Done: its result; None: it left)."""
+        next requests (`Engine.close`). told: what the client is told (Done: its result; None: it left)."""
         self.engine.close(job.generation.state)
-        policy = job.generation.state.gamma_policy
-        if isinstance(policy, CostAwarePolicy) and policy.shared is not None:
-            policy.shared.absorb(policy)
         self.running.remove(job)
         if job in self.prefilling:
             self.prefilling.remove(job)
