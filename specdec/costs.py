@@ -136,3 +136,9 @@ def interpolate(costs: dict[int, float], k: float) -> float:
     i = bisect.bisect_left(sizes, k)
     low, high = sizes[i - 1], sizes[i]
     return costs[low] + (costs[high] - costs[low]) * (k - low) / (high - low)
+
+
+def nearest(costs: dict[int, float], k: float) -> float:
+    """t at the measured size nearest k (the smaller of two as near), not interpolated: the bench's
+    prediction reads the verify cost that was actually timed."""
+    return costs[min(sorted(costs), key=lambda size: abs(size - k))]

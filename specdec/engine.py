@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Hashable, Iterator, Sequence as Seq
+from typing import Hashable, Iterator
 
 import torch
 
@@ -266,23 +266,6 @@ class Engine:
         if step.finish_reason is None and state.draft_slot is not None:
             self.drafter.accept(state.draft_slot, step.tokens)
         return step
-
-
-def decode(
-    target: CausalLM,
-    drafter: Drafter | None,
-    prompt: Seq[int],
-    sampling: SamplingParams,
-    max_new_tokens: int,
-    gamma_policy: DraftPolicy,
-    streams: RandomStreams,
-    stats: GenerationStats,
-    stop_tokens: frozenset[int] = frozenset(),
-) -> Iterator[StepResult]:
-    """One generation as a batch of one: yield what each iteration commits; the last yield carries
-    a finish reason. The slots are given back however the iteration ends."""
-    state = DecodeState(list(prompt), sampling, max_new_tokens, gamma_policy, streams, stats, stop_tokens)
-    return Engine(target, drafter).run(state)
 
 
 def _checked(draft: Draft, gamma: int, vocab_size: int, sampling: SamplingParams) -> Draft:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Protocol, runtime_checkable
 
-from specdec.analysis import expected_tokens
+from specdec.analysis import expected_tokens, speedup
 from specdec.costs import Profile, interpolate
 from specdec.errors import SpecDecError
 from specdec.tree import trials
@@ -150,11 +150,10 @@ class BatchDepth:
         self.acceptance.observe(drafted, accepted)
 
     def rate(self, batch: int, gamma: int) -> float:
-        """Expected tokens per second for the batch at depth γ."""
-        seconds = self.profile.verify(batch * (gamma * self.width + 1)) + self.profile.step_overhead
-        if gamma and self.models_draft:
-            seconds += gamma * self.profile.draft_level(batch)
-        return batch * expected_tokens(self.alpha, gamma) / seconds
+        """Expected tokens per second for the batch at depth γ (`analysis.speedup` over a one-second step)."""
+        verify = self.profile.verify(batch * (gamma * self.width + 1)) + self.profile.step_overhead
+        drafting = gamma * self.profile.draft_level(batch) if gamma and self.models_draft else 0.0
+        return speedup(batch * expected_tokens(self.alpha, gamma), drafting, verify)
 
     def depth(self, batch: int) -> int:
         best = max(range(self.max_gamma + 1), key=lambda gamma: (self.rate(batch, gamma), -gamma))

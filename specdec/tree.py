@@ -1,8 +1,11 @@
-"""Token trees as parent pointers: pure functions for depths, paths, positions and attention masks.
+"""Token trees as parent pointers: pure functions for checks, depths, walks, cache entries and the
+boolean attention masks built from parents (ancestry) and positions (sliding windows).
 
 A tree hangs below the last committed token (the *root*, which is not a node). Node i has a token
 and a parent: -1 for a child of the root, otherwise a node index smaller than i (so nodes are in
 topological order). A chain of n drafts is the tree with parents [-1, 0, 1, ..., n - 2].
+The masks are boolean (True: may attend); turning them into what a model's attention reads is the
+runtime's job (docs/design.md, pitfall 11).
 """
 
 from __future__ import annotations
@@ -61,15 +64,6 @@ def trials(parents: torch.Tensor, path: list[int]) -> list[tuple[int, bool]]:
     return [(node, node in accepted) for parent in [-1, *path] for node in children(parents, parent)]
 
 
-def path_to(parents: torch.Tensor, node: int) -> list[int]:
-    """Nodes from the root's child down to `node` (empty for the root)."""
-    parent_of, path = parents.tolist(), []
-    while node >= 0:
-        path.append(node)
-        node = parent_of[node]
-    return path[::-1]
-
-
 def entries(parents: torch.Tensor, root: int) -> torch.Tensor:
     """Node parents as cache entries, for a tree whose root is entry `root` and whose node i is
     entry root + 1 + i (the runtime protocol's parents)."""
@@ -97,3 +91,25 @@ def check_kept_path(parents: Sequence[int], start: int, indices: Sequence[int], 
         if not start <= index < length or parents[index] != above:
             raise ValueError(f"cannot keep entries {list(indices)} after {start}: they must be a chain below entry {start - 1}")
         above = index
+
+
+def ancestry(parents: Sequence[int], trunk: int, start: int, n: int) -> torch.Tensor:
+    """[n, start + n] bool: which entries each of entries start .. start + n - 1 attends to, its
+    ancestors and itself, for a cache whose entries have `parents` (every entry's). Entries below
+    `trunk` are a chain that every later entry descends from, so each sees them whole."""
+    mask = torch.zeros(n, start + n, dtype=torch.bool)
+    for j in range(n):
+        entry = start + j
+        while entry >= trunk:
+            mask[j, entry] = True
+            entry = parents[entry]
+        mask[j, : entry + 1] = True
+    return mask
+
+
+def sliding_window(allowed: torch.Tensor, key_positions: torch.Tensor, positions: torch.Tensor,
+                   window: int) -> torch.Tensor:
+    """`allowed` [batch, n, keys] bool, cut to a sliding window: a query at position p (`positions`
+    [batch, n]) sees keys at positions > p - window only (`key_positions` [batch, keys]). By position,
+    not by cache slot: while a tree is cached, an entry's slot is not its position."""
+    return allowed & (key_positions[:, None, :] > positions[:, :, None] - window)

@@ -26,6 +26,7 @@ from specdec.runtime.prefix import PrefixCache
 from specdec.runtime.hf import HFModel
 from architectures import ARCHITECTURES
 from specdec import tree
+from reference import path_to
 from specdec.katz import KatzTrigram
 from tiny import save_tiny_model
 
@@ -173,7 +174,7 @@ def seven_node_tree_is_exact(model: specdec.CausalLM) -> bool:
     except Exception:
         return False
     for node in range(len(TREE_TOKENS)):
-        alone = model.sequence().forward(TREE_PREFIX + [TREE_TOKENS[i] for i in tree.path_to(parents, node)])[-1]
+        alone = model.sequence().forward(TREE_PREFIX + [TREE_TOKENS[i] for i in path_to(parents, node)])[-1]
         if not torch.allclose(tree_logits[node], alone, rtol=0, atol=1e-6):
             return False
     return True

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from specdec.analysis import expected_tokens, optimal_gamma, predicted_speedup, weight_bytes_per_token
+from specdec.analysis import expected_tokens, speedup, weight_bytes_per_token
+from specdec.costs import nearest
 from specdec.bench import BenchConfig, run_bench
 from specdec.bench.report import markdown, read_bench, write_report
 from specdec.bench.runner import LoadMonitor
@@ -121,8 +122,24 @@ def test_leviathan_formulas():
     assert expected_tokens(0.0, 4) == 1 and expected_tokens(1.0, 4) == 5
     assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
     costs = {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}
+
+    def leviathan(alpha: float, gamma: int, t_draft: float) -> float:  # speedup(γ) at measured costs
+        return speedup(expected_tokens(alpha, gamma), gamma * t_draft, costs[gamma + 1], costs[1])
+
+    def best_gamma(alpha: float, t_draft: float) -> int:  # among the γ ≥ 1 whose verify was measured
+        return max(range(1, 5), key=lambda gamma: leviathan(alpha, gamma, t_draft))
+
     # free drafts and flat verify cost: speedup = expected tokens
-    assert predicted_speedup(0.8, 4, costs, 0.0) == pytest.approx(expected_tokens(0.8, 4))
-    assert optimal_gamma(0.8, costs, 0.0) == 4
-    assert optimal_gamma(0.3, costs, 0.5) == 1
+    assert leviathan(0.8, 4, 0.0) == pytest.approx(expected_tokens(0.8, 4))
+    assert best_gamma(0.8, 0.0) == 4
+    assert best_gamma(0.3, 0.5) == 1
+    assert speedup(3.0, 0.5, 1.5) == 1.5  # plain_seconds left at 1: tokens per second
+    assert speedup(3.0, 0.5, 1.5, plain_seconds=0.5) == 0.75
     assert weight_bytes_per_token(10, 100, 30, 10, 20) == 65
+
+
+
+def test_the_bench_reads_the_verify_cost_at_the_nearest_measured_size():
+    costs = {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}
+    sizes = (0.2, 1.4, 2.9, 3.0, 3.1, 6.0, 7.5, 100)
+    assert [nearest(costs, k) for k in sizes] == [1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0, 8.0]  # a tie: the smaller

@@ -50,6 +50,7 @@ from specdec.sampling import RandomStreams, probs_from_logits
 from specdec.types import Draft, SamplingParams
 from architectures import ARCHITECTURES
 from conftest import reference_greedy
+from reference import path_to
 from test_architectures import TREES_REFUSED
 from test_distill import TINY_DRAFT
 from test_llamacpp import ALPHA, SAMPLES, chi_square, pruned_joint
@@ -243,7 +244,7 @@ def test_a_tree_forwards_rows_equal_each_path_alone(hf_head):
     rows = sequence.forward(TREE_TOKENS, tree.entries(torch.tensor(TREE_PARENTS), root).tolist())  # [7, columns]
     first_state = sequence.inner.guesses[root + 1]  # the root's children read the target's state
     assert_guessed_from(draft, first_state, final_norm_output(target, PREFIX), TREE_TOKENS[0], logits=rows[0])
-    paths = [[TREE_TOKENS[j] for j in tree.path_to(torch.tensor(TREE_PARENTS), node)] for node in range(len(TREE_TOKENS))]
+    paths = [[TREE_TOKENS[j] for j in path_to(torch.tensor(TREE_PARENTS), node)] for node in range(len(TREE_TOKENS))]
     for node, path in enumerate(paths):
         assert_rows_equal(draft, rows[node], path_row(draft, target, path))
     assert not torch.allclose(rows[5], rows[6], rtol=0, atol=head_atol(draft)), "rows of different paths differ: the test can fail"
@@ -255,7 +256,7 @@ def test_keep_and_truncate_keep_the_guesses_of_the_path(hf_head):
     start = len(PREFIX)
     sequence.forward(TREE_TOKENS, tree.entries(torch.tensor(TREE_PARENTS), start - 1).tolist())
     head = sequence.inner
-    path = tree.path_to(torch.tensor(TREE_PARENTS), 6)  # nodes 0, 1, 3, 6: tokens 4, 5, 7, 10
+    path = path_to(torch.tensor(TREE_PARENTS), 6)  # nodes 0, 1, 3, 6: tokens 4, 5, 7, 10
     guessed = [head.guesses[start + node] for node in path]
     sequence.keep(start, [start + node for node in path])
     assert sequence.cache_len == start + len(path)

@@ -22,7 +22,7 @@ from specdec import AutoDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter
 from specdec.demo import demo_ngram
 from specdec.katz import KatzTrigram
 from specdec.sampling import probs_from_logits
-from specdec.engine import decode
+from specdec.engine import DecodeState, Engine
 from specdec.policy import FixedGamma
 from specdec.sampling import RandomStreams
 from specdec.types import GenerationStats, SamplingParams
@@ -90,7 +90,8 @@ def test_the_cache_matches_a_fresh_prefill_after_many_iterations(gguf):
     drafter = ModelDrafter(gguf["target"], tree=TreeShape(nodes=6, width=2))
     context = target.tokenizer.encode(PROMPTS[0])
     stats, worst_wrong = GenerationStats(), 0.0
-    for step in decode(target, drafter, context, SamplingParams(temperature=1.0), 60, FixedGamma(3), RandomStreams(3), stats):
+    state = DecodeState(list(context), SamplingParams(temperature=1.0), 60, FixedGamma(3), RandomStreams(3), stats)
+    for step in Engine(target, drafter).run(state):
         context = context + step.tokens
         if step.finish_reason:
             break

@@ -8,6 +8,7 @@ import torch
 import specdec
 from conftest import ARCHS
 from specdec import tree
+from reference import path_to
 
 
 # a tree of 7 nodes below the prefix: two branches at the root, a fork at node 1, depth 3
@@ -47,7 +48,7 @@ def test_every_tree_node_matches_its_path_alone(runtime):
     parents = torch.tensor(TREE_PARENTS)
     sequence, tree_logits = fed_tree(model)
     for node in range(len(TREE_TOKENS)):
-        path = [TREE_TOKENS[i] for i in tree.path_to(parents, node)]
+        path = [TREE_TOKENS[i] for i in path_to(parents, node)]
         torch.testing.assert_close(tree_logits[node], alone(model, PREFIX + path), rtol=0, atol=atol)
 
 
@@ -66,7 +67,7 @@ def test_a_tree_fed_node_by_node_deeper_than_the_window(runtime):
         tokens.append(depth % 7 + 1)
         parents.append(0 if depth == 2 else len(tokens) - 2)
         logits = sequence.forward(tokens[-1:], [root + 1 + parents[-1]])[0]
-        path = [tokens[i] for i in tree.path_to(torch.tensor(parents), len(tokens) - 1)]
+        path = [tokens[i] for i in path_to(torch.tensor(parents), len(tokens) - 1)]
         torch.testing.assert_close(logits, alone(model, PREFIX + path), rtol=0, atol=atol)
 
 
@@ -76,7 +77,7 @@ def test_keep_compacts_a_tree_path(runtime):
     model, atol = runtime
     parents = torch.tensor(TREE_PARENTS)
     sequence, _ = fed_tree(model)
-    path = tree.path_to(parents, 6)
+    path = path_to(parents, 6)
     assert path == [0, 1, 3, 6]
     sequence.keep(len(PREFIX), [len(PREFIX) + i for i in path])
     assert sequence.cache_len == len(PREFIX) + 4
@@ -130,3 +131,19 @@ def test_the_small_batch_product_equals_f_linear_wherever_it_is_used():
         x = torch.randn(1, rows, 24)
         assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5)
     assert cpu_matmul.transposed_wins(40, 24, torch.float32, 1) <= set(cpu_matmul.BUCKETS)
+
+
+def test_the_tree_masks_follow_parents_and_positions():
+    """`tree.ancestry` against the slow path walk: each new entry sees the trunk whole, then exactly its
+    path; `tree.sliding_window` keeps keys whose position is within the window of the query's."""
+    trunk, start = 3, 4  # entries 0-2: committed chain; entry 3: a node kept below it; then TREE_PARENTS
+    parents = [-1, 0, 1, 2] + [p + start if p >= 0 else start - 1 for p in TREE_PARENTS]
+    mask = tree.ancestry(parents, trunk, start, len(TREE_PARENTS))
+    for j in range(len(TREE_PARENTS)):
+        seen = set(range(start)) | {start + i for i in path_to(TREE_PARENTS, j)}
+        assert mask[j].nonzero().flatten().tolist() == sorted(seen)
+    positions = torch.tensor([[3, 4, 4, 5, 5, 6, 6]])
+    key_positions = torch.tensor([[0, 1, 2, 3, 4, 4, 5, 5, 6, 6, 7]])
+    windowed = tree.sliding_window(torch.ones(1, 7, 11, dtype=torch.bool), key_positions, positions, window=3)
+    for query, position in enumerate(positions[0].tolist()):
+        assert windowed[0, query].tolist() == [key > position - 3 for key in key_positions[0].tolist()]

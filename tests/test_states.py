@@ -15,6 +15,7 @@ import torch
 import specdec
 from architectures import ARCHITECTURES
 from specdec import tree
+from reference import path_to
 from specdec.runtime.base import Feed
 from tiny import save_tiny_model
 
@@ -82,7 +83,7 @@ def check_states(model, sequence, logits: torch.Tensor, paths: list[list[int]]) 
 
 def tree_paths(prefix: list[int]) -> list[list[int]]:
     parents = torch.tensor(TREE_PARENTS)
-    return [prefix + [TREE_TOKENS[i] for i in tree.path_to(parents, node)] for node in range(len(TREE_TOKENS))]
+    return [prefix + [TREE_TOKENS[i] for i in path_to(parents, node)] for node in range(len(TREE_TOKENS))]
 
 
 def tree_parents(prefix: list[int]) -> list[int]:

@@ -13,12 +13,12 @@ import torch
 
 import specdec.drafters.model as model_module
 import specdec.verify as verify_module
-from specdec import tree
 from specdec.drafters import ModelDrafter, PromptLookupDrafter, TreeShape
 from specdec.drafters.base import ContextDrafter, DraftRequest
 from specdec.runtime.base import forward_each
 from specdec.types import Draft, SamplingParams
 from specdec.verify import verify_tree, verify_tree_greedy
+from reference import path_to
 from test_verify_exact import CASES, Conditional, completions, enumerator, target_joint  # noqa: F401 (enumerator: a fixture)
 
 
@@ -52,7 +52,7 @@ def tree_iteration_joint(enumerator, target, draft, branching, sampled, columns=
         where = None if columns is None else torch.tensor(columns)
         result = verify_tree(tokens, parents, probs, target_probs, None, None, where)
         assert result.tokens[:-1] == tokens[result.path].tolist()
-        assert result.path == tree.path_to(parents, result.path[-1]) if result.path else True
+        assert result.path == path_to(parents, result.path[-1]) if result.path else True
         return tuple(result.tokens)
 
     for output, weight in enumerator.run(iteration):
@@ -233,7 +233,7 @@ def proposal_deviation(enumerator, propose, target: Conditional, depth: int) -> 
 
     def iteration():
         proposal = propose()
-        paths = [tree.path_to(proposal.parents, node) for node in range(len(proposal))]
+        paths = [path_to(proposal.parents, node) for node in range(len(proposal))]
         histories = [()] + [tuple(proposal.tokens[path].tolist()) for path in paths]
         target_probs = torch.stack([target(h) for h in histories])
         return tuple(verify_tree(proposal.tokens, proposal.parents, proposal.probs, target_probs, None, None, proposal.columns).tokens)

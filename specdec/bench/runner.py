@@ -19,9 +19,10 @@ import torch
 from tqdm import tqdm
 
 from specdec import profiling
-from specdec.analysis import expected_tokens, weight_bytes_per_token
+from specdec.analysis import expected_tokens, speedup, weight_bytes_per_token
 from specdec.build import Parts, assemble, build_decoder, with_demo_paths
 from specdec.config import DecoderConfig, DrafterSpec
+from specdec.costs import nearest
 from specdec.decoder import SpeculativeDecoder
 from specdec.demo import demo_ngram
 from specdec.bench.prompts import file_prompts
@@ -392,21 +393,21 @@ def predicted(strategy, alpha, drafted, iterations, runs, curves, tokens: int | 
 
     Tokens per iteration come from the measured acceptance: counted directly (`tokens` given), or
     from the i.i.d. formula (1 − α^{γ+1}) / (1 − α), which ignores that early positions accept more.
-    The verify costs t_target(nodes + 1); a draft-model iteration costs its draft forwards × t_draft(1)
-    (on this CPU a forward of a few tokens costs about as much as one).
+    The verify costs t_target at the measured size nearest nodes + 1 (`costs.nearest`); a draft-model
+    iteration costs its draft forwards × t_draft(1) (on this CPU a forward of a few tokens costs about
+    as much as one). The formula is `analysis.speedup`'s.
     """
     if strategy.family in ("plain", "peer") or not drafted or not iterations or alpha is None:
         return None
     t_target = curves["target"]
     gamma = drafted / iterations  # the mean draft depth actually offered
     nodes = sum(sum(r.stats.tree_nodes) for r in runs) / iterations  # = gamma for chains
-    k = min(t_target, key=lambda measured: abs(measured - (nodes + 1)))  # nearest measured verify size
     if strategy.uses_draft_model:
         draft_cost = sum(r.stats.draft_forwards for r in runs) / iterations * curves["draft"][1]
     else:  # model-free drafters: their measured proposal time
         draft_cost = sum(r.stats.draft_seconds for r in runs) / iterations
     per_iteration = tokens / iterations if tokens is not None else expected_tokens(alpha, gamma)
-    return per_iteration * t_target[1] / (draft_cost + t_target[k])
+    return speedup(per_iteration, draft_cost, nearest(t_target, nodes + 1), t_target[1])
 
 
 def quartiles(values: list[float]) -> list[float] | None:

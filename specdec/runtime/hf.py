@@ -28,6 +28,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from specdec import tree
 from specdec.errors import SpecDecError
 from specdec.runtime import base
 from specdec.runtime.entries import SequenceEntries
@@ -120,14 +121,13 @@ class HFModel(base.CheckedTrees):
         return named_tree_refusal(self.model.config)
 
     def layer_masks(self, mask: torch.Tensor, key_positions: torch.Tensor, positions: torch.Tensor):
-        """[batch, n, keys] bool -> the model's attention mask(s). An explicit mask replaces the
-        model's own, so apply its sliding window here: a query at position p sees keys at positions
-        > p - window. Models mixing full and sliding layers get one mask per layer type. Keys are
-        placed by the positions they were fed at: while a tree is in the cache, an entry's slot is
-        not its position."""
+        """[batch, n, keys] bool -> the model's attention mask(s), for both backends (on the mask's
+        device; `key_positions` [batch, keys], `positions` [batch, n]). An explicit mask replaces the
+        model's own, so apply its sliding window here (`tree.sliding_window`, by position). Models
+        mixing full and sliding layers get one mask per layer type."""
         window = self.sliding_window
         if window is not None:
-            windowed = mask & (key_positions[:, None, :] > positions[:, :, None] - window)
+            windowed = tree.sliding_window(mask, key_positions, positions, window)
             if "full_attention" in (getattr(self.model.config, "layer_types", None) or []):
                 return {"full_attention": self._additive(mask), "sliding_attention": self._additive(windowed)}
             mask = windowed
@@ -138,8 +138,8 @@ class HFModel(base.CheckedTrees):
         minimum elsewhere. Every attention implementation adds a float mask to its scores; eager
         attention would add a boolean one too (True as 1), masking nothing."""
         dtype = self.torch_dtype
-        additive = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
-        return additive.to(self.device)[:, None]
+        zero = torch.zeros((), dtype=dtype, device=mask.device)  # where the mask is: the static pool's is on the device
+        return torch.where(mask, zero, torch.finfo(dtype).min).to(self.device)[:, None]
 
     def logits_out(self, logits: torch.Tensor) -> torch.Tensor:
         """The tokenizer's columns, in float32 (float64 kept), on the CPU."""
@@ -288,14 +288,7 @@ class HFSequence(SequenceEntries):
         None when the new entries continue a chain (the model's causal mask is the same)."""
         if self._trunk == start and all(all_parents[start + j] == start + j - 1 for j in range(n)):
             return None
-        mask = torch.zeros(n, start + n, dtype=torch.bool)
-        for j in range(n):
-            entry = start + j
-            while entry >= self._trunk:
-                mask[j, entry] = True
-                entry = all_parents[entry]
-            mask[j, : entry + 1] = True
-        return mask
+        return tree.ancestry(all_parents, self._trunk, start, n)
 
     def _forward_recomputing_cache(self, tokens, positions, all_parents, last) -> torch.Tensor:
         """The first forward past longrope's switch: feed the cached tokens again with the new

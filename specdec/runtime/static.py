@@ -290,20 +290,7 @@ class _Step:
         allowed.scatter_(2, columns.expand(rows, bucket, width), self.tree)  # beyond a row's span: False, on cells it never sees
         padding = cells[:bucket][None, :] >= self.counts[:, None]
         allowed = torch.where(padding[:, :, None], (cells == owner.capacity)[None, None, :], allowed)
-        window = owner.sliding_window
-        if window is not None:
-            key_positions = owner.pool.positions[:rows]
-            windowed = allowed & (key_positions[:, None, :] > self.positions[:, :, None] - window)
-            if "full_attention" in (getattr(owner.model.config, "layer_types", None) or []):
-                return {"full_attention": _additive(allowed, owner), "sliding_attention": _additive(windowed, owner)}
-            allowed = windowed
-        return _additive(allowed, owner)
-
-
-def _additive(allowed: torch.Tensor, owner: StaticHFModel) -> torch.Tensor:
-    dtype = owner.torch_dtype
-    zero = torch.zeros((), dtype=dtype, device=allowed.device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
+        return owner.layer_masks(allowed, owner.pool.positions[:rows], self.positions)  # windows by cells' positions
 
 
 class _Pool:
