@@ -14,7 +14,7 @@ from specdec.decoder import SpeculativeDecoder
 from specdec.drafters import AutoDrafter, Drafter, History, ModelDrafter, NgramDrafter, PromptLookupDrafter
 from specdec.errors import SpecDecError
 from specdec.katz import KatzTrigram
-from specdec.runtime import CausalLM, RuntimeConfig, choose_backend, load_draft, load_model
+from specdec.runtime import CausalLM, choose_backend, load_draft, load_model
 
 
 @dataclass
@@ -67,13 +67,10 @@ def build_decoder(config: DecoderConfig, prepare: bool = True) -> SpeculativeDec
         choose_backend("", config.runtime.backend)  # validates the name before the demo pair is looked for
     config = with_demo_paths(config)
     spec, runtime = config.drafter, config.runtime
-    on_llamacpp = choose_backend(config.target, runtime.backend) == "llamacpp"
-    # a llama.cpp target keeps prefixes in KV cells of its own, but not when batch invariant (cells out of position order)
-    prefix_cells = config.prefix_cache if on_llamacpp and not runtime.batch_invariant else 0
-    target = load_model(config.target, runtime, slots=config.slots, prefix_cells=prefix_cells)
+    target = load_model(config.target, runtime, slots=config.slots, prefix_tokens=config.prefix_cache)
     parts = Parts()
     if spec.uses_draft_model and spec.draft is not None:
-        parts.draft = load_draft(spec.draft, target, draft_runtime(runtime, target, spec.draft), slots=config.slots)
+        parts.draft = load_draft(spec.draft, target, runtime, slots=config.slots)
     if spec.uses_ngram:
         parts.ngram = KatzTrigram.load(spec.ngram)
     if config.chat_template is not None:
@@ -93,13 +90,3 @@ def history(config: DecoderConfig, drafter: Drafter | None) -> History | None:
         return None
     tokens = {} if config.history_tokens is None else {"tokens": config.history_tokens}
     return History(**tokens, shared=config.share_history)
-
-
-def draft_runtime(runtime: RuntimeConfig, target: CausalLM, draft_path: str) -> RuntimeConfig:
-    """How the draft model runs: as the target, beside it (a transformers draft on the target's
-    device unless one is given), and never batch invariant (a draft's numerics never change what
-    is accepted)."""
-    device = runtime.device
-    if device is None and target.backend == "transformers" and choose_backend(draft_path, runtime.backend) == "transformers":
-        device = str(target.device)
-    return replace(runtime, device=device, batch_invariant=False)

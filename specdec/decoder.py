@@ -75,9 +75,9 @@ class SpeculativeDecoder:
     prefix_cache: finished generations' caches kept (a `PrefixCache`, or its budget in tokens, for
     the cache every decoder on this target shares; 0 or None: none), so a request starts from the
     longest prefix it shares with them: a conversation's next turn does not compute the earlier
-    ones again. On llama.cpp it needs KV cells beyond the
-    slots' (`load_model(prefix_cells=...)`; `load` reserves them). Off on a batch-invariant target
-    (as trees are: both would put KV cells out of position order).
+    ones again. On llama.cpp it needs KV cells beyond the slots' (`load_model(prefix_tokens=...)`;
+    `load` reserves them). Off on a batch-invariant target (as trees are: both would put KV cells
+    out of position order).
     share_acceptance: a server's: what each scope's earlier generations learnt of each source's
     acceptance starts its new ones (the default drafter's policy). prepare: read or measure the
     forward costs now (False: call `prepare()` before the first request).
@@ -96,7 +96,7 @@ class SpeculativeDecoder:
         if history is not None and not takes_chains:
             raise SpecDecError("a history is drafted from by the default (auto) drafter; this decoder has " + _drafter_name(drafter))
         self.history: History | None = history or None
-        if getattr(target, "batch_invariant", False):
+        if target.batch_invariant:
             prefix_cache = None  # a fork's new tokens could take freed cells below the shared ones: out of position order
         if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
             prefix_cache = PrefixCache.of(target, prefix_cache) if prefix_cache else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specdec.errors import SpecDecError
-from specdec.runtime import tokenizer_fingerprint
+from specdec.runtime import runs_gguf, tokenizer_fingerprint
 
 
 DEMO_DIR = Path(__file__).parent / "demo_pair"  # target/, draft/ (checkpoints), MODELS.md
@@ -20,9 +20,9 @@ def demo_dir() -> Path:
 
 
 def demo_models(backend: str = "auto") -> tuple[str, str]:
-    """(target, draft) of the demo pair: GGUF files on llama.cpp unless transformers is asked for."""
+    """(target, draft) of the demo pair: GGUF files where the backend runs them (llama.cpp), else checkpoints."""
     demo = demo_dir()
-    if backend == "transformers":
+    if not runs_gguf(backend):
         return str(demo / "target"), str(demo / "draft")
     return str(demo_gguf("target")), str(demo_gguf("draft"))
 

@@ -273,17 +273,7 @@ def draft_config(config: DistillConfig, vocab_map: VocabMap, eos_draft_id: int |
 
 def target_embeddings(target) -> torch.Tensor | None:
     """The target's input embedding matrix [vocab, width] in float32, where its weights can be read."""
-    inner = getattr(target, "model", None)
-    if inner is not None and hasattr(inner, "get_input_embeddings"):
-        return inner.get_input_embeddings().weight.detach().float().cpu()
-    if str(target.path).lower().endswith(".gguf"):
-        from gguf import GGUFReader
-        from gguf.quants import dequantize
-
-        for tensor in GGUFReader(str(target.path)).tensors:
-            if tensor.name == "token_embd.weight":
-                return torch.from_numpy(np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
-    return None
+    return target.input_embeddings()
 
 
 def project_embeddings(embeddings: torch.Tensor, width: int) -> torch.Tensor:
@@ -378,7 +368,7 @@ class Prepared:
 
 def prepare(config: DistillConfig) -> Prepared:
     """Stages 1-3, each resumed from DIR/work where it was saved."""
-    from specdec.runtime import load_model
+    from specdec.runtime import load_model, takes_device
 
     config.check()
     work = Path(config.output) / "work"
@@ -395,10 +385,10 @@ def prepare(config: DistillConfig) -> Prepared:
         return result
 
     on_gpu = config.device.startswith("cuda")
-    if _is_gguf(config):  # on a GPU, every layer offloaded (where llama.cpp was built with CUDA)
-        options = dict(context=config.prompt_tokens + config.new_tokens + 8, gpu_layers=-1 if on_gpu else None)
-    else:
+    if takes_device(config.target, config.backend):
         options = dict(device=config.device)
+    else:  # on a GPU, every layer offloaded (where llama.cpp was built with CUDA)
+        options = dict(context=config.prompt_tokens + config.new_tokens + 8, gpu_layers=-1 if on_gpu else None)
     target = load_model(config.target, backend=config.backend, threads=config.threads, slots=config.generate_batch, **options)
     corpus = _cached(work / "corpus.npy", lambda: stage("corpus", lambda: build_corpus(config, target.tokenizer)))
     generations = stage("generate", lambda: generate(target, corpus, config, work, states=config.head))
@@ -415,12 +405,6 @@ def distill(config: DistillConfig) -> dict:
     model, state = run.stage("train", lambda: train_draft(config, run.generations, run.vocab_map, embeddings, run.target, work, run.report))
     return write_outputs(config, model, run.vocab_map, draft_pieces(run.target.tokenizer, run.vocab_map), run.corpus, run.generations,
                          state, run.report)
-
-
-def _is_gguf(config: DistillConfig) -> bool:
-    from specdec.runtime import choose_backend
-
-    return choose_backend(config.target, config.backend) == "llamacpp"
 
 
 def _cached(path: Path, build) -> np.ndarray:

@@ -49,18 +49,7 @@ def head_inputs(target, vocab_map: VocabMap) -> tuple[torch.Tensor, torch.Tensor
 def target_output_rows(target, embeddings: torch.Tensor | None) -> torch.Tensor | None:
     """The target's output matrix [vocab, width] in float32: `embeddings` (its input embeddings,
     already read) where a GGUF file ties the two, not dequantized a second time."""
-    inner = getattr(target, "model", None)
-    if inner is not None and hasattr(inner, "get_output_embeddings"):
-        return inner.get_output_embeddings().weight.detach().float().cpu()[: target.vocab_size]
-    if str(target.path).lower().endswith(".gguf"):
-        from gguf import GGUFReader
-        from gguf.quants import dequantize
-
-        tensor = next((t for t in GGUFReader(str(target.path)).tensors if t.name == "output.weight"), None)
-        if tensor is None:
-            return None if embeddings is None else embeddings[: target.vocab_size]
-        return torch.from_numpy(np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))[: target.vocab_size]
-    return None
+    return target.output_rows(embeddings)
 
 
 class Windows:

@@ -198,7 +198,7 @@ class Engine:
         results: list[StepResult | None] = [StepResult.failed(d) if isinstance(d, Exception) else None for d in drafts]
         live = [i for i, result in enumerate(results) if result is None]
         # one target forward scores every row's last committed token and draft nodes
-        on_device = getattr(self.target, "device_logits", False)  # verification then reads the device once per row (`_verify`)
+        on_device = self.target.device_logits  # verification then reads the device once per row (`_verify`)
         rows = self.target.forward_batch([_feed(states[i].sequence, states[i].context[-1], drafts[i], on_device) for i in live]) if live else []
         for i, logits in zip(live, rows):
             outcome = attempt(lambda: self._advance(states[i], gammas[i], drafts[i], logits, noises[i]))

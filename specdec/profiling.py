@@ -83,7 +83,7 @@ def measure_curve(model: CausalLM, sizes=SIZES, max_rounds: int = MAX_ROUNDS) ->
 def forward_as_decoding(model: CausalLM, sequence, tokens: list[int]) -> None:
     """A forward, done when the device is: a model that keeps logits on its device (a GPU's static
     pool) leaves them there, as the engine has it, and is waited for; others return them on the CPU."""
-    if getattr(model, "device_logits", False):
+    if model.device_logits:
         sequence.forward(tokens, on_device=True)
         synchronize(model.device)
     else:
@@ -147,8 +147,8 @@ def model_identity(model: CausalLM) -> dict:
     files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.suffix in (".json", ".safetensors", ".bin", ".gguf"))
     stamps = [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files if p.exists()]
     return {"path": str(path.resolve()), "files": stamps, "backend": model.backend, "dtype": model.dtype,
-            "device": str(getattr(model, "device", "cpu")), "threads": getattr(model, "threads", None) or torch.get_num_threads(),
-            "compiled": getattr(model, "compile_backend", None), "context": model.max_length}  # a static row attends over all of it
+            "device": str(model.device), "threads": model.threads or torch.get_num_threads(),
+            "compiled": model.compile_backend, "context": model.max_length}  # a static row attends over all of it
 
 
 def _plain_step(target: CausalLM) -> float:

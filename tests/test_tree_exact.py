@@ -142,6 +142,11 @@ class TableLM:
     (history counted after the prompt). Like a transformer, a new entry learns its history only
     from its parent entry; truncate and keep edit its cache like the real ones."""
 
+    # the capabilities a drafter asks a draft model about (`runtime.base.CausalLM`)
+    columns = None  # logits over the whole vocabulary (`PrunedTableLM` has its own)
+    reads_target_states = False
+    device_logits = False
+
     def __init__(self, table: Conditional, prompt, max_length: int = 64):
         self.table, self.prompt, self.max_length, self.vocab_size = table, tuple(prompt), max_length, table.vocab
 

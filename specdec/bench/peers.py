@@ -42,11 +42,10 @@ def peers(target: CausalLM, draft: CausalLM | None, max_new_tokens: int) -> list
     target runs its inner model's peers, a pruned draft is not given to them."""
     if isinstance(target, PrunedVocab):
         target, draft = target.inner, None
-    if target.backend == "transformers":
-        return hf_peers(target, draft, max_new_tokens)
-    if target.backend == "llamacpp":
-        return llamacpp_peers(target, max_new_tokens)
-    raise SpecDecError(f"no peers for the {target.backend} backend")
+    loops = PEERS.get(target.peer_kind)
+    if loops is None:
+        raise SpecDecError(f"no peers for the {target.backend} backend")
+    return loops(target, draft, max_new_tokens)
 
 
 def cut_at_stop(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
@@ -65,10 +64,8 @@ def hf_peers(target, draft, max_new_tokens: int) -> list[Peer]:
     Forwards are counted with hooks on the models."""
     import transformers
 
-    from specdec.runtime.hf import HFModel
-
     transformers.logging.set_verbosity_error()  # generate() warns about flags set on purpose
-    draft = draft if isinstance(draft, HFModel) else None
+    draft = draft if draft is not None and draft.peer_kind == target.peer_kind else None  # generate() takes its model
     target_forwards, draft_forwards = _ForwardCounter(target.model), _ForwardCounter(draft.model) if draft else None
     found = [Peer("HF generate", False, _hf_generate(target, max_new_tokens, target_forwards))]
     if draft is not None:
@@ -76,7 +73,7 @@ def hf_peers(target, draft, max_new_tokens: int) -> list[Peer]:
                                                             assistant_model=draft.model)))
     found.append(Peer("HF prompt lookup", False, _hf_generate(target, max_new_tokens, target_forwards,
                                                               prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)))
-    if target.device.type == "cuda":  # the strongest plain loop a transformers user has: a static cache, compiled
+    if target.on_gpu:  # the strongest plain loop a transformers user has: a static cache, compiled
         found.append(Peer("HF generate, static cache, compiled", False,
                           _hf_generate(target, max_new_tokens, target_forwards, cache_implementation="static")))
     return found
@@ -119,18 +116,22 @@ class _ForwardCounter:
 # ---- llama-cpp-python's generate()
 
 
-def llamacpp_peers(target, max_new_tokens: int) -> list[Peer]:
+def llamacpp_peers(target, draft, max_new_tokens: int) -> list[Peer]:
     """llama-cpp-python's own generate() on the same file and threads: plain, and with its
-    prompt-lookup draft (LlamaPromptLookupDecoding; it has no draft-model speculation).
-    Each peer loads the file once more (mmap: the weights' pages are shared)."""
+    prompt-lookup draft (LlamaPromptLookupDecoding; it has no draft-model speculation, so `draft`
+    goes unused). Each peer loads the file once more (mmap: the weights' pages are shared)."""
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-    from specdec.runtime.llamacpp import BATCH
 
     # with a draft model, Llama keeps logits for n_batch rows but writes one per position: n_batch = n_ctx
     lookup = _load_llama(target, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_TOKENS), n_batch=target.max_length)
-    return [Peer("llama-cpp-python generate", False, _llama_generate(_load_llama(target, n_batch=BATCH), max_new_tokens, target.stop_token_ids)),
+    plain = _load_llama(target, n_batch=target.batch_tokens)  # llama.cpp's tokens per decode, as specdec's
+    return [Peer("llama-cpp-python generate", False, _llama_generate(plain, max_new_tokens, target.stop_token_ids)),
             Peer("llama-cpp-python prompt lookup", False, _llama_generate(lookup, max_new_tokens, target.stop_token_ids))]
+
+
+# each model's `peer_kind` -> (target, draft, max new tokens) -> the peers that run its library's own loops
+PEERS: dict[str, Callable[[CausalLM, CausalLM | None, int], list[Peer]]] = {
+    "transformers.generate": hf_peers, "llama_cpp.generate": llamacpp_peers}
 
 
 def _load_llama(target, **extra):

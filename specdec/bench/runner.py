@@ -31,7 +31,7 @@ from specdec.bench.suites import WITH_REFERENCES, suite_tasks
 from specdec.drafters import History, TreeShape
 from specdec.errors import SpecDecError
 from specdec.katz import KatzTrigram
-from specdec.runtime import CausalLM, RuntimeConfig, choose_backend
+from specdec.runtime import CausalLM, RuntimeConfig, takes_device
 from specdec.types import GenerationStats, Limits, SamplingParams
 
 # every run prefills its whole prompt, as the peers' do: no strategy starts from another's kept prefix
@@ -163,7 +163,7 @@ def drafted(name: str, family: str, spec: DrafterSpec, gamma, target: CausalLM, 
 
 def bench_runtime(runtime: RuntimeConfig, target: str) -> RuntimeConfig:
     """transformers: the CPU unless a device is asked for (not CUDA just because it is there)."""
-    if runtime.device is None and choose_backend(target, runtime.backend) == "transformers":
+    if runtime.device is None and takes_device(target, runtime.backend):
         return replace(runtime, device="cpu")
     return runtime
 
@@ -220,7 +220,7 @@ class LoadMonitor:
 
 
 def own_threads(target: CausalLM) -> int:
-    return getattr(target, "threads", None) or torch.get_num_threads()
+    return target.threads or torch.get_num_threads()
 
 
 # ------------------------------------------------------------------------------------ the run
@@ -311,10 +311,11 @@ def run_bench(config: BenchConfig) -> dict:
 
 def model_facts(model: CausalLM) -> dict:
     return {"path": model.path, "backend": model.backend, "parameters": model.parameters, "weight_bytes": model.weight_bytes,
-            "dtype": model.dtype, "vocab_size": model.vocab_size, "context": model.max_length, "threads": getattr(model, "threads", None),
-            "output_layer": getattr(model, "output_layer", None), "batch_invariant": getattr(model, "batch_invariant", False),
-            "compiled": getattr(model, "compile_backend", None),
-            "compile_seconds": {f"{rows}x{tokens}": round(seconds, 3) for (rows, tokens), seconds in getattr(model, "compile_seconds", {}).items()}}
+            "dtype": model.dtype, "vocab_size": model.vocab_size, "context": model.max_length, "threads": model.threads,
+            "output_layer": model.output_layer, "batch_invariant": model.batch_invariant,
+            "compiled": model.compile_backend,
+            "compile_seconds": {f"{rows}x{tokens}": round(seconds, 3)
+                                for (rows, tokens), seconds in model.compile_seconds.items()}}
 
 
 def read_bandwidth(threads: int = 1, megabytes: int = 256, repeats: int = 5) -> float:

@@ -80,7 +80,7 @@ def run_profile(args) -> None:
     if args.plot:
         print(f"wrote {plot_profile(profile, args.plot)}", file=sys.stderr)
     if args.breakdown:
-        if decoder.target.backend != "llamacpp":
+        if not decoder.target.times_ops:
             raise SpecDecError("--breakdown times llama.cpp's ops: it takes a GGUF target")
         from specdec.runtime.op_times import breakdown, format_breakdown
 

@@ -110,8 +110,8 @@ class ModelDrafter:
         check_integer(inner_gamma, "the inner draft length")
         self.model, self.tree, self.inner, self.inner_gamma = model, tree, inner, inner_gamma
         self.draft_model = model
-        self.reads_target_states = bool(getattr(model, "reads_target_states", False))  # TODO(runtime protocol)
-        self.columns = VocabColumns(getattr(model, "columns", None))  # of the model's logits: a pruned vocabulary's, or all
+        self.reads_target_states = model.reads_target_states
+        self.columns = VocabColumns(model.columns)  # of the model's logits: a pruned vocabulary's, or all
         self.name = "draft-model" + (f"+{inner.name}" if inner else "") + (f" tree {tree.nodes}" if tree else "")
 
     takes_chains = keyed_draws = shaped_by_nodes = False

@@ -82,7 +82,9 @@ class CausalLM(Protocol):
     """A loaded model: facts about it, and sequences to decode in."""
 
     path: str
-    backend: str  # "transformers" or "llamacpp"
+    backend: str  # its runtime, for messages and reports: "transformers", "llamacpp" (a draft head: "head")
+    device: str  # where its logits and states come out: "cpu", "cuda:0" (llama.cpp: "cpu", whatever it offloads)
+    on_gpu: bool  # its forwards run on a GPU, in whole or in part (offloaded layers)
     tokenizer: Tokenizer
     vocab_size: int  # rows of logits: the tokenizer's real vocabulary
     max_length: int  # positions a sequence may fill (prompt, generated tokens and draft nodes)
@@ -92,8 +94,19 @@ class CausalLM(Protocol):
     stop_token_ids: frozenset[int]  # end-of-generation tokens (EOS, EOT ...)
     tree_tolerance: float  # how far a tree node's logits may be from its path's alone, relative to their scale
     spare_cells: int | None  # cache entries that finished sequences may keep (`PrefixCache`); None: no fixed limit
+    spare_sequences: int | None  # sequences that finished sequences may keep (`PrefixCache`); None: no limit of its own
     device_logits: bool  # its sequences can leave logits on the model's device (`Feed.on_device`)
     hidden_size: int  # the width of `CachedSequence.states`: what the output layer multiplies
+    max_sequence_ids: int | None  # ids its sequences and their tree branches share (llama.cpp); None: no limit
+    batch_invariant: bool  # a row's logits are bitwise the same in a batch of any size (checked at load)
+    threads: int | None  # CPU threads its forwards use; None: torch's, process-wide
+    output_layer: str | None  # who computes a GGUF model's logits: "specdec" (`cpu_head`) or "llama.cpp"; None: its own
+    compile_backend: str | None  # how a static pool's forwards run (`static.COMPILE_BACKENDS`); None: eagerly
+    compile_seconds: dict[tuple[int, int], float]  # (rows, tokens) -> seconds that shape's first forward took
+    columns: torch.Tensor | None  # [columns]: each logit column's target id (`PrunedVocab`); None: every id in order
+    reads_target_states: bool  # its sequences take the target's verified states (`observe`: a draft head)
+    peer_kind: str | None  # whose generation loops the bench runs on it beside specdec's (`bench.peers`); None: none
+    times_ops: bool  # its forward's time can be split by kind of op (`runtime.op_times`, `specdec profile --breakdown`)
 
     def keep_states(self, on: bool = True) -> None:
         """From now on every forward leaves `states` on each sequence it fed (see `CachedSequence`);
@@ -103,6 +116,15 @@ class CausalLM(Protocol):
 
     def sequence(self) -> CachedSequence:
         """A new empty sequence slot."""
+        ...
+
+    def input_embeddings(self) -> torch.Tensor | None:
+        """Its input embedding matrix, [vocab, hidden_size] float32 on the CPU; None where its weights are not read."""
+        ...
+
+    def output_rows(self, embeddings: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Its output matrix, [vocab_size, hidden_size] float32 on the CPU; None where its weights cannot be read.
+        `embeddings`: its `input_embeddings()`, already read, which a model whose output layer ties them returns."""
         ...
 
     def describe(self) -> str:

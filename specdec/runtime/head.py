@@ -143,10 +143,20 @@ class HeadModel:
     Its logits have one more column than it predicts, the input-only unknown id, at -inf."""
 
     backend = "head"
+    peer_kind = None  # specdec's own: no other library's loop runs it
+    device, on_gpu = "cpu", False  # the network runs on the CPU
     tree_tolerance = 1e-5
-    spare_cells = None
+    spare_cells = None  # no cache of keys and values
+    spare_sequences = None
     device_logits = False
+    max_sequence_ids = None
+    batch_invariant = False
+    threads = None  # torch's (one thread for its matmuls, `_one_thread`)
+    output_layer = None  # the target's output rows, as the network or `cpu_head` scores them
+    compile_backend = None  # eager
+    columns = None  # in draft ids: `PrunedVocab` maps them to target ids
     reads_target_states = True  # its sequences take the target's verified states (`HeadSequence.observe`)
+    times_ops = False
 
     def __init__(self, net: HeadNet, vocab_map: VocabMap, target: base.CausalLM, path: str = ""):
         if net.shape.width != target.hidden_size:
@@ -163,9 +173,20 @@ class HeadModel:
         self.dtype = str(net.fuse.weight.dtype).removeprefix("torch.")
         draft_id = {target_id: i for i, target_id in enumerate(vocab_map.target_ids)}
         self.stop_token_ids = frozenset(draft_id[t] for t in target.stop_token_ids if t in draft_id)
+        self.compile_seconds: dict[tuple[int, int], float] = {}  # nothing compiled
 
     def sequence(self) -> HeadSequence:
         return HeadSequence(self)
+
+    def keep_states(self, on: bool = True) -> None:
+        if on:
+            raise SpecDecError(f"{self.describe()}: a draft head keeps no final-norm states of its own")
+
+    def input_embeddings(self) -> None:
+        return None  # a head's matrices are the target's rows of a pruned vocabulary
+
+    def output_rows(self, embeddings: torch.Tensor | None = None) -> None:
+        return None
 
     def describe(self) -> str:
         return f"{self.path} (draft head, {self.parameters / 1e6:.1f}M parameters, {self.net.shape.vocab} tokens)"
@@ -230,7 +251,7 @@ def _one_thread():
 def _kernel_score(target: base.CausalLM, vocab_map: VocabMap):
     """The head's scoring by `cpu_head.CpuHead` over the target's own rows of its GGUF output matrix, or
     None where that kernel cannot run (not llama.cpp, no AVX-512 VNNI, a matrix type it does not take)."""
-    if getattr(target, "backend", None) != "llamacpp" or cpu_head.unavailable() is not None:
+    if target.backend != "llamacpp" or cpu_head.unavailable() is not None:
         return None
     try:
         kernel = cpu_head.CpuHead(target.path, target.llama_cpp, target.hidden_size, target.vocab_size, 1, rows=vocab_map.target_ids)

@@ -39,8 +39,18 @@ class HFModel(base.CheckedTrees):
     vocabulary (padding rows dropped)."""
 
     backend = "transformers"
+    peer_kind = "transformers.generate"  # Hugging Face generate() on the same model (`bench.peers`)
     spare_cells = None  # caches grow as they are filled
+    spare_sequences = None  # each kept sequence holds a cache of its own
     device_logits = False  # forward returns logits on the CPU
+    max_sequence_ids = None  # sequences are objects, as many as memory holds
+    batch_invariant = False  # a row's logits may move with the batch's shape
+    threads = None  # torch's threads (`load_model` sets them for the process)
+    output_layer = None  # the model's own output layer computes the logits
+    compile_backend = None  # eager forwards, nothing compiled
+    columns = None  # logits over the whole vocabulary
+    reads_target_states = False  # its sequences take no states from another model
+    times_ops = False  # no per-op breakdown (that is llama.cpp's, `runtime.op_times`)
 
     def __init__(self, model, tokenizer, path: str = ""):
         self.model = model.eval()
@@ -54,8 +64,10 @@ class HFModel(base.CheckedTrees):
             )
         self.max_length = _context_length(model.config)
         self.rope_switch = longrope_switch(model.config)  # None, or the first position that runs long factors
-        self.device = model.device  # fixed: the model is moved before it is wrapped (HF's property is slow)
-        if self.device.type == "cuda":
+        self.torch_device = model.device  # fixed: the model is moved before it is wrapped (HF's property is slow)
+        self.device, self.on_gpu = str(self.torch_device), self.torch_device.type == "cuda"
+        self.compile_seconds: dict[tuple[int, int], float] = {}  # nothing compiled (`StaticHFModel` fills its own)
+        if self.on_gpu:
             avoid_cudnn_attention()
         self.torch_dtype = model.dtype
         self.dtype = str(model.dtype).removeprefix("torch.")
@@ -100,6 +112,12 @@ class HFModel(base.CheckedTrees):
     def sequence(self) -> HFSequence:
         return HFSequence(self)
 
+    def input_embeddings(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight.detach().float().cpu()
+
+    def output_rows(self, embeddings: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight.detach().float().cpu()[: self.vocab_size]
+
     @property
     def attn_implementation(self) -> str:
         return getattr(self.model.config, "_attn_implementation", None) or "eager"
@@ -139,7 +157,7 @@ class HFModel(base.CheckedTrees):
         attention would add a boolean one too (True as 1), masking nothing."""
         dtype = self.torch_dtype
         zero = torch.zeros((), dtype=dtype, device=mask.device)  # where the mask is: the static pool's is on the device
-        return torch.where(mask, zero, torch.finfo(dtype).min).to(self.device)[:, None]
+        return torch.where(mask, zero, torch.finfo(dtype).min).to(self.torch_device)[:, None]
 
     def logits_out(self, logits: torch.Tensor) -> torch.Tensor:
         """The tokenizer's columns, in float32 (float64 kept), on the CPU."""
@@ -170,7 +188,7 @@ class HFModel(base.CheckedTrees):
         if width:
             cache.layers = [_StackedLayer([s._cache.layers[i] if s.cache_len else None for s, *_ in rows], width)
                             for i in range(len(next(s for s, *_ in rows if s.cache_len)._cache.layers))]
-        out = self.model(input_ids=tokens.to(self.device), position_ids=positions.to(self.device),
+        out = self.model(input_ids=tokens.to(self.torch_device), position_ids=positions.to(self.torch_device),
                          attention_mask=self.layer_masks(allowed, key_positions, positions),
                          past_key_values=cache, use_cache=True)
         states = self.taken_states()  # [batch, new, hidden] or None
@@ -270,8 +288,8 @@ class HFSequence(SequenceEntries):
         mask = None if ancestry is None else owner.layer_masks(ancestry[None], torch.tensor([self._positions + positions]), torch.tensor([positions]))
         keep = {"logits_to_keep": last} if last and owner.takes_logits_to_keep else {}
         out = owner.model(
-            input_ids=torch.tensor([tokens], device=owner.device),
-            position_ids=torch.tensor([positions], device=owner.device),
+            input_ids=torch.tensor([tokens], device=owner.torch_device),
+            position_ids=torch.tensor([positions], device=owner.torch_device),
             attention_mask=mask,
             past_key_values=self._cache,
             use_cache=True,
@@ -312,7 +330,7 @@ class HFSequence(SequenceEntries):
         end = start + len(indices)
         moved = indices != list(range(start, end))  # a chain's path is already in place
         index = torch.tensor(indices, dtype=torch.long)
-        device = self.owner.device
+        device = self.owner.torch_device
         for layer in self._cache.layers:
             if getattr(layer, "keys", None) is None or not layer.keys.numel():
                 continue

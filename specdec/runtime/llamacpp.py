@@ -40,6 +40,16 @@ class LlamaCppModel(base.CheckedTrees):
     """A GGUF file loaded by llama.cpp: one model, one context whose KV cells all sequences share."""
 
     backend = "llamacpp"
+    peer_kind = "llama_cpp.generate"  # llama-cpp-python's generate() on the same file (`bench.peers`)
+    batch_tokens = BATCH  # tokens per llama_decode (the peers' n_batch)
+    device = "cpu"  # logits and states come out on the CPU, whatever layers are offloaded
+    spare_sequences = None  # a kept sequence holds a sequence id: `max_sequence_ids` bounds them
+    device_logits = False  # forward returns logits on the CPU
+    max_sequence_ids = MAX_SEQUENCE_IDS
+    compile_backend = None  # llama.cpp runs its own graphs
+    columns = None  # logits over the whole vocabulary
+    reads_target_states = False  # its sequences take no states from another model
+    times_ops = True  # `runtime.op_times` splits a forward's time by kind of op
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, gpu_layers: int = 0,
                  context: int | None = None, tokenizer=None, slots: int = 1, prefix_cells: int = 0, output_layer: str = "auto",
@@ -64,7 +74,8 @@ class LlamaCppModel(base.CheckedTrees):
         trained = lib.llama_model_n_ctx_train(self._model)
         self.max_length = min(context or DEFAULT_CONTEXT, trained) if trained > 0 else (context or DEFAULT_CONTEXT)
         self.spare_cells = prefix_cells  # for kept prefixes (PrefixCache), beyond the slots'
-        self.device_logits = False
+        self.on_gpu = bool(gpu_layers)
+        self.compile_seconds: dict[tuple[int, int], float] = {}  # nothing compiled
         self.cells = self.max_length * slots + prefix_cells  # KV cells: `slots` sequences of max_length entries fit at once
         self.weight_bytes = lib.llama_model_size(self._model)
         self.parameters = lib.llama_model_n_params(self._model)
@@ -202,6 +213,15 @@ class LlamaCppModel(base.CheckedTrees):
     def sequence(self) -> LlamaCppSequence:
         return LlamaCppSequence(self)
 
+    def input_embeddings(self) -> torch.Tensor | None:
+        return _gguf_matrix(self.path, "token_embd.weight")
+
+    def output_rows(self, embeddings: torch.Tensor | None = None) -> torch.Tensor | None:
+        rows = _gguf_matrix(self.path, "output.weight")
+        if rows is None:  # no output matrix: the output layer ties the input embeddings
+            rows = embeddings if embeddings is not None else self.input_embeddings()
+        return None if rows is None else rows[: self.vocab_size]
+
     def describe(self) -> str:
         head = ", output layer by specdec" if self._use_head else ""
         return f"{self.path} ({self.architecture} {self.dtype}, llama.cpp{head})"
@@ -296,6 +316,17 @@ class LlamaCppModel(base.CheckedTrees):
         if not self._keep_states:
             return logits, None
         return logits, torch.cat(states) if states else torch.zeros(0, self.hidden_size)
+
+
+def _gguf_matrix(path: str, name: str) -> torch.Tensor | None:
+    """The GGUF file's tensor `name`, dequantized to float32 (None: the file has none)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    tensor = next((t for t in GGUFReader(path).tensors if t.name == name), None)
+    if tensor is None:
+        return None
+    return torch.from_numpy(np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
 
 
 class LlamaCppSequence(SequenceEntries):

@@ -28,6 +28,9 @@ from specdec.stops import common_prefix
 
 MIN_SHARED = 16  # a shorter shared prefix costs about as much to copy as to compute
 MAX_KEPT = 16  # sequences kept at most (on llama.cpp each holds a sequence id, which tree branches need too)
+# each model's shared cache (`PrefixCache.of`), both held weakly: an entry lives while its model
+# and some decoder's cache do (a kept sequence holds its model, so the model outlives its cache)
+_SHARED: weakref.WeakKeyDictionary[CausalLM, weakref.ref[PrefixCache]] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -52,10 +55,10 @@ class PrefixCache:
     def __init__(self, model: CausalLM, budget: int, min_shared: int = MIN_SHARED):
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise SpecDecError(f"a prefix cache's budget must be a number of tokens >= 0, got {budget!r}")
-        spare = getattr(model, "spare_cells", None)
+        spare = model.spare_cells
         self.model, self.budget, self.min_shared = model, budget if spare is None else min(budget, spare), max(1, min_shared)
         # a model whose kept sequences each hold a whole row of a static pool keeps fewer (`static.KEPT_ROWS`)
-        self.max_kept = min(MAX_KEPT, getattr(model, "spare_sequences", None) or MAX_KEPT)
+        self.max_kept = min(MAX_KEPT, model.spare_sequences or MAX_KEPT)
         self._kept: list[_Kept] = []  # least recently used first
         self._lock = threading.RLock()
         self.reused_tokens = 0  # prompt tokens served from kept sequences, since the start
@@ -65,14 +68,14 @@ class PrefixCache:
         """The model's own cache, shared by every decoder that asks for one by budget: on llama.cpp
         their kept prefixes all live in the cells the model spares, so they must share one budget
         (the largest asked for). Six decoders with a cache each filled those cells and then failed.
-        The model holds it weakly (its kept sequences hold the model): it lives as long as a decoder does."""
-        reference = getattr(model, "_shared_prefix_cache", None)
+        It is held weakly (its kept sequences hold the model): it lives as long as a decoder does."""
+        reference = _SHARED.get(model)
         cache = reference() if reference is not None else None
         if cache is None:
             cache = cls(model, budget)
-            model._shared_prefix_cache = weakref.ref(cache)
+            _SHARED[model] = weakref.ref(cache)
         elif budget > cache.budget:
-            spare = getattr(model, "spare_cells", None)
+            spare = model.spare_cells
             cache.budget = budget if spare is None else min(budget, spare)
         return cache
 

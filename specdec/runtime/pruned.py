@@ -121,9 +121,44 @@ class PrunedVocab:
         self.columns = torch.tensor(vocab_map.target_ids, dtype=torch.long)  # [columns]: the target id of each logit's column
 
     device_logits = False  # logits come back on the CPU, one column per predicted token (`columns`)
+    peer_kind = None  # specdec's own vocabulary map: no other library's loop takes it
+    times_ops = False
 
-    def __getattr__(self, name):  # path, backend, max_length, weight_bytes, dtype ...: the draft model's own
-        return getattr(self.inner, name)
+    # the rest is the draft model's own: its file, how it runs, what its cache holds
+    path = property(lambda self: self.inner.path)
+    backend = property(lambda self: self.inner.backend)
+    device = property(lambda self: self.inner.device)
+    on_gpu = property(lambda self: self.inner.on_gpu)
+    max_length = property(lambda self: self.inner.max_length)
+    weight_bytes = property(lambda self: self.inner.weight_bytes)
+    parameters = property(lambda self: self.inner.parameters)
+    dtype = property(lambda self: self.inner.dtype)
+    tree_tolerance = property(lambda self: self.inner.tree_tolerance)
+    spare_cells = property(lambda self: self.inner.spare_cells)
+    spare_sequences = property(lambda self: self.inner.spare_sequences)
+    hidden_size = property(lambda self: self.inner.hidden_size)
+    max_sequence_ids = property(lambda self: self.inner.max_sequence_ids)
+    batch_invariant = property(lambda self: self.inner.batch_invariant)
+    threads = property(lambda self: self.inner.threads)
+    output_layer = property(lambda self: self.inner.output_layer)
+    compile_backend = property(lambda self: self.inner.compile_backend)
+    compile_seconds = property(lambda self: self.inner.compile_seconds)
+    reads_target_states = property(lambda self: self.inner.reads_target_states)
+
+    def keep_states(self, on: bool = True) -> None:
+        self.inner.keep_states(on)
+
+    def verify_room(self, root_position: int) -> int:
+        return self.inner.verify_room(root_position)
+
+    def tree_refusal(self) -> str | None:
+        return self.inner.tree_refusal()
+
+    def input_embeddings(self) -> None:
+        return None  # its rows are in draft ids; a pruned model is never a target
+
+    def output_rows(self, embeddings: torch.Tensor | None = None) -> None:
+        return None
 
     def describe(self) -> str:
         return f"{self.inner.describe()}, predicting {len(self.columns)} of the target's {self.vocab_size} tokens"

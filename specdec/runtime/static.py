@@ -60,11 +60,11 @@ class StaticHFModel(HFModel):
         self.compile_backend = backend
         # cell `capacity` is the scratch cell; the row is rounded up to 16 cells (attention kernels pad the mask
         # otherwise, every layer, every step); cells past the scratch one are never written nor seen
-        self.pool = _Pool(_cache_layout(self), max(1, rows), -(-(self.capacity + 1) // 16) * 16, self.device)
+        self.pool = _Pool(_cache_layout(self), max(1, rows), -(-(self.capacity + 1) // 16) * 16, self.torch_device)
         self._holders: list[StaticSequence | None] = [None] * self.pool.rows  # who owns each row
         self._runner = None
         self.compile_seconds: dict[tuple[int, int], float] = {}  # (rows, tokens) -> seconds its first forward took
-        self._upload = _Uploader(self.device)
+        self._upload = _Uploader(self.torch_device)
 
     def sequence(self) -> StaticSequence:
         if None not in self._holders:
@@ -90,7 +90,7 @@ class StaticHFModel(HFModel):
         finally:
             for sequence in sequences:
                 sequence.release()
-        base.synchronize(self.device)
+        base.synchronize(self.torch_device)
         return time.perf_counter() - started
 
     @torch.inference_mode()
@@ -120,7 +120,7 @@ class StaticHFModel(HFModel):
             first = (rows, tokens_bucket) not in self.compile_seconds
             out = self.runner()(step.tokens, step.positions, mask, cache, self.keeps_states)
             if first:
-                base.synchronize(self.device)
+                base.synchronize(self.torch_device)
                 self.compile_seconds[(rows, tokens_bucket)] = time.perf_counter() - began
         else:
             out = self._forward_logits(step.tokens, step.positions, mask, cache, self.keeps_states)
@@ -160,12 +160,13 @@ class StaticHFModel(HFModel):
         if self.compile_backend == "static":
             return self._forward_logits
         if self.compile_backend == "graphs":
-            return _Graphs(self._forward_logits, capture=self.device.type == "cuda")
+            return _Graphs(self._forward_logits, capture=self.torch_device.type == "cuda")
         # every model's every shape is an entry of `_forward_logits`'s code: past dynamo's limit (8 by
         # default) a further one would silently run eagerly
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         if self.compile_backend == "inductor":
-            return torch.compile(self._forward_logits, mode="reduce-overhead" if self.device.type == "cuda" else None, dynamic=False)
+            mode = "reduce-overhead" if self.torch_device.type == "cuda" else None
+            return torch.compile(self._forward_logits, mode=mode, dynamic=False)
         return torch.compile(self._forward_logits, backend=self.compile_backend, dynamic=False)
 
     def _forward_logits(self, tokens, positions, mask, cache, states: bool = False):
@@ -496,7 +497,8 @@ def _cache_layout(model: HFModel) -> list:
     """Each layer's key and value shapes and dtype, from one eager forward of one token."""
     cache = DynamicCache()
     with torch.inference_mode():
-        model.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), past_key_values=cache, use_cache=True)
+        tokens = torch.zeros(1, 1, dtype=torch.long, device=model.torch_device)
+        model.model(input_ids=tokens, past_key_values=cache, use_cache=True)
     layout = []
     for layer in cache.layers:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)

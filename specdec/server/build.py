@@ -12,31 +12,20 @@ from specdec.build import build_decoder
 from specdec.config import DEFAULT_BATCH, ServeConfig
 from specdec.decoder import SpeculativeDecoder
 from specdec.errors import SpecDecError
-from specdec.runtime import choose_backend
+from specdec.runtime import Placement, placement
 from specdec.server.app import routes
 from specdec.server.service import Service
 
 
-def target_backend(config: ServeConfig) -> str:
-    """The backend the target will run on, known before it loads (no target: the demo pair's GGUF
-    files, unless transformers is asked for)."""
-    runtime = config.decoder.runtime
-    if config.decoder.target is None:
-        return "transformers" if runtime.backend == "transformers" else "llamacpp"
-    return choose_backend(config.decoder.target, runtime.backend)
+def target_placement(config: ServeConfig) -> Placement:
+    """Where the target will run, known before it loads (no target: the demo pair). llama.cpp sizes
+    its KV cells by the batch at load, and Ray Serve needs the batch before any replica starts."""
+    return placement(config.decoder.target, config.decoder.runtime)
 
 
 def on_gpu(config: ServeConfig) -> bool:
-    """Whether the target will run on a GPU, known before it loads (llama.cpp sizes its KV cells by
-    the batch at load, and Ray Serve needs the batch before any replica starts)."""
-    runtime = config.decoder.runtime
-    if runtime.gpu_layers:
-        return True
-    if target_backend(config) != "transformers":
-        return False
-    from specdec.runtime.checkpoints import default_device
-
-    return str(runtime.device or default_device()).startswith("cuda")
+    """Whether the target will run on a GPU (its batch is then a GPU's)."""
+    return target_placement(config).on_gpu
 
 
 def max_batch(config: ServeConfig) -> int:
@@ -50,8 +39,9 @@ def build_service(config: ServeConfig) -> Service:
     # llama.cpp sizes its KV cells for every slot at load; a transformers static pool grows on demand,
     # so it starts with a CPU batch's rows (a GPU batch's 65 rows of an 8B model's KV are ~33 GB up front)
     draft = config.decoder.drafter.draft
-    on_llamacpp = target_backend(config) == "llamacpp" or (draft is not None and choose_backend(draft, config.decoder.runtime.backend) == "llamacpp")
-    slots = batch if on_llamacpp else min(batch, DEFAULT_BATCH["cpu"])
+    fixed = target_placement(config).fixed_slots or (
+        draft is not None and placement(draft, config.decoder.runtime).fixed_slots)
+    slots = batch if fixed else min(batch, DEFAULT_BATCH["cpu"])
     decoder = build_decoder(replace(config.decoder, slots=slots))
     check_sequence_ids(decoder, batch)
     name = config.model_name or os.path.basename(os.path.normpath(decoder.target.path))
@@ -66,7 +56,6 @@ def build_app(config: ServeConfig, service: Service) -> FastAPI:
 
 def check_sequence_ids(decoder: SpeculativeDecoder, batch: int) -> None:
     """On llama.cpp every running generation takes a sequence id of each model, and every tree branch one more."""
-    from specdec.runtime.llamacpp import MAX_SEQUENCE_IDS
     from specdec.runtime.prefix import MAX_KEPT
 
     drafter = decoder.drafter
@@ -74,8 +63,9 @@ def check_sequence_ids(decoder: SpeculativeDecoder, batch: int) -> None:
     models = [decoder.target] + ([decoder.draft_model] if decoder.draft_model else [])
     per_generation = drafter.sequence_ids if drafter is not None else 1
     kept = MAX_KEPT if decoder.prefixes is not None else 0  # the prefix cache's sequences, on the target
-    if any(model.backend == "llamacpp" for model in models) and batch * per_generation + kept > MAX_SEQUENCE_IDS:
+    limit = min((model.max_sequence_ids for model in models if model.max_sequence_ids is not None), default=None)
+    if limit is not None and batch * per_generation + kept > limit:
         what = f"with {tree.nodes}-node trees " if tree is not None else ""
-        raise SpecDecError(f"{batch} generations {what}need up to {batch * per_generation + kept} llama.cpp sequence ids; it has "
-                           f"{MAX_SEQUENCE_IDS}: use --max-batch {(MAX_SEQUENCE_IDS - kept) // per_generation} or fewer"
+        raise SpecDecError(f"{batch} generations {what}need up to {batch * per_generation + kept} llama.cpp "
+                           f"sequence ids; it has {limit}: use --max-batch {(limit - kept) // per_generation} or fewer"
                            + (", or a smaller --tree" if tree is not None else ""))
