@@ -1,7 +1,8 @@
 """specdec: lossless speculative decoding for local Hugging Face checkpoints.
 
     import specdec
-    decoder = specdec.load("path/to/target", draft="path/to/draft")   # self-tuning by default; gamma=4 for a fixed chain
+    # self-tuning by default; gamma=4 for a fixed chain
+    decoder = specdec.load("path/to/target", draft="path/to/draft")
     result = decoder.generate("def fibonacci(n):", max_new_tokens=64, temperature=0)
     print(result.text, result.stats.acceptance_rate)
     for delta in decoder.stream("def fibonacci(n):"):

@@ -44,17 +44,17 @@ def load(
     token trees `gamma` deep. `staged` makes the draft model draft with the n-gram model or prompt
     lookup as its own drafter (draft², Spector & Ré). With no target, the demo pair shipped with
     specdec (`specdec.demo`). `explore`, `prefix_cache` (tokens kept between generations),
-    `share_acceptance` (a server's): see `SpeculativeDecoder`; `slots`: generations that may run at once. How the models run: a
-    `RuntimeConfig`, or its fields as keywords (backend, device, dtype, threads, ...), which apply
-    to both models (`batch_invariant` to the target only). Refused: drafter combinations that mean
-    nothing, and trees on a model that cannot score them exactly. Extra drafter options:
-    `inner_gamma` (draft² tokens per draft-model forward) and `ngram_stochastic`.
+    `share_acceptance` (a server's): see `SpeculativeDecoder`; `slots`: generations that may run at
+    once. How the models run: a `RuntimeConfig`, or its fields as keywords (backend, device, dtype,
+    threads, ...), which apply to both models (`batch_invariant` to the target only). Refused:
+    drafter combinations that mean nothing, and trees on a model that cannot score them exactly.
+    Extra drafter options: `inner_gamma` (draft² tokens per draft-model forward) and `ngram_stochastic`.
     """
     drafter_options = {k: runtime_options.pop(k) for k in ("inner_gamma", "ngram_stochastic") if k in runtime_options}
     if tree is not None and not isinstance(tree, TreeShape):
         tree = TreeShape(nodes=tree)  # validates the budget
-    spec = DrafterSpec.choose(target_given=target is not None, draft=draft, ngram=ngram, prompt_lookup=prompt_lookup, tree=tree,
-                              staged=staged, gamma=gamma, plain=plain, **drafter_options)
+    spec = DrafterSpec.choose(target_given=target is not None, draft=draft, ngram=ngram, prompt_lookup=prompt_lookup,
+                              tree=tree, staged=staged, gamma=gamma, plain=plain, **drafter_options)
     config = DecoderConfig(target=target, drafter=spec, runtime=replace(runtime or RuntimeConfig(), **runtime_options),
                            gamma=gamma, explore=explore, prefix_cache=prefix_cache or 0, slots=slots,
                            share_acceptance=share_acceptance)

@@ -55,7 +55,8 @@ def made_once(path: Path, make: Callable[[Path], None], what: str) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         descriptor, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     except OSError as error:
-        raise SpecDecError(f"cannot write {what} into {path.parent} ({error}); set SPECDEC_CACHE to a writable folder") from error
+        raise SpecDecError(f"cannot write {what} into {path.parent} ({error}); "
+                           "set SPECDEC_CACHE to a writable folder") from error
     os.close(descriptor)
     temporary = Path(name)
     print(f"[specdec] making {what} (first use, once) in {path.parent}", file=sys.stderr, flush=True)

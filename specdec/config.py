@@ -22,7 +22,8 @@ DRAFTERS = ("auto", "plain", "model", "ngram", "lookup")
 INNER_DRAFTERS = ("ngram", "lookup")  # what may draft for a staged draft model (draft², Spector & Ré)
 GAMMA = "auto"  # draft depth per iteration: "auto" chooses it every iteration from measured costs
 INNER_GAMMA = 4  # draft² tokens per draft-model forward when staged
-TREE_WIDTH, TREE_CHILDREN = 3, "sampled"  # a token tree's children per node (and nodes expanded per level); drawn or top
+# a token tree's children per node (and nodes expanded per level); drawn or top
+TREE_WIDTH, TREE_CHILDREN = 3, "sampled"
 PREFIX_TOKENS = 4096  # tokens of finished generations kept for prefix reuse: a long conversation, or a few shorter ones
 SERVER_PREFIX_TOKENS = 16_384  # a server keeps more than one process's generations do
 SERVER_DECODER = {"prefix_cache": SERVER_PREFIX_TOKENS, "share_acceptance": True}  # how a server's decoder differs
@@ -66,7 +67,8 @@ class RuntimeConfig:
     batch_invariant: bool = False
 
     def __post_init__(self):
-        for name, value, choices in (("backend", self.backend, BACKENDS), ("output layer", self.output_layer, OUTPUT_LAYERS),
+        for name, value, choices in (("backend", self.backend, BACKENDS),
+                                     ("output layer", self.output_layer, OUTPUT_LAYERS),
                                      ("compile setting", self.compile, COMPILE_CHOICES)):
             if value not in choices:
                 raise SpecDecError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
@@ -117,7 +119,8 @@ class DrafterSpec:
         if self.kind not in DRAFTERS:
             raise SpecDecError(f"unknown drafter {self.kind!r}; choose one of {', '.join(DRAFTERS)}")
         if self.inner not in (None, *INNER_DRAFTERS):
-            raise SpecDecError(f"a staged draft model drafts with one of {', '.join(INNER_DRAFTERS)}, not {self.inner!r}")
+            raise SpecDecError(f"a staged draft model drafts with one of {', '.join(INNER_DRAFTERS)}, "
+                               f"not {self.inner!r}")
         if (self.tree is not None or self.inner is not None) and self.kind != "model":
             raise SpecDecError("token trees and staging shape a draft model's drafts (kind 'model')")
         check_integer(self.inner_gamma, "inner_gamma")
@@ -131,15 +134,17 @@ class DrafterSpec:
         return self.kind == "ngram" or self.inner == "ngram"
 
     @classmethod
-    def choose(cls, *, target_given: bool, draft: str | None = None, ngram: str | None = None, prompt_lookup: bool = False,
-               tree: TreeShape | None = None, staged: bool = False, gamma: int | str = GAMMA, plain: bool = False,
-               inner_gamma: int = INNER_GAMMA, ngram_stochastic: bool = True) -> DrafterSpec:
+    def choose(cls, *, target_given: bool, draft: str | None = None, ngram: str | None = None,
+               prompt_lookup: bool = False, tree: TreeShape | None = None, staged: bool = False,
+               gamma: int | str = GAMMA, plain: bool = False, inner_gamma: int = INNER_GAMMA,
+               ngram_stochastic: bool = True) -> DrafterSpec:
         """The spec the drafter flags describe (`specdec generate --draft ... --staged ...`), refusing
         combinations that mean nothing. A numeric gamma with one drafter runs that drafter; gamma
         "auto" with no n-gram, tree or staging is the auto drafter (which also looks up the prompt)."""
         if plain:
             if draft or ngram or prompt_lookup or tree or staged:
-                raise SpecDecError("plain decoding takes no drafter: drop the draft model, n-gram, prompt lookup, tree and staging "
+                raise SpecDecError("plain decoding takes no drafter: "
+                                   "drop the draft model, n-gram, prompt lookup, tree and staging "
                                    "(--plain decodes without a drafter: drop the drafter flags)")
             return cls("plain")
         if ngram is not None and prompt_lookup:
@@ -148,9 +153,11 @@ class DrafterSpec:
         demo_draft = not target_given and draft is None and (staged or (ngram is None and not prompt_lookup))
         has_draft = draft is not None or demo_draft
         if staged and (not has_draft or (ngram is None and not prompt_lookup and target_given)):
-            raise SpecDecError("staged drafting needs a draft model and a draft² for it: a draft model plus an n-gram file or prompt lookup")
+            raise SpecDecError("staged drafting needs a draft model and a draft² for it: "
+                               "a draft model plus an n-gram file or prompt lookup")
         if not staged and draft is not None and (ngram is not None or (prompt_lookup and not auto)):
-            raise SpecDecError("choose at most one drafter: a draft model, an n-gram file or prompt lookup (or stage them)")
+            raise SpecDecError("choose at most one drafter: a draft model, an n-gram file or prompt lookup "
+                               "(or stage them)")
         if tree is not None and not has_draft:
             raise SpecDecError("token trees are drafted by a draft model; give one (--draft DIR)")
         shared = dict(draft=draft, inner_gamma=inner_gamma, ngram_stochastic=ngram_stochastic)
@@ -240,7 +247,8 @@ class ServeConfig:
         if self.max_replicas is not None and self.max_replicas < self.replicas:
             raise SpecDecError("--max-replicas must be at least --replicas")
         if any(not (key.isascii() and key.isprintable()) or " " in key or not key for key in self.api_keys):
-            raise SpecDecError("an API key must be printable ASCII without spaces (it is sent as `Authorization: Bearer KEY`)")
+            raise SpecDecError("an API key must be printable ASCII without spaces "
+                               "(it is sent as `Authorization: Bearer KEY`)")
 
     @property
     def loopback(self) -> bool:
@@ -323,17 +331,19 @@ def _integer(value) -> int | None:
 
 _text = str
 RUNTIME_OPTIONS: dict[str, Callable] = {
-    "backend": _text, "device": _text, "dtype": _text, "attn_implementation": _text, "compile": _text, "threads": parse_positive,
-    "context": parse_positive, "gpu_layers": parse_integer, "tokenizer": _text, "output_layer": _text, "batch_invariant": parse_flag}
+    "backend": _text, "device": _text, "dtype": _text, "attn_implementation": _text, "compile": _text,
+    "threads": parse_positive, "context": parse_positive, "gpu_layers": parse_integer, "tokenizer": _text,
+    "output_layer": _text, "batch_invariant": parse_flag}
 DRAFTER_OPTIONS: dict[str, Callable] = {
-    "draft": _text, "ngram": _text, "prompt_lookup": parse_flag, "ngram_top1": parse_flag, "plain": parse_flag, "no_explore": parse_flag,
-    "gamma": parse_gamma, "tree": parse_positive, "depth": parse_gamma, "tree_width": parse_positive, "tree_children": _text,
-    "staged": parse_flag, "inner_gamma": parse_positive}
+    "draft": _text, "ngram": _text, "prompt_lookup": parse_flag, "ngram_top1": parse_flag, "plain": parse_flag,
+    "no_explore": parse_flag, "gamma": parse_gamma, "tree": parse_positive, "depth": parse_gamma,
+    "tree_width": parse_positive, "tree_children": _text, "staged": parse_flag, "inner_gamma": parse_positive}
 SERVE_OPTIONS: dict[str, Callable] = {
     "host": _text, "port": parse_integer, "model_name": _text, "max_queue": parse_positive, "max_batch": parse_positive,
     "batch_depth": _text, "shutdown_timeout": parse_number, "api_key": parse_words, "api_key_file": _text,
-    "keys_share_caches": parse_flag, "public_metrics": parse_flag, "allowed_origins": parse_words, "chat_template": _text,
-    "max_connections": parse_positive, "history_tokens": parse_integer, "share_history": parse_flag,
+    "keys_share_caches": parse_flag, "public_metrics": parse_flag, "allowed_origins": parse_words,
+    "chat_template": _text, "max_connections": parse_positive, "history_tokens": parse_integer,
+    "share_history": parse_flag,
     "prefix_cache_tokens": parse_integer, "replicas": parse_positive, "max_replicas": parse_positive}
 
 
@@ -383,11 +393,12 @@ def decoder_config(options: Options, **defaults) -> DecoderConfig:
         raise SpecDecError("--inner-gamma sets the draft² length of --staged drafting: add --staged")
     gamma = tree_options.get("depth", given.get("gamma", GAMMA))
     spec = DrafterSpec.choose(target_given=target is not None, draft=given.get("draft"), ngram=given.get("ngram"),
-                              prompt_lookup=given.get("prompt_lookup", False), tree=tree, staged=given.get("staged", False),
-                              gamma=gamma, plain=given.get("plain", False), inner_gamma=given.get("inner_gamma", INNER_GAMMA),
+                              prompt_lookup=given.get("prompt_lookup", False), tree=tree,
+                              staged=given.get("staged", False), gamma=gamma, plain=given.get("plain", False),
+                              inner_gamma=given.get("inner_gamma", INNER_GAMMA),
                               ngram_stochastic=not given.get("ngram_top1", False))
-    return DecoderConfig(target=target, drafter=spec, runtime=runtime, gamma=gamma, explore=not given.get("no_explore", False),
-                         **defaults)
+    return DecoderConfig(target=target, drafter=spec, runtime=runtime, gamma=gamma,
+                         explore=not given.get("no_explore", False), **defaults)
 
 
 def serve_config(mapping: Mapping[str, object]) -> ServeConfig:

@@ -14,8 +14,8 @@ from specdec.drafters.history import History
 from specdec.drafters.prediction import Prediction
 from specdec.engine import DecodeState, Engine, StepResult, TokenLogprob
 from specdec.errors import SpecDecError
-from specdec.policy import (AUTO_MAX_DEPTH, MAX_DEPTH, BatchDepth, CostAwareDepth, CostAwarePolicy, DraftPolicy, FixedGamma,
-                            SharedAcceptance)
+from specdec.policy import (AUTO_MAX_DEPTH, MAX_DEPTH, BatchDepth, CostAwareDepth, CostAwarePolicy, DraftPolicy,
+                            FixedGamma, SharedAcceptance)
 from specdec.runtime import CausalLM
 from specdec.runtime.prefix import PrefixCache
 from specdec.sampling import RandomStreams
@@ -42,7 +42,8 @@ class GenerationResult:
         return self.prediction.usage(self.tokens) if self.prediction is not None else None
 
     def to_dict(self) -> dict:
-        out = {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
+        out = {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
+               "stats": self.stats.to_dict()}
         if self.logprobs is not None:
             out["logprobs"] = [{"token": lp.token, "logprob": lp.logprob, "top": lp.top} for lp in self.logprobs]
         if self.prediction is not None:
@@ -94,10 +95,12 @@ class SpeculativeDecoder:
         if history is True:
             history = History() if takes_chains else None
         if history is not None and not takes_chains:
-            raise SpecDecError("a history is drafted from by the default (auto) drafter; this decoder has " + _drafter_name(drafter))
+            raise SpecDecError("a history is drafted from by the default (auto) drafter; this decoder has "
+                               + _drafter_name(drafter))
         self.history: History | None = history or None
         if target.batch_invariant:
-            prefix_cache = None  # a fork's new tokens could take freed cells below the shared ones: out of position order
+            # a fork's new tokens could take freed cells below the shared ones: out of position order
+            prefix_cache = None
         if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
             prefix_cache = PrefixCache.of(target, prefix_cache) if prefix_cache else None
         self.prefixes = prefix_cache if prefix_cache is not None and prefix_cache.budget else None
@@ -152,7 +155,8 @@ class SpeculativeDecoder:
             return FixedGamma(0)
         if self.shapes_by_nodes:
             shared = self.shared_acceptance[owner(scope)] if self.shared_acceptance is not None else None
-            return CostAwarePolicy(self._costs(), AUTO_MAX_DEPTH if self.gamma == "auto" else self.gamma, explore=self.explore, shared=shared)
+            return CostAwarePolicy(self._costs(), AUTO_MAX_DEPTH if self.gamma == "auto" else self.gamma,
+                                   explore=self.explore, shared=shared)
         if self.gamma == "auto":
             self._costs()  # read when made
             return self.depth_policy(CostAwareDepth, MAX_DEPTH)
@@ -162,14 +166,15 @@ class SpeculativeDecoder:
         """A depth policy (`BatchDepth` or a subclass) for this decoder's drafter, with measured costs
         (a server's batch-wide cap reads them when it starts, even where its rows' depth is fixed)."""
         tree = self.drafter.tree
-        return kind(self.profile(), max_gamma, models_draft=self.draft_model is not None, width=tree.width if tree else 1)
+        return kind(self.profile(), max_gamma, models_draft=self.draft_model is not None,
+                    width=tree.width if tree else 1)
 
     @property
     def tokenizer(self):
         return self.target.tokenizer
 
-    def generate(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, limits: Limits | None = None,
-                 **options) -> GenerationResult:
+    def generate(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
+                 limits: Limits | None = None, **options) -> GenerationResult:
         """Options as for `request`. Returns text, tokens and stats."""
         return self.run(self.request(prompt, sampling, limits, **options))
 
@@ -185,8 +190,9 @@ class SpeculativeDecoder:
         """Text deltas as they are committed; options as for `request`."""
         return Stream(self._deltas(self.request(prompt, sampling, limits, **options)))
 
-    def request(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, limits: Limits | None = None, *,
-                prediction: str | None = None, tenant: Hashable = None, scope: Scope = None, **shorthand) -> Generation:
+    def request(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
+                limits: Limits | None = None, *, prediction: str | None = None, tenant: Hashable = None,
+                scope: Scope = None, **shorthand) -> Generation:
         """A checked generation, not started: run it with `stream`, or in a batch with an `Engine`.
         sampling: how tokens are chosen (`SamplingParams`: temperature 0 is greedy; the default
         samples at temperature 1); limits: when it ends and what it reports (`Limits`: at most 128
@@ -216,9 +222,9 @@ class SpeculativeDecoder:
         chains = self._chains(prediction, prompt_ids, tenant, scope)
         keyed_draws = self.drafter is None or self.drafter.keyed_draws
         keyed = sampling.seed is not None and not sampling.greedy and keyed_draws
-        state = DecodeState(prompt_ids, sampling, limits.max_new_tokens, self.policy(scope), RandomStreams(sampling.seed, keyed),
-                            GenerationStats(prompt_tokens=len(prompt_ids)), self.stop_token_ids, logprobs=limits.logprobs,
-                            chains=chains, scope=scope)
+        state = DecodeState(prompt_ids, sampling, limits.max_new_tokens, self.policy(scope),
+                            RandomStreams(sampling.seed, keyed), GenerationStats(prompt_tokens=len(prompt_ids)),
+                            self.stop_token_ids, logprobs=limits.logprobs, chains=chains, scope=scope)
         return Generation(state, TextAssembler(self.tokenizer, prompt_ids, list(limits.stop)))
 
     def _chains(self, prediction: str | None, prompt_ids: list[int], tenant: Hashable, scope: Scope) -> tuple:
@@ -227,8 +233,8 @@ class SpeculativeDecoder:
             if not isinstance(prediction, str):
                 raise SpecDecError(f"a prediction must be text, got {type(prediction).__name__}")
             if self.drafter is None or not self.drafter.takes_chains:
-                raise SpecDecError("a prediction is drafted by the default (auto) drafter; this decoder has " + _drafter_name(self.drafter),
-                                   param="prediction")
+                raise SpecDecError("a prediction is drafted by the default (auto) drafter; this decoder has "
+                                   + _drafter_name(self.drafter), param="prediction")
         try:
             chains = (Prediction(prediction, self.tokenizer, prompt_ids),) if prediction else ()
         except SpecDecError as error:
@@ -252,11 +258,13 @@ class SpeculativeDecoder:
             if any(not 0 <= i < self.target.vocab_size for i in ids):
                 raise SpecDecError(f"prompt token ids must be in [0, {self.target.vocab_size})")
         if not ids:
-            raise SpecDecError("the prompt is empty" if not len(prompt) else "the prompt encodes to no tokens (the tokenizer knows none of its characters)")
+            raise SpecDecError("the prompt is empty" if not len(prompt)
+                               else "the prompt encodes to no tokens (the tokenizer knows none of its characters)")
         # only the target's context limits the prompt: a draft model with a shorter one stops drafting
         limit = self.target.max_length
         if len(ids) >= limit:
-            raise SpecDecError(f"the prompt has {len(ids)} tokens; the context holds {limit}, leaving no room to generate")
+            raise SpecDecError(f"the prompt has {len(ids)} tokens; the context holds {limit}, "
+                               "leaving no room to generate")
         return ids
 
     @property
@@ -317,7 +325,8 @@ class Generation:
         stats = self.state.stats
         stats.generated_tokens = len(self.text.tokens)
         stats.total_seconds = time.perf_counter() - self.started
-        return GenerationResult(text=self.text.text, tokens=self.text.tokens, finish_reason=self.text.finish_reason or self.state.finish_reason or "length",
+        return GenerationResult(text=self.text.text, tokens=self.text.tokens,
+                                finish_reason=self.text.finish_reason or self.state.finish_reason or "length",
                                 stats=stats, logprobs=self.text.logprobs if self.state.logprobs is not None else None,
                                 prediction=next((c for c in self.state.chains if isinstance(c, Prediction)), None))
 
@@ -339,7 +348,8 @@ class TextAssembler:
     def settled(self) -> int:
         """How many tokens have had all their text given out: a stop string can no longer cut them
         (text that could begin one is held back)."""
-        while self._settled < len(self.tokens) and len(self.decode_text(self.tokens[: self._settled + 1])) <= self.emitted:
+        while (self._settled < len(self.tokens)
+               and len(self.decode_text(self.tokens[: self._settled + 1])) <= self.emitted):
             self._settled += 1
         return min(self._settled, len(self.tokens))
 

@@ -16,7 +16,8 @@ class SpecDecError(ValueError):
 def check_integer(value, name: str, minimum: int = 1, maximum: int | None = None, param: str | None = None) -> int:
     """`value` itself when it is an integer (not a bool) within [minimum, maximum]; else the one
     error every front end's checks raise, naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):
+    if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
+            or (maximum is not None and value > maximum)):
         if maximum is not None:
             wanted = f"an integer from {minimum} to {maximum}"
         else:

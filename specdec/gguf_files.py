@@ -31,7 +31,8 @@ GPT2_PRE = "gpt-2"  # llama.cpp's name for GPT-2's byte-level split pattern with
 
 def rope_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """Rows of a q or k projection (or bias) from rotate-half pairs (i, i + d/2) to adjacent pairs (2i, 2i + 1)."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
 
 
 def llama_tensor(name: str, weight: np.ndarray, heads: int, kv_heads: int, names) -> tuple[str, np.ndarray]:
@@ -94,10 +95,12 @@ def _llama_config(checkpoint: Path) -> dict:
     except (OSError, ValueError) as error:
         raise SpecDecError(f"{checkpoint}: no readable config.json ({error})") from error
     if config.get("architectures") != ["LlamaForCausalLM"]:
-        raise SpecDecError(f"{checkpoint}: a LlamaForCausalLM checkpoint is converted here, not {config.get('architectures')}")
+        raise SpecDecError(f"{checkpoint}: a LlamaForCausalLM checkpoint is converted here, "
+                           f"not {config.get('architectures')}")
     rope = _rope_parameters(config)
     if rope.get("rope_type", rope.get("type", "default")) != "default" or config.get("num_local_experts"):
-        raise SpecDecError(f"{checkpoint}: rope scaling and experts need llama.cpp's own converter (scripts/convert_to_gguf.py)")
+        raise SpecDecError(f"{checkpoint}: rope scaling and experts need llama.cpp's own converter "
+                           "(scripts/convert_to_gguf.py)")
     return config
 
 
@@ -114,9 +117,10 @@ def _check_byte_level_bpe(checkpoint: Path) -> None:
         raise SpecDecError(f"{checkpoint}: no readable tokenizer.json ({error})") from error
     model, pre = tokenizer.get("model") or {}, tokenizer.get("pre_tokenizer") or {}
     gpt2_split = pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space", True)
-    if (checkpoint / "tokenizer.model").exists() or model.get("type") != "BPE" or model.get("byte_fallback") or not gpt2_split:
-        raise SpecDecError(f"{checkpoint}: not a byte-level BPE tokenizer with GPT-2's split; convert it with llama.cpp's "
-                           "converter (scripts/convert_to_gguf.py)")
+    if ((checkpoint / "tokenizer.model").exists() or model.get("type") != "BPE" or model.get("byte_fallback")
+            or not gpt2_split):
+        raise SpecDecError(f"{checkpoint}: not a byte-level BPE tokenizer with GPT-2's split; "
+                           "convert it with llama.cpp's converter (scripts/convert_to_gguf.py)")
 
 
 def _llama_tensors(checkpoint: Path, config: dict):
@@ -185,7 +189,8 @@ def _add_vocabulary(writer, checkpoint: Path, config: dict) -> None:
     import gguf
 
     tokenizer_config = checkpoint / "tokenizer_config.json"
-    if tokenizer_config.is_file() and (prefix := json.loads(tokenizer_config.read_text()).get("add_prefix_space")) is not None:
+    if (tokenizer_config.is_file()
+            and (prefix := json.loads(tokenizer_config.read_text()).get("add_prefix_space")) is not None):
         writer.add_add_space_prefix(prefix)
     tokens, types = _tokens_and_types(checkpoint, config)
     writer.add_tokenizer_model("gpt2")
@@ -229,4 +234,5 @@ def _tokens_and_types(checkpoint: Path, config: dict) -> tuple[list[str], list[i
 def _looks_special(token: str) -> bool:
     """The converter's rule for added tokens that ought to be control tokens though not marked special."""
     return (token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (token.startswith("<|") and token.endswith("|>"))
-            or (token.startswith("<｜") and token.endswith("｜>")) or (token.startswith("<unused") and token.endswith(">")))
+            or (token.startswith("<｜") and token.endswith("｜>"))
+            or (token.startswith("<unused") and token.endswith(">")))

@@ -1,4 +1,5 @@
-"""The losslessness check behind `specdec verify`: check on your own models and settings that speculative decoding is lossless.
+"""The losslessness check behind `specdec verify`: check on your own models and settings that
+speculative decoding is lossless.
 
 For every prompt, `samples` continuations of `length` tokens are drawn with plain decoding (the
 same target, no drafter) and `samples` with the speculative decoder; the two empirical
@@ -86,7 +87,8 @@ class PromptCheck:
         return self.accepted / self.drafted if self.drafted else None
 
     def to_dict(self) -> dict:
-        keys = sorted(set(self.plain) | set(self.speculative), key=lambda k: (-(self.plain[k] + self.speculative[k]), k))
+        keys = sorted(set(self.plain) | set(self.speculative),
+                      key=lambda k: (-(self.plain[k] + self.speculative[k]), k))
         return {
             "prompt": self.prompt,
             "prompt_tokens": self.prompt_tokens,
@@ -105,7 +107,8 @@ class PromptCheck:
             "acceptance_rate": self.acceptance_rate,
             "warnings": self.warnings,
             "continuations": [
-                {"tokens": list(k), "text": self.texts.get(k, ""), "plain": self.plain[k], "speculative": self.speculative[k]}
+                {"tokens": list(k), "text": self.texts.get(k, ""), "plain": self.plain[k],
+                 "speculative": self.speculative[k]}
                 for k in keys
             ],
         }
@@ -202,7 +205,8 @@ def check_lossless(
             spec_counts, (drafted, accepted) = _sample(speculative, ids, runs, base + runs, setting, texts, bar)
             check = PromptCheck(
                 prompt=prompt if isinstance(prompt, str) else [int(i) for i in prompt], prompt_tokens=len(ids),
-                plain=plain_counts, speculative=spec_counts, texts=texts, drafted=drafted, accepted=accepted, passed=True,
+                plain=plain_counts, speculative=spec_counts, texts=texts, drafted=drafted, accepted=accepted,
+                passed=True,
             )
             if sampling.greedy:
                 check.passed = plain_counts == spec_counts
@@ -240,7 +244,8 @@ def _sample(decoder, ids, runs, first_seed, setting, texts, bar) -> tuple[Counte
     (sampling, limits), counts, drafted, accepted = setting, Counter(), 0, 0
     for i in range(runs):
         seeded = replace(sampling, seed=first_seed + i)
-        result = decoder.run(decoder.request(ids, seeded, limits).drawn(first_seed + i))  # the path unseeded requests take
+        # the path unseeded requests take
+        result = decoder.run(decoder.request(ids, seeded, limits).drawn(first_seed + i))
         key = tuple(result.tokens)  # shorter than `length` only after EOS or at the context's end
         counts[key] += 1
         texts.setdefault(key, result.text)
@@ -262,7 +267,8 @@ def _compare(check: PromptCheck, level: float, rng: np.random.Generator) -> None
     length = max(map(len, check.plain | check.speculative))
     if length > 1:
         check.positions = [
-            {"position": i + 1, **compare_samples(_marginal(check.plain, i), _marginal(check.speculative, i), level, rng)}
+            {"position": i + 1,
+             **compare_samples(_marginal(check.plain, i), _marginal(check.speculative, i), level, rng)}
             for i in range(length)
         ]
     check.passed = all(p["p_value"] > level and p["tv_p_value"] > level for p in [joint, *check.positions])
@@ -279,7 +285,8 @@ def compare_samples(plain: Counter, speculative: Counter, level: float, rng: np.
     table, pooled = pooled_table(plain, speculative)
     chi_square, p_value = chi_square_homogeneity(table)
     tv, tv_threshold, tv_p_value, permutations = tv_permutation_test(plain, speculative, level, rng)
-    return {"p_value": p_value, "chi_square": chi_square, "cells": table.shape[1], "pooled_fraction": pooled / (2 * sum(plain.values())),
+    return {"p_value": p_value, "chi_square": chi_square, "cells": table.shape[1],
+            "pooled_fraction": pooled / (2 * sum(plain.values())),
             "tv": tv, "tv_threshold": tv_threshold, "tv_p_value": tv_p_value, "permutations": permutations}
 
 
@@ -334,12 +341,14 @@ def chi_square_homogeneity(table: np.ndarray) -> tuple[float, float]:
     statistic = float(((observed - expected) ** 2 / expected).sum())
     dof = table.shape[1] - 1
     # chi-square survival function: the regularised upper incomplete gamma Q(dof/2, x/2)
-    pvalue = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)))
+    pvalue = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                           torch.tensor(statistic / 2, dtype=torch.float64)))
     return statistic, pvalue
 
 
 def tv_permutation_test(
-    plain: Counter, speculative: Counter, level: float, rng: np.random.Generator, max_permutations: int = MAX_PERMUTATIONS
+    plain: Counter, speculative: Counter, level: float, rng: np.random.Generator,
+    max_permutations: int = MAX_PERMUTATIONS
 ) -> tuple[float, float | None, float, int]:
     """(TV, threshold, Monte-Carlo p-value, permutations) for two samples of equal size n.
 
@@ -396,15 +405,18 @@ def format_report(report: LosslessnessReport) -> str:
     for check in report.checks:
         rate = check.acceptance_rate
         acceptance = f"acceptance {rate:.1%} of {check.drafted} drafted" if rate is not None else "nothing drafted"
-        lines.append(f"  {'ok  ' if check.passed else 'FAIL'} {_short(check.prompt)}: {_evidence(check, report.level)} · {acceptance}")
+        lines.append(f"  {'ok  ' if check.passed else 'FAIL'} {_short(check.prompt)}: "
+                     f"{_evidence(check, report.level)} · {acceptance}")
         lines += [f"       note: {w}" for w in check.warnings]
         if not check.passed and not s.greedy:
             lines.append("       most frequent continuations (plain / speculative):")
-            keys = sorted(set(check.plain) | set(check.speculative), key=lambda k: -(check.plain[k] + check.speculative[k]))
-            lines += [f"         {check.texts.get(k, '')!r:24} {check.plain[k]:6} / {check.speculative[k]}" for k in keys[:5]]
+            keys = sorted(set(check.plain) | set(check.speculative),
+                          key=lambda k: -(check.plain[k] + check.speculative[k]))
+            lines += [f"         {check.texts.get(k, '')!r:24} {check.plain[k]:6} / {check.speculative[k]}"
+                      for k in keys[:5]]
     rate = report.acceptance_rate
-    lines.append(f"overall acceptance {rate:.1%} ({report.accepted} of {report.drafted} draft tokens)" if rate is not None
-                 else "overall: the drafter proposed nothing")
+    lines.append(f"overall acceptance {rate:.1%} ({report.accepted} of {report.drafted} draft tokens)"
+                 if rate is not None else "overall: the drafter proposed nothing")
     if s.greedy:
         odds = "greedy continuations compared token for token (no false failures)"
     else:
@@ -423,7 +435,8 @@ def _evidence(check: PromptCheck, level: float | None) -> str:
             return "greedy continuations equal"
         (plain,), (spec,) = check.plain, check.speculative
         first = next((i for i, (x, y) in enumerate(zip(plain, spec)) if x != y), min(len(plain), len(spec)))
-        return f"greedy continuations differ at token {first}: plain {check.texts[plain]!r}, speculative {check.texts[spec]!r}"
+        return (f"greedy continuations differ at token {first}: plain {check.texts[plain]!r}, "
+                f"speculative {check.texts[spec]!r}")
     threshold = "n/a" if check.tv_threshold is None else f"{check.tv_threshold:.3f}"
     chi = f"chi-square p {check.p_value:.3g} ({check.cells} cells)"
     tv = f"TV {check.tv:.3f} (null threshold {threshold}, p {check.tv_p_value:.3g})"
@@ -435,7 +448,8 @@ def _evidence(check: PromptCheck, level: float | None) -> str:
     if check.positions:
         worst = min(check.positions, key=lambda p: min(p["p_value"], p["tv_p_value"]))
         lowest = min(worst["p_value"], worst["tv_p_value"])
-        evidence += f" · by position: lowest p {lowest:.3g} at token {worst['position']}" + (f" <= {level:.3g}" if lowest <= level else "")
+        evidence += (f" · by position: lowest p {lowest:.3g} at token {worst['position']}"
+                     + (f" <= {level:.3g}" if lowest <= level else ""))
     return evidence
 
 

@@ -45,7 +45,8 @@ def check_scope(value, what: str) -> None:
     try:
         hash(value)
     except TypeError:
-        raise SpecDecError(f"{what} must be hashable (a string, a number, a tuple), got {type(value).__name__}") from None
+        raise SpecDecError(f"{what} must be hashable (a string, a number, a tuple), "
+                           f"got {type(value).__name__}") from None
 
 
 def evictee(entries: Sequence[T], scope_of: Callable[[T], Scope], weight: Callable[[T], int] = lambda entry: 1) -> T:

@@ -48,5 +48,7 @@ def check_text(text: str, what: str) -> None:
     except UnicodeEncodeError as error:
         bad = ord(text[error.start])
         if 0xDC80 <= bad <= 0xDCFF:
-            raise SpecDecError(f"the {what} is not valid UTF-8: byte 0x{bad - 0xDC00:02x} at character {error.start}") from None
-        raise SpecDecError(f"the {what} is not valid Unicode text: a lone surrogate U+{bad:04X} at character {error.start}") from None
+            raise SpecDecError(f"the {what} is not valid UTF-8: byte 0x{bad - 0xDC00:02x} "
+                               f"at character {error.start}") from None
+        raise SpecDecError(f"the {what} is not valid Unicode text: a lone surrogate U+{bad:04X} "
+                           f"at character {error.start}") from None

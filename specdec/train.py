@@ -107,7 +107,8 @@ def stdlib_sources() -> list[Path]:
     """This interpreter's standard library .py files outside site-packages, sorted by path text:
     the demo pair's corpus, and the order its held-out files are counted in."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    return [Path(f) for f in sorted(str(p) for p in stdlib.rglob("*.py") if "site-packages" not in p.relative_to(stdlib).parts)]
+    return [Path(f) for f in sorted(str(p) for p in stdlib.rglob("*.py")
+                                    if "site-packages" not in p.relative_to(stdlib).parts)]
 
 
 def split_files(files: list[Path], holdout: float) -> tuple[list[Path], list[Path]]:
@@ -192,7 +193,8 @@ def save_checkpoint(directory: Path, model, optimizer, state: TrainState, config
     """Model weights, AdamW moments and the counters, written to a temp folder then swapped in."""
     tmp = directory.with_name(directory.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}, str(tmp / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+              str(tmp / "model.safetensors"))
     names = {id(p): n for n, p in model.named_parameters()}
     moments = {}
     for group in optimizer.param_groups:
@@ -243,7 +245,8 @@ def train(config: TrainConfig) -> TrainState:
     checkpoint = out / "checkpoint"
     state = load_checkpoint(checkpoint, model, optimizer) if (checkpoint / "state.json").exists() else TrainState()
     rng = np.random.default_rng([config.seed, state.step])  # a resumed run draws fresh windows
-    held_starts = np.random.default_rng(config.seed).integers(0, len(held_ids) - config.seq_len - 1, (config.eval_batches, config.batch_size))
+    held_starts = np.random.default_rng(config.seed).integers(0, len(held_ids) - config.seq_len - 1,
+                                                              (config.eval_batches, config.batch_size))
 
     bar = tqdm(total=config.steps, initial=state.step, desc="training", unit="step", disable=not config.progress)
     model.train()
@@ -252,7 +255,8 @@ def train(config: TrainConfig) -> TrainState:
         started = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, state.step)
-        batch = batch_at(train_ids, rng.integers(0, len(train_ids) - config.seq_len - 1, config.batch_size), config.seq_len)
+        batch = batch_at(train_ids, rng.integers(0, len(train_ids) - config.seq_len - 1, config.batch_size),
+                         config.seq_len)
         with _autocast(config):
             loss = loss_fn(model, batch.to(config.device))
         loss.backward()
@@ -268,8 +272,10 @@ def train(config: TrainConfig) -> TrainState:
         bar.set_postfix(loss=f"{running:.3f}", tok_s=f"{state.tokens_seen / max(state.seconds, 1e-9):.0f}")
         last = state.step == config.steps
         if state.step % config.eval_every == 0 or last:
-            state.history.append({"step": state.step, "train_loss": running, "heldout_loss": heldout_loss(model, held_ids, held_starts, config)})
-            bar.write(f"step {state.step}: train loss {running:.3f}, held-out loss {state.history[-1]['heldout_loss']:.3f}")
+            state.history.append({"step": state.step, "train_loss": running,
+                                  "heldout_loss": heldout_loss(model, held_ids, held_starts, config)})
+            bar.write(f"step {state.step}: train loss {running:.3f}, "
+                      f"held-out loss {state.history[-1]['heldout_loss']:.3f}")
         if state.step % config.save_every == 0 or last:
             save_checkpoint(checkpoint, model, optimizer, state, config)
     bar.close()
@@ -284,7 +290,8 @@ def training_data(config: TrainConfig, out: Path):
 
     train_files, held_files = split_files(expand_files(config.files), config.holdout)
     if config.tokenizer or (out / "tokenizer.json").exists():  # a resumed run keeps the tokenizer it trained
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or out, local_files_only=True, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or out, local_files_only=True,
+                                                  trust_remote_code=False)
     else:
         tokenizer = train_tokenizer(train_files, config.vocab_size)
         tokenizer.save_pretrained(out)
@@ -294,7 +301,8 @@ def training_data(config: TrainConfig, out: Path):
     held_ids = encode_files(held_files, tokenizer, config.progress)
     for name, ids in (("training", train_ids), ("held-out", held_ids)):
         if len(ids) <= config.seq_len + 1:
-            raise SpecDecError(f"the {name} files hold {len(ids)} tokens, fewer than one window of {config.seq_len + 1}")
+            raise SpecDecError(f"the {name} files hold {len(ids)} tokens, "
+                               f"fewer than one window of {config.seq_len + 1}")
     return tokenizer, (train_files, train_ids), (held_files, held_ids)
 
 

@@ -55,7 +55,8 @@ class Limits:
             check_integer(self.logprobs, "logprobs", minimum=0, maximum=20)
 
 
-def request_options(sampling: SamplingParams | None, limits: Limits | None, keywords: dict) -> tuple[SamplingParams, Limits]:
+def request_options(sampling: SamplingParams | None, limits: Limits | None,
+                    keywords: dict) -> tuple[SamplingParams, Limits]:
     """The Python API's shorthand (`generate(prompt, max_new_tokens=64, temperature=0)`): keywords
     naming fields of SamplingParams or Limits, over the values given (their defaults: none given)."""
     fields = {"sampling": SamplingParams.__dataclass_fields__, "limits": Limits.__dataclass_fields__}
@@ -150,16 +151,19 @@ class GenerationStats:
     accepted_by_position: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)  # accepted count per iteration
     gammas: list[int] = field(default_factory=list)  # draft length asked for per iteration
-    drafters: list[str] = field(default_factory=list)  # per iteration: what proposed the draft ("lookup+model", "none" ...)
+    # per iteration: what proposed the draft ("lookup+model", "none" ...)
+    drafters: list[str] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)  # per iteration: the draft's depth (its deepest path)
-    source_trials: dict[str, list[int]] = field(default_factory=dict)  # per source ("model", "lookup"): [nodes verification reached, accepted]
+    # per source ("model", "lookup"): [nodes verification reached, accepted]
+    source_trials: dict[str, list[int]] = field(default_factory=dict)
     cached_tokens: int = 0  # prompt tokens whose cache entries an earlier generation had computed (prefix reuse)
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
 
-    def record(self, drafted: int, accepted: int, gamma: int, nodes: int | None = None, drafter: str | None = None) -> None:
+    def record(self, drafted: int, accepted: int, gamma: int, nodes: int | None = None,
+               drafter: str | None = None) -> None:
         """drafted: the draft's depth (its length for a chain); nodes: its size (default: drafted);
         drafter: what proposed it."""
         self.iterations += 1

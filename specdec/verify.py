@@ -51,11 +51,13 @@ def column(columns: torch.Tensor | None, token: int) -> int:
 def verify_tree(
     tokens: torch.Tensor,  # [n] int64 target ids, the tree's nodes
     parents: torch.Tensor,  # [n] int64, -1 for a child of the root
-    draft_probs: torch.Tensor | None,  # [n, columns]: row i is the distribution node i was drawn from; None: point masses
+    # [n, columns]: row i is the distribution node i was drawn from; None: point masses
+    draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,  # [n + 1, vocab]: row 0 scores the root's children, row i + 1 node i's children
     accept_rng: torch.Generator,
     recover_rng: torch.Generator,
-    columns: torch.Tensor | None = None,  # [columns] int64: the target ids of draft_probs' columns; None: [vocab], in order
+    # [columns] int64: the target ids of draft_probs' columns; None: [vocab], in order
+    columns: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Multi-step speculative sampling down a token tree (SpecInfer; Leviathan/Chen for a chain).
 
@@ -150,4 +152,5 @@ def verify_greedy(
     target_logits: torch.Tensor,  # [n + 1, vocab]
 ) -> VerifyResult:
     """Keep the longest draft prefix that equals the target's argmax, then the target's own argmax."""
-    return verify_tree_greedy(draft_tokens, torch.tensor(tree.chain_parents(draft_tokens.numel()), dtype=torch.long), target_logits)
+    return verify_tree_greedy(draft_tokens, torch.tensor(tree.chain_parents(draft_tokens.numel()), dtype=torch.long),
+                              target_logits)

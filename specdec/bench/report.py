@@ -23,8 +23,10 @@ COLUMNS = [
 def markdown(data: dict) -> str:
     suites = data["suites"]
     counts = ", ".join(f"{name} {part['prompts']}" for name, part in suites.items())
-    lines = [f"Prompts: {counts} × {data['config'].get('rounds', 1)} round(s) · new tokens per prompt: {data['config']['max_new_tokens']} · "
-             f"machine: {data['machine']['cpu']}, {data['machine']['cores']} cores, {data['machine']['torch_threads']} torch threads, "
+    lines = [f"Prompts: {counts} × {data['config'].get('rounds', 1)} round(s) · "
+             f"new tokens per prompt: {data['config']['max_new_tokens']} · "
+             f"machine: {data['machine']['cpu']}, {data['machine']['cores']} cores, "
+             f"{data['machine']['torch_threads']} torch threads, "
              f"torch {data['machine']['torch']}"]
     load = data.get("load") or {}
     if load.get("median") is not None:
@@ -45,13 +47,15 @@ def markdown(data: dict) -> str:
         for mode, rows in part["summary"].items():
             lines += ["", f"### {name} · {mode}", "", "| strategy | " + " | ".join(c[0] for c in COLUMNS) + " |",
                       "|---|" + "---|" * len(COLUMNS)]
-            lines += [f"| {strategy} | " + " | ".join(_cell(row, key, fmt) for _, key, fmt in COLUMNS) + " |" for strategy, row in rows.items()]
+            lines += [f"| {strategy} | " + " | ".join(_cell(row, key, fmt) for _, key, fmt in COLUMNS) + " |"
+                      for strategy, row in rows.items()]
             if DEFAULT in rows:
                 lines += ["", f"The default drafted: {_choices(rows[DEFAULT])}."]
         mismatches = part["greedy_mismatches"]
         lines += ["", "Greedy output identical to plain decoding for every strategy and peer."
                   if not mismatches else "Greedy output that left plain decoding's: " + "; ".join(
-                      f"{strategy}: {len(v)} of {part['prompts'] * part['rounds']} runs (first: prompt {v[0]['prompt']}, token {v[0]['first_difference']})"
+                      f"{strategy}: {len(v)} of {part['prompts'] * part['rounds']} runs "
+                      f"(first: prompt {v[0]['prompt']}, token {v[0]['first_difference']})"
                       for strategy, v in mismatches.items())]
     costs = data["costs"]["target"]
     lines += ["", "Target forward cost by new tokens k (ratio to k = 1): " + ", ".join(
@@ -59,8 +63,10 @@ def markdown(data: dict) -> str:
     if "draft" in data["costs"]:
         lines.append(f"Draft forward cost / target forward cost (k = 1): {data['costs']['draft'][1] / costs[1]:.3f}")
     if "profile" in data:
-        lines.append(f"Cost curve stable after {data['profile']['rounds']} interleaved rounds; engine time per iteration outside the "
-                     f"target's forward: {data['profile']['step_overhead'] * 1e3:.2f} ms ({data['profile']['step_overhead'] / costs[1]:.2f} × t_target(1))")
+        lines.append(f"Cost curve stable after {data['profile']['rounds']} interleaved rounds; "
+                     "engine time per iteration outside the target's forward: "
+                     f"{data['profile']['step_overhead'] * 1e3:.2f} ms "
+                     f"({data['profile']['step_overhead'] / costs[1]:.2f} × t_target(1))")
     return "\n".join(lines) + "\n"
 
 
@@ -70,15 +76,19 @@ FIXED = ("chain", "tree", "staged", "lookup", "ngram")  # strategy families with
 
 def overview(data: dict) -> list[str]:
     """One line per suite and mode: the default against the best fixed strategy and the best peer."""
-    lines = ["| suite | mode | default | best fixed strategy | best peer | greedy runs off plain | the default drafted |", "|---|---|---|---|---|---|---|"]
+    lines = ["| suite | mode | default | best fixed strategy | best peer | "
+             "greedy runs off plain | the default drafted |",
+             "|---|---|---|---|---|---|---|"]
     family = {s["name"]: s["family"] for s in data["strategies"]}
     for name, part in data["suites"].items():
         for mode, rows in part["summary"].items():
-            best = lambda kinds: max(((r["speedup"], s) for s, r in rows.items() if family[s] in kinds and r["speedup"]), default=None)
+            best = lambda kinds: max(((r["speedup"], s) for s, r in rows.items()
+                                      if family[s] in kinds and r["speedup"]), default=None)
             fixed, peer = best(FIXED), best(("peer",))
             off = sum(len(v) for v in part["greedy_mismatches"].values()) if mode == "greedy" else "–"
             lines.append(f"| {name} | {mode} | {_cell(rows.get(DEFAULT, {}), 'speedup', '{:.2f}×')} | "
-                         + (f"{fixed[1]}: {fixed[0]:.2f}× | " if fixed else "– | ") + (f"{peer[1]}: {peer[0]:.2f}× | " if peer else "– | ")
+                         + (f"{fixed[1]}: {fixed[0]:.2f}× | " if fixed else "– | ")
+                         + (f"{peer[1]}: {peer[0]:.2f}× | " if peer else "– | ")
                          + f"{off} | {_choices(rows[DEFAULT]) if DEFAULT in rows else '–'} |")
     return lines
 
@@ -140,15 +150,18 @@ def plots(data: dict, out: Path) -> list[Path]:
 
 
 def suites_plot(plt, save, data: dict) -> None:
-    """suites.png: per mode, the default's speedup beside the best fixed strategy's and the best peer's, suite by suite."""
+    """suites.png: per mode, the default's speedup beside the best fixed strategy's and the best peer's,
+    suite by suite."""
     family = {s["name"]: s["family"] for s in data["strategies"]}
     modes = list(next(iter(data["suites"].values()))["summary"])
     fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
     for ax, mode in zip(axes[0], modes):
         names = list(data["suites"])
-        for offset, (label, chosen) in enumerate((("default", lambda s: s == DEFAULT), ("best fixed", lambda s: family[s] in FIXED),
+        for offset, (label, chosen) in enumerate((("default", lambda s: s == DEFAULT),
+                                                  ("best fixed", lambda s: family[s] in FIXED),
                                                   ("best peer", lambda s: family[s] == "peer"))):
-            values = [max((r["speedup"] or 0 for s, r in data["suites"][n]["summary"][mode].items() if chosen(s)), default=0) for n in names]
+            values = [max((r["speedup"] or 0 for s, r in data["suites"][n]["summary"][mode].items() if chosen(s)),
+                          default=0) for n in names]
             ax.bar([i + (offset - 1) * 0.27 for i in range(len(names))], values, width=0.27, label=label)
         ax.axhline(1, color="black", lw=0.8)
         ax.set_xticks(range(len(names)), names)
@@ -169,7 +182,8 @@ def suite_plots(plt, save, suite: str, summary: dict, strategies: list[dict]) ->
         medians = [rows[n]["speedup"] or 0 for n in names]
         spread = [[m - (rows[n].get("speedup_iqr") or [m, m])[0] for n, m in zip(names, medians)],
                   [(rows[n].get("speedup_iqr") or [m, m])[1] - m for n, m in zip(names, medians)]]
-        ax.barh(names, medians, xerr=spread, capsize=2, color=["tab:gray" if "HF" in n or "llama" in n else "tab:blue" for n in names])
+        ax.barh(names, medians, xerr=spread, capsize=2,
+                color=["tab:gray" if "HF" in n or "llama" in n else "tab:blue" for n in names])
         ax.axvline(1, color="black", lw=0.8)
         ax.invert_yaxis()
         ax.set_title(f"{suite} · {mode}: speedup vs plain (median per prompt, bars: IQR)", fontsize=10)
@@ -184,8 +198,10 @@ def suite_plots(plt, save, suite: str, summary: dict, strategies: list[dict]) ->
         if chain:
             gammas = [g for g, _ in chain]
             ax.plot(gammas, [rows[n]["speedup"] for _, n in chain], "o-", label="measured")
-            ax.plot(gammas, [rows[n]["predicted_speedup"] for _, n in chain], "s--", label="predicted (measured tokens/iteration, costs)")
-            ax.plot(gammas, [rows[n]["predicted_speedup_iid_alpha"] for _, n in chain], "^:", label="predicted (i.i.d. α formula, costs)")
+            ax.plot(gammas, [rows[n]["predicted_speedup"] for _, n in chain], "s--",
+                    label="predicted (measured tokens/iteration, costs)")
+            ax.plot(gammas, [rows[n]["predicted_speedup_iid_alpha"] for _, n in chain], "^:",
+                    label="predicted (i.i.d. α formula, costs)")
             ax.axhline(1, color="black", lw=0.8)
             ax.legend()
         ax.set_title(f"{suite} · {mode}: speedup vs γ")
@@ -193,7 +209,8 @@ def suite_plots(plt, save, suite: str, summary: dict, strategies: list[dict]) ->
     save(fig, f"{suite}-speedup_vs_gamma.png")
 
     # 3. acceptance by draft position, 4. accepted-length histogram
-    for name, key in (("acceptance_by_position.png", "acceptance_by_position"), ("accepted_lengths.png", "accepted_length_counts")):
+    for name, key in (("acceptance_by_position.png", "acceptance_by_position"),
+                      ("accepted_lengths.png", "accepted_length_counts")):
         fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
         for ax, mode in zip(axes[0], modes):
             for strategy, row in summary[mode].items():
@@ -207,7 +224,8 @@ def suite_plots(plt, save, suite: str, summary: dict, strategies: list[dict]) ->
                 else:
                     lengths = sorted(int(k) for k in values)
                     total = sum(values.values())
-                    ax.plot(lengths, [values[k if k in values else str(k)] / total for k in lengths], "o-", label=strategy)
+                    ax.plot(lengths, [values[k if k in values else str(k)] / total for k in lengths], "o-",
+                            label=strategy)
                     ax.set_xlabel("accepted draft tokens per iteration")
                     ax.set_ylabel("share of iterations")
             ax.set_title(f"{suite} · {mode}: {name[:-4].replace('_', ' ')}")

@@ -41,7 +41,8 @@ class Task:
         """The text for a base model; token ids from the chat template for a chat model."""
         if not getattr(tokenizer, "chat_template", None):
             return self.text
-        ids = tokenizer.apply_chat_template(self.messages or [{"role": "user", "content": self.text}], add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(self.messages or [{"role": "user", "content": self.text}],
+                                            add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
 
 
@@ -145,8 +146,10 @@ def extract() -> Iterator[Task]:
     for doc in _docstrings():
         sentence = _sentences(doc)[1]
         opening = " ".join(sentence.split()[:5])
-        text = f'Document:\n"""\n{doc}\n"""\n\nThe sentence of the document that begins "{opening}" reads, in full: "{opening}'
-        ask = f'Document:\n"""\n{doc}\n"""\n\nQuote, word for word, the sentence of the document that begins "{opening}".'
+        text = (f'Document:\n"""\n{doc}\n"""\n\n'
+                f'The sentence of the document that begins "{opening}" reads, in full: "{opening}')
+        ask = (f'Document:\n"""\n{doc}\n"""\n\n'
+               f'Quote, word for word, the sentence of the document that begins "{opening}".')
         yield Task("extract", text, [{"role": "user", "content": ask}], sentence)
 
 
@@ -158,7 +161,8 @@ def chat() -> Iterator[Task]:
         turns = [{"role": "user", "content": asks[0]}, {"role": "assistant", "content": f"```python\n{first}\n```"},
                  {"role": "user", "content": asks[1]}, {"role": "assistant", "content": f"```python\n{second}\n```"},
                  {"role": "user", "content": asks[2]}]
-        text = "".join(f"{'User' if t['role'] == 'user' else 'Assistant'}: {t['content']}\n\n" for t in turns) + "Assistant: ```python\n"
+        text = ("".join(f"{'User' if t['role'] == 'user' else 'Assistant'}: {t['content']}\n\n" for t in turns)
+                + "Assistant: ```python\n")
         yield Task("chat", text, turns, _without_comments(first))
 
 
@@ -178,7 +182,8 @@ def prose() -> Iterator[Task]:
         yield Task("prose", opening + " ", [{"role": "user", "content": f"Continue this text:\n\n{opening}"}])
 
 
-WITH_REFERENCES = ("edit", "extract", "chat", "agent")  # suites whose tasks know their answer (a bench sends it as a prediction)
+# suites whose tasks know their answer (a bench sends it as a prediction)
+WITH_REFERENCES = ("edit", "extract", "chat", "agent")
 SUITES: dict[str, Callable[[], Iterator[Task]]] = {"complete": complete, "edit": edit, "extract": extract, "chat": chat,
                                                    "agent": agent, "prose": prose}
 

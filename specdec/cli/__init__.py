@@ -12,7 +12,8 @@ from specdec.errors import SpecDecError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for local Hugging Face checkpoints and GGUF files.")
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for local "
+                                                                 "Hugging Face checkpoints and GGUF files.")
     commands = parser.add_subparsers(dest="command", required=True)
     generate.add_parsers(commands)  # generate, ngram build, profile
     bench.add_parser(commands)

@@ -52,11 +52,13 @@ class AutoDrafter:
             raise ValueError("the auto drafter needs a draft model, prompt lookup or both")
         if model is not None and (model.tree is not None or model.inner is not None):
             raise ValueError("the auto drafter shapes its own trees: give it a plain ModelDrafter")
-        self.model, self.lookup, self.width, self.max_lookup, self.max_branches = model, lookup, width, max_lookup, max_branches
+        self.model, self.lookup, self.width = model, lookup, width
+        self.max_lookup, self.max_branches = max_lookup, max_branches
         self.draft_model = model.model if model is not None else None
         self.reads_target_states = model is not None and model.reads_target_states
         self.trees = True  # False: one chain per iteration, from one source (models that cannot score trees exactly)
-        self.name = "auto (" + " + ".join(n for n, part in (("draft model", model), ("prompt lookup", lookup)) if part) + ")"
+        sources = (("draft model", model), ("prompt lookup", lookup))
+        self.name = "auto (" + " + ".join(n for n, part in sources if part) + ")"
 
     takes_chains = keyed_draws = shaped_by_nodes = True
     tree = None  # shaped per iteration
@@ -141,7 +143,8 @@ class AutoDrafter:
             return
 
         def children(level: int, frontier: list[int], rows: torch.Tensor) -> list[int]:
-            return self._add_level(nodes, frontier, rows, level, width, request, policy, budget, force=probe and level == 1)
+            return self._add_level(nodes, frontier, rows, level, width, request, policy, budget,
+                                   force=probe and level == 1)
 
         def expand(level: int, grown: list[int]) -> list[int]:
             frontier = sorted(grown, key=lambda node: -nodes.values[node])[:width]
@@ -150,8 +153,8 @@ class AutoDrafter:
 
         yield from model.grow_levels(request.slot, nodes, depth, request.sampling, children, expand)
 
-    def _add_level(self, nodes: DraftTree, frontier: list[int], rows: torch.Tensor, level: int, width: int, request: DraftRequest,
-                   policy: NodePolicy, budget: Budget, force: bool = False) -> list[int]:
+    def _add_level(self, nodes: DraftTree, frontier: list[int], rows: torch.Tensor, level: int, width: int,
+                   request: DraftRequest, policy: NodePolicy, budget: Budget, force: bool = False) -> list[int]:
         """The model's children of the frontier (at `level`, 1 for the root's) that pay, best first
         (with `force`, the best one whether it pays or not); returns the level's nodes (lookup nodes
         the model also proposes included, at no cost). Chosen children: greedy, the most likely;
@@ -164,7 +167,8 @@ class AutoDrafter:
                     ranked(q, columns.select(request.noise(level - 1)), width)
                 for column in chosen:
                     source = ("model", confidence_bin(float(q[column])))
-                    candidates.append((nodes.value(parent) * policy.accept_probability(source), parent, column, q, source))
+                    candidates.append((nodes.value(parent) * policy.accept_probability(source), parent, column, q,
+                                       source))
             else:  # the decision is taken on q before anything is drawn from it
                 source = ("model", confidence_bin(float(q.max())))
                 candidates.append((nodes.value(parent) * policy.accept_probability(source), parent, None, q, source))

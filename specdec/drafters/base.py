@@ -135,7 +135,8 @@ class ContextDrafter:
     def propose(self, requests: list[DraftRequest]) -> list[Draft | Exception]:
         return [attempt(lambda: self.propose_one(r.context, r.max_tokens, r.sampling, r.rng)) for r in requests]
 
-    def propose_one(self, context: Sequence[int], max_tokens: int, sampling: SamplingParams, rng: torch.Generator) -> Draft:
+    def propose_one(self, context: Sequence[int], max_tokens: int, sampling: SamplingParams,
+                    rng: torch.Generator) -> Draft:
         raise NotImplementedError
 
     def accept(self, slot: DraftSlot, tokens: list[int]) -> None:
@@ -200,7 +201,8 @@ class DraftTree:
     sources: list[list[tuple[str, int]]] = field(default_factory=list)
     branches: int = 0  # nodes that are not their parent's first child: each needs a branch (a llama.cpp sequence id)
 
-    def add(self, token: int, parent: int, drawn_from: torch.Tensor | None, value: float, source: tuple[str, int] | None = None) -> int:
+    def add(self, token: int, parent: int, drawn_from: torch.Tensor | None, value: float,
+            source: tuple[str, int] | None = None) -> int:
         self.branches += parent in self.parents
         self.tokens.append(token)
         self.parents.append(parent)
@@ -230,7 +232,8 @@ class DraftTree:
         keep = sorted(range(len(self.tokens)) if keep is None else keep)
         renumber = {old: new for new, old in enumerate(keep)}
         tokens = torch.tensor([self.tokens[i] for i in keep], dtype=torch.long)
-        parents = torch.tensor([renumber[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep], dtype=torch.long)
+        parents = torch.tensor([renumber[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep],
+                               dtype=torch.long)
         drawn = any(self.drawn_from[i] is not None for i in keep)
         probs, columns = self._distributions(keep) if drawn else (None, None)
         sources = [self.sources[i] for i in keep] if any(self.sources) else None

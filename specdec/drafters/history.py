@@ -29,7 +29,8 @@ from typing import Hashable, Sequence
 from specdec.drafters.prompt_lookup import SEPARATOR, continuation_in, packed
 from specdec.scopes import Scope, evictee, owner
 
-HISTORY_NGRAMS = (8, 5, 3)  # suffix lengths looked up in the history, longest first: short matches in a big corpus are noise
+# suffix lengths looked up in the history, longest first: short matches in a big corpus are noise
+HISTORY_NGRAMS = (8, 5, 3)
 DEFAULT_TOKENS = 200_000  # tokens kept per tenant by default: ~0.8 MB, a search of a few hundred microseconds at worst
 DEFAULT_TENANTS = 64  # tenants kept in all (see the module docstring for which goes first)
 
@@ -124,7 +125,8 @@ class HistoryView:
                 self._follow, self._followed = follow, len(context)
                 return chain
         place, chain = continuation_in(self.corpus, context, max_tokens, HISTORY_NGRAMS)
-        self._follow, self._followed = (place, len(context)) if chain else (None, 0)  # where the next iteration looks first
+        # where the next iteration looks first
+        self._follow, self._followed = (place, len(context)) if chain else (None, 0)
         return chain
 
     def _followed_place(self, context: Sequence[int]) -> int | None:

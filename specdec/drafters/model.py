@@ -69,7 +69,8 @@ def pick_children(q: torch.Tensor, count: int, sampled: bool, rng: torch.Generat
         exclude = [*exclude, token]
 
 
-def _add_children(nodes: DraftTree, parent: int, q: torch.Tensor, count: int, sampled: bool, rng, exclude: Sequence[int] = ()) -> list[int]:
+def _add_children(nodes: DraftTree, parent: int, q: torch.Tensor, count: int, sampled: bool, rng,
+                  exclude: Sequence[int] = ()) -> list[int]:
     """Children of `parent`, whose draft distribution is q ([columns]), from `pick_children`, never
     a target id in `exclude`, each worth its path's draft probability; returns their indices."""
     columns = nodes.columns
@@ -179,7 +180,8 @@ class ModelDrafter:
             return empty_draft()
         slots = self.model.max_length - len(context)  # cache entries free once the context is in
         shape = self.tree or TreeShape(nodes=depth, width=1)  # a chain is a tree of width 1
-        if self.inner is None and (depth - 1) * shape.width > slots:  # near the context's end: too little room for a tree
+        # near the context's end: too little room for a tree
+        if self.inner is None and (depth - 1) * shape.width > slots:
             shape = TreeShape(nodes=depth, width=1, sampled=shape.sampled)
         sampled = shape.sampled and not sampling.greedy
         depth = min(depth, shape.nodes)
@@ -187,13 +189,15 @@ class ModelDrafter:
         if self.inner is None:
             yield from self._grow_levels(slot, nodes, depth, shape, sampled, sampling, rng)
         else:  # the spine takes depth slots, each draft² guess one more while it is checked
-            yield from self._grow_staged(slot, nodes, context, depth, shape, sampled, sampling, rng, min(self.inner_gamma, slots - depth))
+            yield from self._grow_staged(slot, nodes, context, depth, shape, sampled, sampling, rng,
+                                         min(self.inner_gamma, slots - depth))
         if sampled or len(nodes.tokens) <= shape.nodes:
             return nodes.draft()
         return nodes.draft(keep=nodes.best(list(range(len(nodes.tokens))), shape.nodes))  # best-first cut
 
     def grow_levels(self, slot: _Slot, nodes: DraftTree, depth: int, sampling: SamplingParams,
-                    children: Callable[[int, list[int], torch.Tensor], list[int]], expand: Callable[[int, list[int]], list[int]]):
+                    children: Callable[[int, list[int], torch.Tensor], list[int]],
+                    expand: Callable[[int, list[int]], list[int]]):
         """Grow `nodes` level by level, one draft forward per level: the loop of every drafter that
         grows trees with this model (this one's `tree` shape, the `AutoDrafter`'s policy), as a
         generator of its forwards (see `forward_together`). What differs is passed in:
@@ -226,7 +230,8 @@ class ModelDrafter:
         def children(level: int, frontier: list[int], rows: torch.Tensor) -> list[int]:
             new = []
             for node, q in zip(frontier, rows):
-                new += _add_children(nodes, node, q, min(shape.width, left(level)) if sampled else shape.width, sampled, rng)
+                new += _add_children(nodes, node, q, min(shape.width, left(level)) if sampled else shape.width,
+                                     sampled, rng)
             return new
 
         def expand(level: int, new: list[int]) -> list[int]:
@@ -237,18 +242,21 @@ class ModelDrafter:
 
         yield from self.grow_levels(slot, nodes, depth, sampling, children, expand)
 
-    def _grow_staged(self, slot: _Slot, nodes: DraftTree, context, depth: int, shape: TreeShape, sampled: bool, sampling, rng, inner_gamma: int):
+    def _grow_staged(self, slot: _Slot, nodes: DraftTree, context, depth: int, shape: TreeShape, sampled: bool,
+                     sampling, rng, inner_gamma: int):
         """The spine: the draft model's own continuation, decoded speculatively with the inner
         drafter (lossless for the draft model: each spine token is distributed as q given those
         before it), its guesses checked in the draft's columns (`_check_guesses`). With a tree
         shape, siblings are added along the spine from the same rows."""
         spine, spine_columns, rows = [], [], []
         while len(spine) < depth:
-            guess = self.inner.propose_one(list(context) + spine, min(inner_gamma, depth - len(spine) - 1), sampling, rng)
+            guess = self.inner.propose_one(list(context) + spine, min(inner_gamma, depth - len(spine) - 1),
+                                           sampling, rng)
             if not tree.is_chain(guess.parents):
                 raise ValueError(f"the inner drafter {self.inner.name} must propose a chain")
             guessed = self.columns.leading(guess.tokens.tolist())
-            fed = guess.tokens[: len(guessed) + 1].tolist()  # one without a column is rejected for sure: none after it matters
+            # one without a column is rejected for sure: none after it matters
+            fed = guess.tokens[: len(guessed) + 1].tolist()
             if not spine:
                 logits = yield from self.feed_committed(slot, fed)
             else:
@@ -265,7 +273,8 @@ class ModelDrafter:
         if self.tree is not None:
             self._add_siblings(nodes, rows, shape, sampled, rng)
 
-    def _check_guesses(self, guess: Draft, guessed: list[int], fed: int, logits: torch.Tensor, q: torch.Tensor, sampled: bool, rng):
+    def _check_guesses(self, guess: Draft, guessed: list[int], fed: int, logits: torch.Tensor, q: torch.Tensor,
+                       sampled: bool, rng):
         """The inner's first `fed` guesses (target ids; the first len(guessed) have those columns)
         verified against the draft's logits and q ([fed + 1, columns]); the result's tokens are
         columns. A last guess without a column gets one of its own after the draft's, where q is 0
@@ -275,7 +284,8 @@ class ModelDrafter:
         outside = fed > len(guessed)  # never for a draft over the whole vocabulary
         tokens = torch.tensor(guessed + [q.shape[-1]] * outside, dtype=torch.long)
         if not sampled:  # deterministic children: the spine is the draft's most likely continuation
-            return verify_greedy(tokens, torch.nn.functional.pad(logits, (0, 1), value=-torch.inf) if outside else logits)
+            return verify_greedy(tokens,
+                                 torch.nn.functional.pad(logits, (0, 1), value=-torch.inf) if outside else logits)
         probs = None if guess.probs is None else self.columns.select(guess.probs[:fed])  # [fed, columns]
         if outside:
             q = torch.nn.functional.pad(q, (0, 1))

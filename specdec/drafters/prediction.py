@@ -49,7 +49,8 @@ class Prediction:
     text: str
     tokenizer: object
     prompt: list[int]
-    cursor: int | None = 0  # characters of `text` the output has reached (None: lost until the output is found in it again)
+    # characters of `text` the output has reached (None: lost until the output is found in it again)
+    cursor: int | None = 0
     _last: int = 0  # the cursor's last known place, where a search starts from when it is lost
     _seen: int = 0  # characters of the output the cursor has followed
     _decode: object = field(default=None, repr=False)

@@ -28,13 +28,17 @@ from specdec.server.service import Health, Service
 MAX_BODY_BYTES = 1 << 20
 LONG_PROMPT_CHARS = 20_000  # tokenized on a thread of its own, not on the event loop
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-KEY_STATE = "specdec_api_key"  # where `Admission` leaves an accepted request's API key (its index; None: no scope of its own)
-HOST_HEADER = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9.-]+))(?::[0-9]{1,5})?")  # host[:port], nothing else
-STREAM_OR_JSON = {200: {"description": "The whole reply as JSON, or with `stream: true` server-sent events: one `data: {chunk}` "
-                        "per text delta (an error event if the generation fails), then `data: [DONE]`",
+# where `Admission` leaves an accepted request's API key (its index; None: no scope of its own)
+KEY_STATE = "specdec_api_key"
+# host[:port], nothing else
+HOST_HEADER = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9.-]+))(?::[0-9]{1,5})?")
+STREAM_OR_JSON = {200: {"description": "The whole reply as JSON, or with `stream: true` server-sent events: "
+                                       "one `data: {chunk}` per text delta (an error event if the generation fails), "
+                                       "then `data: [DONE]`",
                         "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 REFUSED_STATUS = {QueueFull: 429, ShuttingDown: 503}  # the batch's refusals, as HTTP (both with Retry-After)
-HEALTH_RESPONSES = {503: {"description": "The server is shutting down, or its batch is not making progress: send no more requests here"}}
+HEALTH_RESPONSES = {503: {"description": "The server is shutting down, or its batch is not making progress: "
+                                         "send no more requests here"}}
 
 
 def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16, max_batch: int = 16,
@@ -43,9 +47,9 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
     return routes(Service(decoder, model_name, max_queue, max_batch, depth), **http)
 
 
-def routes(service: Service, max_body_bytes: int = MAX_BODY_BYTES, api_keys: Sequence[str] = (), allowed_origins: Sequence[str] = (),
-           allowed_hosts: Sequence[str] | None = None, body_timeout: float = 30.0, keys_share_caches: bool = False,
-           public_metrics: bool = False) -> FastAPI:
+def routes(service: Service, max_body_bytes: int = MAX_BODY_BYTES, api_keys: Sequence[str] = (),
+           allowed_origins: Sequence[str] = (), allowed_hosts: Sequence[str] | None = None, body_timeout: float = 30.0,
+           keys_share_caches: bool = False, public_metrics: bool = False) -> FastAPI:
     """The OpenAI routes, /health and /metrics over a service.
 
     api_keys: /v1 routes (and /metrics, unless `public_metrics`) need `Authorization: Bearer <key>`
@@ -67,13 +71,16 @@ def routes(service: Service, max_body_bytes: int = MAX_BODY_BYTES, api_keys: Seq
     app.add_api_route("/health", endpoints.health, methods=["HEAD"], include_in_schema=False)
     app.add_api_route("/metrics", endpoints.prometheus, methods=["GET"], response_class=PlainTextResponse)
     app.add_api_route("/v1/models", endpoints.models, methods=["GET"], responses={401: ERROR_RESPONSES[401]})
-    app.add_api_route("/v1/completions", endpoints.completions, methods=["POST"], responses={**STREAM_OR_JSON, **ERROR_RESPONSES})
-    app.add_api_route("/v1/chat/completions", endpoints.chat, methods=["POST"], responses={**STREAM_OR_JSON, **ERROR_RESPONSES})
+    app.add_api_route("/v1/completions", endpoints.completions, methods=["POST"],
+                      responses={**STREAM_OR_JSON, **ERROR_RESPONSES})
+    app.add_api_route("/v1/chat/completions", endpoints.chat, methods=["POST"],
+                      responses={**STREAM_OR_JSON, **ERROR_RESPONSES})
     app.openapi = lambda: schema_without_422(app)
     app.add_middleware(BodyDeadline, timeout=body_timeout)
     # outermost: it counts what the client is sent, a BodyDeadline 408 included
     admission = Admission(max_body_bytes, api_keys, allowed_hosts, keys_share_caches, public_metrics)
-    app.add_middleware(Guard, refusal=admission.refusal, count=lambda path, status: service.metrics.requests.labels(path, str(status)).inc())
+    app.add_middleware(Guard, refusal=admission.refusal,
+                       count=lambda path, status: service.metrics.requests.labels(path, str(status)).inc())
     return app
 
 
@@ -87,12 +94,14 @@ async def invalid_body(request: Request, error: RequestValidationError) -> JSONR
         reason = first.get("ctx", {}).get("error", "JSON decode error")
         return error_response(f"the request body is not valid JSON: {reason} (at character {first['loc'][-1]})", 400)
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-    message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", "invalid request body"))
+    message = (f"{where}: {first.get('msg', 'invalid request')}" if where
+               else str(first.get("msg", "invalid request body")))
     return error_response(message, 400, param=where or None)
 
 
 async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-    return error_response(str(error.detail), error.status_code, headers=getattr(error, "headers", None))  # 405 keeps Allow
+    # 405 keeps Allow
+    return error_response(str(error.detail), error.status_code, headers=getattr(error, "headers", None))
 
 
 async def bad_request(request: Request, error: BadRequest) -> JSONResponse:
@@ -138,7 +147,8 @@ class Admission:
         """An error response for a request refused before routing, or None. An accepted request's
         API key (its index) is left in its scope's state for the routes."""
         if self.allowed_hosts is not None and not host_allowed(request, self.allowed_hosts):
-            return error_response(f"the Host header {request.headers.get('host')!r} is not one this server answers to", 400)
+            return error_response(f"the Host header {request.headers.get('host')!r} is not one this server answers to",
+                                  400)
         path = request.url.path
         guarded = path.startswith("/v1/") or (path == "/metrics" and not self.public_metrics)
         if self.expected and guarded and request.method != "OPTIONS":
@@ -173,43 +183,50 @@ class Endpoints:
         return JSONResponse(health_body(health), status_code=200 if health.ok else 503)
 
     async def prometheus(self) -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(self.service.metrics.registry).decode(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(generate_latest(self.service.metrics.registry).decode(),
+                                 media_type="text/plain; version=0.0.4")
 
     async def models(self):  # no return annotation: FastAPI would make it the response's model
         service = self.service
-        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": service.created, "owned_by": "specdec"}]}
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": service.created,
+                                            "owned_by": "specdec"}]}
 
     async def completions(self, body: CompletionRequest, request: Request):
         decoder = self.service.decoder
         prompt = body.prompt_input()
         size = len(prompt) if isinstance(prompt, str) else 0
         generation = await self._checked_request(request, body, size, lambda: decoder.prompt_ids(prompt), "prompt")
-        echo = "" if not body.echo else prompt if isinstance(prompt, str) else decoder.tokenizer.decode(prompt, skip_special_tokens=True)
+        echo = ("" if not body.echo else prompt if isinstance(prompt, str)
+                else decoder.tokenizer.decode(prompt, skip_special_tokens=True))
         return await self._serve(request, body, generation, self._reply("text_completion", generation, echo))
 
     async def chat(self, body: ChatRequest, request: Request):
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         size = sum(len(m.for_template()["content"]) for m in body.messages)
-        generation = await self._checked_request(request, body, size, lambda: chat_prompt(self.service.decoder, body.messages), "messages")
+        generation = await self._checked_request(request, body, size,
+                                                 lambda: chat_prompt(self.service.decoder, body.messages), "messages")
         return await self._serve(request, body, generation, self._reply("chat.completion", generation))
 
     def _reply(self, kind: str, generation: Generation, echo: str = "") -> Reply:
         return Reply(kind, self.service.model_name, len(generation.state.prompt), self.service.decoder.tokenizer, echo)
 
-    async def _checked_request(self, request: Request, body: SamplingFields, size: int, encode, param: str) -> Generation:
+    async def _checked_request(self, request: Request, body: SamplingFields, size: int, encode,
+                               param: str) -> Generation:
         """Check everything before the request may wait for the model; a full queue is refused
         before the prompt is tokenized. Long texts (a prompt, a prediction) are tokenized off the
         event loop, one request at a time; short ones inline (a thread hop costs more than they do)."""
         service = self.service
         if body.model != service.model_name:
-            raise BadRequest(f"the model {body.model!r} does not exist; this server has {service.model_name!r}", 404, "model_not_found", "model")
+            raise BadRequest(f"the model {body.model!r} does not exist; this server has {service.model_name!r}", 404,
+                             "model_not_found", "model")
         body.refuse_unsupported()
         service.check_room()
         key = request.scope.get("state", {}).get(KEY_STATE)
         check = lambda: service.generation(body, encode, param, key)
         size += len(body.predicted_text() or "")
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, check) if size > LONG_PROMPT_CHARS else check()
+        return (await asyncio.get_running_loop().run_in_executor(self.tokenizing, check) if size > LONG_PROMPT_CHARS
+                else check())
 
     async def _serve(self, request: Request, body: SamplingFields, generation: Generation, reply: Reply):
         """The generation's reply: a stream of events, or the whole reply once it has finished."""
@@ -240,7 +257,8 @@ async def _whole(ending: Done | Failed | Unavailable | None, reply: Reply):
             return error_response(f"generation failed: {message}", 500)
     result = ending.result
     try:
-        if result.logprobs or result.prediction:  # a decode per token and alternative, an alignment: not on the event loop
+        # a decode per token and alternative, an alignment: not on the event loop
+        if result.logprobs or result.prediction:
             return await run_in_threadpool(reply.whole, result)
         return reply.whole(result)
     except Exception as error:  # the reply could not be made: still an answer in the API's shape
@@ -374,7 +392,8 @@ class BodyDeadline:
                 await send(message)
 
         await self.app(scope, timed_receive, guarded_send)
-        if timed_out and not started:  # the rest of the body may still come: the connection cannot serve another request
+        # the rest of the body may still come: the connection cannot serve another request
+        if timed_out and not started:
             await error_response(f"the request body did not arrive within {self.timeout:g} seconds", 408,
                                  headers={"Connection": "close"})(scope, receive, send)
 

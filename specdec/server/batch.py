@@ -88,7 +88,8 @@ class Batcher:
     join after it by their own chunks' turns, never by its whole prefill. At most `max_queue` jobs
     wait; `submit` refuses beyond that. The draft depth of a step comes from `depth` (a BatchDepth)."""
 
-    def __init__(self, decoder: SpeculativeDecoder, max_batch: int, max_queue: int, metrics: "Metrics", depth: BatchDepth | None):
+    def __init__(self, decoder: SpeculativeDecoder, max_batch: int, max_queue: int, metrics: "Metrics",
+                 depth: BatchDepth | None):
         self.metrics, self.max_batch, self.max_queue, self.depth = metrics, max_batch, max_queue, depth
         self.engine = decoder.engine()
         self.waiting: deque[Job] = deque()
@@ -96,7 +97,8 @@ class Batcher:
         self.prefilling: deque[Job] = deque()  # running jobs whose prompt is not all in, in turn
         self.changed = threading.Condition()
         self.closing: str | None = None  # why new requests are refused (shutting down)
-        self.beat = time.monotonic()  # when the batch thread last began a round with work, or work arrived at an idle batch
+        # when the batch thread last began a round with work, or work arrived at an idle batch
+        self.beat = time.monotonic()
         metrics.queue_depth.set_function(lambda: len(self.waiting))
         metrics.batch_size.set_function(lambda: len(self.running))
         if self.engine.prefixes is not None:
@@ -285,30 +287,46 @@ class Metrics:
 
     def __init__(self):
         self.registry = registry = CollectorRegistry()
-        self.requests = Counter("specdec_requests", "HTTP requests to the generation endpoints, by status", ["endpoint", "status"], registry=registry)
+        self.requests = Counter("specdec_requests", "HTTP requests to the generation endpoints, by status",
+                                ["endpoint", "status"], registry=registry)
         self.generated = Counter("specdec_generated_tokens", "tokens generated", registry=registry)
-        self.cached = Counter("specdec_cached_prompt_tokens", "prompt tokens whose cache an earlier request had computed (prefix reuse)", registry=registry)
-        self.kept = Gauge("specdec_prefix_cache_tokens", "tokens of finished requests kept for prefix reuse", registry=registry)
-        self.cancelled = Counter("specdec_cancelled", "generations cancelled because the client left", registry=registry)
-        self.failed = Counter("specdec_failed", "generations ended by an error of their own or of the batch's forward", registry=registry)
+        self.cached = Counter("specdec_cached_prompt_tokens",
+                              "prompt tokens whose cache an earlier request had computed (prefix reuse)",
+                              registry=registry)
+        self.kept = Gauge("specdec_prefix_cache_tokens", "tokens of finished requests kept for prefix reuse",
+                          registry=registry)
+        self.cancelled = Counter("specdec_cancelled", "generations cancelled because the client left",
+                                 registry=registry)
+        self.failed = Counter("specdec_failed", "generations ended by an error of their own or of the batch's forward",
+                              registry=registry)
         self.queue_depth = Gauge("specdec_queue_depth", "requests waiting for the model", registry=registry)
         self.batch_size = Gauge("specdec_batch_size", "generations running in the batch", registry=registry)
         self.acceptance = Gauge("specdec_acceptance_rate", "accepted / drafted over all generations", registry=registry)
-        self.tokens_per_second = Gauge("specdec_tokens_per_second", "generated tokens / generation seconds, summed over generations "
-                                       "(a per-generation speed; aggregate throughput is the rate of specdec_generated_tokens)", registry=registry)
-        self.tokens_per_forward = Gauge("specdec_tokens_per_target_forward", "generated tokens / target forwards over all generations", registry=registry)
+        self.tokens_per_second = Gauge("specdec_tokens_per_second",
+                                       "generated tokens / generation seconds, summed over generations "
+                                       "(a per-generation speed; aggregate throughput is the rate of "
+                                       "specdec_generated_tokens)", registry=registry)
+        self.tokens_per_forward = Gauge("specdec_tokens_per_target_forward",
+                                        "generated tokens / target forwards over all generations", registry=registry)
         self.time_to_first_token = Histogram("specdec_time_to_first_token_seconds", "arrival to the first text delta",
                                              buckets=self.LATENCY_BUCKETS, registry=registry)
-        self.inter_token_latency = Histogram("specdec_inter_token_latency_seconds", "time between text deltas of a stream, per token",
+        self.inter_token_latency = Histogram("specdec_inter_token_latency_seconds",
+                                             "time between text deltas of a stream, per token",
                                              buckets=self.LATENCY_BUCKETS, registry=registry)
         self.batch_rows = Histogram("specdec_batch_rows", "generations advanced per engine step",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
-        self.draft_tokens = Counter("specdec_draft_tokens", "draft tokens that verification reached, by source (the default drafter's)",
+        self.draft_tokens = Counter("specdec_draft_tokens",
+                                    "draft tokens that verification reached, by source (the default drafter's)",
                                     ["source"], registry=registry)
-        self.accepted_draft_tokens = Counter("specdec_accepted_draft_tokens", "draft tokens accepted, by source (the default drafter's); "
-                                             "with specdec_draft_tokens_total, each source's acceptance", ["source"], registry=registry)
-        self.draft_depth = Gauge("specdec_draft_depth", "the batch-wide draft depth cap of the last step (-1: none; the configured gamma, or the auto policy per row)", registry=registry)
-        self.request_duration = Histogram("specdec_request_duration_seconds", "arrival to the end of finished generations",
+        self.accepted_draft_tokens = Counter("specdec_accepted_draft_tokens",
+                                             "draft tokens accepted, by source (the default drafter's); "
+                                             "with specdec_draft_tokens_total, each source's acceptance", ["source"],
+                                             registry=registry)
+        self.draft_depth = Gauge("specdec_draft_depth",
+                                 "the batch-wide draft depth cap of the last step "
+                                 "(-1: none; the configured gamma, or the auto policy per row)", registry=registry)
+        self.request_duration = Histogram("specdec_request_duration_seconds",
+                                          "arrival to the end of finished generations",
                                           buckets=self.LATENCY_BUCKETS, registry=registry)
         self._totals = GenerationStats()
         self._lock = threading.Lock()

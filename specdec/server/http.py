@@ -81,11 +81,13 @@ class HeaderDeadline(H11Protocol):
             self.transport.close()
 
 
-def config(app: FastAPI, host: str, port: int, shutdown_timeout: float = 10.0, max_connections: int = 256) -> uvicorn.Config:
+def config(app: FastAPI, host: str, port: int, shutdown_timeout: float = 10.0,
+           max_connections: int = 256) -> uvicorn.Config:
     """Deadlines for heads (HEADER_TIMEOUT), bodies (the app's) and idle keep-alive connections; at
     most `max_connections` open connections (more get 503)."""
-    return uvicorn.Config(app, host=host, port=port, log_level="warning", http=HeaderDeadline, timeout_keep_alive=KEEP_ALIVE_TIMEOUT,
-                          limit_concurrency=max_connections, timeout_graceful_shutdown=int(shutdown_timeout) + 3)  # a backstop
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", http=HeaderDeadline,
+                          timeout_keep_alive=KEEP_ALIVE_TIMEOUT, limit_concurrency=max_connections,
+                          timeout_graceful_shutdown=int(shutdown_timeout) + 3)  # a backstop
 
 
 def serve(app: FastAPI, host: str, port: int, shutdown_timeout: float = 10.0, max_connections: int = 256) -> None:

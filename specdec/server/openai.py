@@ -51,17 +51,21 @@ ERROR_RESPONSES = {
 }
 
 
-def error_response(message: str, status: int, code: str | None = None, param: str | None = None, headers: dict | None = None) -> JSONResponse:
-    kind = "rate_limit_error" if status == 429 else "authentication_error" if status == 401 else "server_error" if status >= 500 else "invalid_request_error"
+def error_response(message: str, status: int, code: str | None = None, param: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    kind = ("rate_limit_error" if status == 429 else "authentication_error" if status == 401
+            else "server_error" if status >= 500 else "invalid_request_error")
     if status in (429, 503):
         headers = {"Retry-After": "1", **(headers or {})}
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status, headers=headers)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
 
 
 # ---------------------------------------------------------------------------- request bodies
 
 
-STRICT = ConfigDict(extra="ignore", strict=True)  # OpenAI's types, not coerced: `true` is no max_tokens, "yes" no stream
+# OpenAI's types, not coerced: `true` is no max_tokens, "yes" no stream
+STRICT = ConfigDict(extra="ignore", strict=True)
 MAX_TOP_K = 2**31 - 1
 
 
@@ -85,7 +89,8 @@ def text_of(content: str | list[TextPart]) -> str:
         return content
     if not isinstance(content, list):
         return ""
-    texts = (part.text if isinstance(part, TextPart) else part.get("text") if isinstance(part, dict) else None for part in content)
+    texts = (part.text if isinstance(part, TextPart) else part.get("text") if isinstance(part, dict) else None
+             for part in content)
     return "".join(text for text in texts if isinstance(text, str))
 
 
@@ -150,9 +155,11 @@ class SamplingFields(BaseModel):
             raise BadRequest("only n = 1 is supported", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0):
-                raise BadRequest(f"{name} is not supported: it would change the target model's distribution", param=name)
+                raise BadRequest(f"{name} is not supported: it would change the target model's distribution",
+                                 param=name)
         if self.logit_bias:
-            raise BadRequest("logit_bias is not supported: it would change the target model's distribution", param="logit_bias")
+            raise BadRequest("logit_bias is not supported: it would change the target model's distribution",
+                             param="logit_bias")
         stop = self.stops()
         if any(not s for s in stop) or len(stop) > 4:
             raise BadRequest("stop must be up to 4 non-empty strings", param="stop")
@@ -176,12 +183,14 @@ class CompletionRequest(SamplingFields):
         if self.suffix:
             raise BadRequest("suffix (insertion) is not supported", param="suffix")
         if self.echo and self.logprobs is not None:
-            raise BadRequest("echo with logprobs would need the prompt's log-probabilities, which are not computed", param="echo")
+            raise BadRequest("echo with logprobs would need the prompt's log-probabilities, which are not computed",
+                             param="echo")
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
             raise BadRequest("one prompt per request: send a list of prompts as separate requests", param="prompt")
 
     def prompt_input(self) -> str | list[int]:
-        return self.prompt[0] if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) else self.prompt
+        one_text = isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str)
+        return self.prompt[0] if one_text else self.prompt
 
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
@@ -226,9 +235,11 @@ def chat_prompt(decoder: SpeculativeDecoder, messages: list[ChatMessage]) -> lis
     for message in messages:
         check_text(message.for_template()["content"], "messages' content")
     if not getattr(tokenizer, "chat_template", None):
-        raise SpecDecError("this model's tokenizer has no chat template; use /v1/completions or start the server with --chat-template FILE")
+        raise SpecDecError("this model's tokenizer has no chat template; "
+                           "use /v1/completions or start the server with --chat-template FILE")
     try:
-        ids = tokenizer.apply_chat_template([m.for_template() for m in messages], add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template([m.for_template() for m in messages], add_generation_prompt=True,
+                                            tokenize=True)
     except Exception as error:  # a template may reject a conversation (e.g. roles out of order)
         raise SpecDecError(f"the chat template rejected these messages: {error}") from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -244,7 +255,8 @@ class Reply:
     before the completion (the prompt, for completions with echo)."""
 
     def __init__(self, kind: str, model: str, prompt_tokens: int, tokenizer, echo: str = ""):
-        self.kind, self.model, self.prompt_tokens, self.tokenizer, self.echo = kind, model, prompt_tokens, tokenizer, echo
+        self.kind, self.model, self.prompt_tokens = kind, model, prompt_tokens
+        self.tokenizer, self.echo = tokenizer, echo
         self.id = ("chatcmpl-" if kind.startswith("chat") else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self._offset = 0  # characters of the completion before the next logprobs entry (by token pieces)
@@ -262,10 +274,13 @@ class Reply:
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs,
                       "finish_reason": result.finish_reason}
         else:
-            choice = {"index": 0, "text": self.echo + result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
-        return {**self._head(self.kind), "choices": [choice], "usage": self._usage(result), "speculative": _speculative(result.stats)}
+            choice = {"index": 0, "text": self.echo + result.text, "logprobs": logprobs,
+                      "finish_reason": result.finish_reason}
+        return {**self._head(self.kind), "choices": [choice], "usage": self._usage(result),
+                "speculative": _speculative(result.stats)}
 
-    def chunk(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None, first: bool = False) -> dict | None:
+    def chunk(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None,
+              first: bool = False) -> dict | None:
         """A stream chunk; `logprobs`: those of the tokens committed since the last chunk."""
         new = self._logprobs(logprobs) if logprobs is not None else None
         if self.chat:
@@ -276,20 +291,24 @@ class Reply:
             if not self.echo:
                 return None
             text = self.echo
-        return {**self._head("text_completion"), "choices": [{"index": 0, "text": text, "logprobs": new, "finish_reason": finish_reason}]}
+        return {**self._head("text_completion"),
+                "choices": [{"index": 0, "text": text, "logprobs": new, "finish_reason": finish_reason}]}
 
     def usage_chunk(self, result: GenerationResult) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._head(kind), "choices": [], "usage": self._usage(result), "speculative": _speculative(result.stats)}
+        return {**self._head(kind), "choices": [], "usage": self._usage(result),
+                "speculative": _speculative(result.stats)}
 
     def _usage(self, result: GenerationResult) -> dict:
         """Token counts; with a prediction, its tokens that appeared in the completion and those that did not."""
         completion = len(result.tokens)
-        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion, "total_tokens": self.prompt_tokens + completion,
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": self.prompt_tokens + completion,
                  "prompt_tokens_details": {"cached_tokens": result.stats.cached_tokens}}
         predicted = result.prediction_usage()
         if predicted is not None:
-            usage["completion_tokens_details"] = {"accepted_prediction_tokens": predicted[0], "rejected_prediction_tokens": predicted[1]}
+            usage["completion_tokens_details"] = {"accepted_prediction_tokens": predicted[0],
+                                                  "rejected_prediction_tokens": predicted[1]}
         return usage
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict:
@@ -300,7 +319,8 @@ class Reply:
                 text = piece(token)
                 return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-            return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]} for e in entries]}
+            return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
+                                for e in entries]}
         tokens = [piece(e.token) for e in entries]
         offsets, at = [], len(self.echo) + self._offset
         for token in tokens:
@@ -308,7 +328,8 @@ class Reply:
             at += len(token)
         self._offset = at - len(self.echo)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "text_offset": offsets,
-                "top_logprobs": [{piece(t): lp for t, lp in e.top} for e in entries] if any(e.top for e in entries) else None}
+                "top_logprobs": ([{piece(t): lp for t, lp in e.top} for e in entries]
+                                 if any(e.top for e in entries) else None)}
 
 
 def _speculative(stats: GenerationStats) -> dict:

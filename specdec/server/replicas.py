@@ -71,9 +71,10 @@ class Replica:
         `affinity` is for the router, which reads it from the call. If
         this is cancelled (the client left, the ingress gave up) the route is cancelled with it,
         and the batch drops its generation."""
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": request.http_version, "method": request.method, "scheme": "http",
-                 "path": request.path, "raw_path": request.path.encode(), "query_string": request.query_string, "root_path": "",
-                 "headers": request.headers, "client": request.client, "server": None}
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": request.http_version,
+                 "method": request.method, "scheme": "http", "path": request.path, "raw_path": request.path.encode(),
+                 "query_string": request.query_string, "root_path": "", "headers": request.headers,
+                 "client": request.client, "server": None}
         messages: asyncio.Queue = asyncio.Queue()
         delivered = False
 
@@ -96,7 +97,8 @@ class Replica:
         task = asyncio.ensure_future(run())
         try:
             while (message := await messages.get()) is not None:
-                if message["type"] == "http.response.start":  # which replica answered: for logs, and to see the routing work
+                # which replica answered: for logs, and to see the routing work
+                if message["type"] == "http.response.start":
                     message = {**message, "headers": [*message.get("headers", []), (REPLICA_HEADER, self.name)]}
                 yield message
         finally:
@@ -154,27 +156,33 @@ class Ingress:
     async def _serve(self, scope, receive, send):
         stopped = "the server shut down before the generation finished"
         try:
-            finished, body = await self._unless_stopped(asyncio.wait_for(_read_body(receive, self.max_body_bytes), self.body_timeout))
+            finished, body = await self._unless_stopped(
+                asyncio.wait_for(_read_body(receive, self.max_body_bytes), self.body_timeout))
             if not finished:
                 return await error_response(stopped, 503)(scope, receive, send)
         except asyncio.TimeoutError:
             return await error_response(f"the request body did not arrive within {self.body_timeout:g} seconds", 408,
                                         headers={"Connection": "close"})(scope, receive, send)
         except BodyTooLarge:
-            return await error_response(f"the request body is larger than {self.max_body_bytes} bytes", 413)(scope, receive, send)
+            return await error_response(f"the request body is larger than {self.max_body_bytes} bytes",
+                                        413)(scope, receive, send)
         except ClientLeft:
             return
-        request = Forwarded(scope["method"], scope["path"], scope.get("query_string", b""), list(scope["headers"]), body,
-                            tuple(scope["client"]) if scope.get("client") else None, scope.get("http_version", "1.1"))
+        request = Forwarded(scope["method"], scope["path"], scope.get("query_string", b""), list(scope["headers"]),
+                            body, tuple(scope["client"]) if scope.get("client") else None,
+                            scope.get("http_version", "1.1"))
         wanted = affinity(request.headers, body)
         for attempt in range(RESUBMITS + 1):
             relay = Relay(send, attempt)
             try:
-                finished, _ = await self._unless_stopped(relay.run(self.replicas.forward.remote(request, affinity=wanted)))
+                finished, _ = await self._unless_stopped(
+                    relay.run(self.replicas.forward.remote(request, affinity=wanted)))
                 if not finished:
-                    return await (relay.cut(stopped) if relay.sent_body else error_response(stopped, 503)(scope, receive, send))
+                    return await (relay.cut(stopped) if relay.sent_body
+                                  else error_response(stopped, 503)(scope, receive, send))
             except BackPressureError:
-                return await error_response("the server is busy: too many requests are waiting", 429)(scope, receive, send)
+                return await error_response("the server is busy: too many requests are waiting",
+                                            429)(scope, receive, send)
             except (ActorDiedError, ActorUnavailableError, RayActorError) as error:
                 if not relay.sent_body:
                     continue  # nothing reached the client: another replica generates it
@@ -223,7 +231,8 @@ class Relay:
                 elif message.get("more_body") and _no_text_yet(message.get("body", b"")):
                     held.append(message)
                 else:
-                    await self.send({**self.head, "headers": [*self.head["headers"], (RESUBMITS_HEADER, str(self.resubmits).encode())]})
+                    await self.send({**self.head, "headers": [*self.head["headers"],
+                                                              (RESUBMITS_HEADER, str(self.resubmits).encode())]})
                     self.sent_body = True
                     for earlier in [*held, message]:
                         await self.send(earlier)
@@ -232,7 +241,8 @@ class Relay:
 
     async def cut(self, why: str) -> None:
         """End a reply whose replica died midway: a stream gets an error event and [DONE]."""
-        streaming = any(name.lower() == b"content-type" and value.startswith(b"text/event-stream") for name, value in self.head["headers"])
+        streaming = any(name.lower() == b"content-type" and value.startswith(b"text/event-stream")
+                        for name, value in self.head["headers"])
         if streaming:
             events = error_event(why, "unavailable") + "data: [DONE]\n\n"
             await self.send({"type": "http.response.body", "body": events.encode(), "more_body": False})
@@ -318,7 +328,8 @@ def build(options: dict) -> serve.Application:
 
 def replica_threads(config: ServeConfig) -> int:
     """--threads, else the cores this process may use shared by the most replicas that may run."""
-    return config.decoder.runtime.threads or max(1, len(os.sched_getaffinity(0)) // (config.max_replicas or config.replicas or 1))
+    return config.decoder.runtime.threads or max(1, len(os.sched_getaffinity(0))
+                                                 // (config.max_replicas or config.replicas or 1))
 
 
 def application(config: ServeConfig) -> serve.Application:
@@ -329,17 +340,24 @@ def application(config: ServeConfig) -> serve.Application:
     # the batch each replica runs, decided here once: Ray's max_ongoing_requests must be the same
     config = replace(config, decoder=with_runtime(config.decoder, threads=threads), max_batch=max_batch(config))
     build_decoder(replace(config.decoder, prefix_cache=0))  # reads or measures the profile the replicas will read
-    scaling = ({"autoscaling_config": {"min_replicas": replicas, "max_replicas": config.max_replicas, "initial_replicas": replicas,
-                                       "target_ongoing_requests": max(1, config.max_batch // 2), "upscale_delay_s": 2, "downscale_delay_s": 10}}
+    scaling = ({"autoscaling_config": {"min_replicas": replicas, "max_replicas": config.max_replicas,
+                                       "initial_replicas": replicas,
+                                       "target_ongoing_requests": max(1, config.max_batch // 2),
+                                       "upscale_delay_s": 2, "downscale_delay_s": 10}}
                if config.max_replicas else {"num_replicas": replicas})
-    replica = serve.deployment(Replica, name="specdec-replica", max_ongoing_requests=config.max_batch, max_queued_requests=config.max_queue,
+    replica = serve.deployment(Replica, name="specdec-replica", max_ongoing_requests=config.max_batch,
+                               max_queued_requests=config.max_queue,
                                health_check_period_s=5, graceful_shutdown_timeout_s=config.shutdown_timeout + 5,
-                               ray_actor_options={"num_cpus": threads, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}},
-                               request_router_config=RequestRouterConfig(request_router_class=ConversationRouter), **scaling)
+                               ray_actor_options={"num_cpus": threads,
+                                                  "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}},
+                               request_router_config=RequestRouterConfig(request_router_class=ConversationRouter),
+                               **scaling)
     # the ingress holds every request until a replica answers it: those running and those waiting (and a drain call)
     ingress = serve.deployment(IngressHost, name="specdec-ingress",
-                               max_ongoing_requests=config.max_queue + config.max_batch * (config.max_replicas or replicas) + 1,
-                               graceful_shutdown_timeout_s=config.shutdown_timeout + 5, ray_actor_options={"num_cpus": 0})
+                               max_ongoing_requests=(config.max_queue
+                                                     + config.max_batch * (config.max_replicas or replicas) + 1),
+                               graceful_shutdown_timeout_s=config.shutdown_timeout + 5,
+                               ray_actor_options={"num_cpus": 0})
     return ingress.bind(replica.bind(config))
 
 
@@ -367,8 +385,8 @@ def run_local(config: ServeConfig) -> None:
 
     app = application(config)
     threads = replica_threads(config)
-    ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
-             log_to_driver=False, configure_logging=False)
+    ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, dashboard_host="127.0.0.1",
+             _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
     serve.start(http_options={"host": config.host, "port": config.port}, logging_config={"log_level": "WARNING"})
     serve.run(app, name="specdec", route_prefix="/")
     print(f"specdec: serving on http://{config.host}:{config.port}/v1 with {config.replicas} Ray Serve replica(s) of "
@@ -385,7 +403,8 @@ def run_local(config: ServeConfig) -> None:
     try:
         while not stop.wait(1):
             pass
-        ended = serve.get_app_handle("specdec").drain.remote(config.shutdown_timeout).result(timeout_s=config.shutdown_timeout + 30)
+        ended = (serve.get_app_handle("specdec").drain.remote(config.shutdown_timeout)
+                 .result(timeout_s=config.shutdown_timeout + 30))
         print(f"specdec: drained; {ended} request(s) still running at the deadline were ended", file=sys.stderr)
     except KeyboardInterrupt:
         pass

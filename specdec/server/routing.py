@@ -20,7 +20,8 @@ from specdec.server.openai import text_of
 
 AFFINITY_CHARS = 4096  # the start of a prompt a conversation is recognised by
 TENANT_CHARS = 17  # the tenant tag that starts every session and prompt text the router remembers
-MIN_SHARED_CHARS = TENANT_CHARS + 128  # a new prompt goes to the replica of an earlier one that starts with its tag and 128 more characters
+# a new prompt goes to the replica of an earlier one that starts with its tag and 128 more characters
+MIN_SHARED_CHARS = TENANT_CHARS + 128
 REMEMBERED = 4096  # conversations the router remembers (least recently used forgotten)
 SESSION_HEADER = b"x-session-id"
 
@@ -60,7 +61,8 @@ def affinity(headers: list[tuple[bytes, bytes]], body: bytes) -> Affinity:
         fields = {}
     fields = fields if isinstance(fields, dict) else {}
     salt = fields.get("cache_salt") if isinstance(fields.get("cache_salt"), str) else ""
-    tag = hashlib.sha256((header(b"authorization") or b"") + b"\0" + salt.encode("utf-8", "replace")).hexdigest()[: TENANT_CHARS - 1] + ":"
+    tag = hashlib.sha256((header(b"authorization") or b"") + b"\0"
+                         + salt.encode("utf-8", "replace")).hexdigest()[: TENANT_CHARS - 1] + ":"
     user = fields.get("user") if isinstance(fields.get("user"), str) else None
     session = session.decode("latin-1") if session is not None else f"user:{user}" if user else None
     return Affinity(tag + session if session else None, tag + prompt_text(fields)[:AFFINITY_CHARS] if fields else "")
@@ -104,7 +106,8 @@ class ConversationRouter(RequestRouter):
             return None
         if wanted.session is not None and wanted.session in self.sessions:
             return self.sessions[wanted.session]
-        earlier = [text for text in self.by_start.get(wanted.text[:MIN_SHARED_CHARS], ()) if wanted.text.startswith(text)]
+        earlier = [text for text in self.by_start.get(wanted.text[:MIN_SHARED_CHARS], ())
+                   if wanted.text.startswith(text)]
         return self.texts[max(earlier, key=len)] if earlier else None
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],

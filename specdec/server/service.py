@@ -59,7 +59,8 @@ class Service:
         self.decoder, self.model_name, self.stall_seconds = decoder, model_name, stall_seconds
         self.created = int(time.time())
         self.metrics = Metrics()
-        self.batcher = Batcher(decoder, max_batch, max_queue, self.metrics, batch_depth(decoder) if depth == "measure" else depth)
+        self.batcher = Batcher(decoder, max_batch, max_queue, self.metrics,
+                               batch_depth(decoder) if depth == "measure" else depth)
 
     # ------------------------------------------------------------------ requests
     def generation(self, body: SamplingFields, encode, param: str, key: int | None = None) -> Generation:
@@ -80,12 +81,14 @@ class Service:
         if body.max_tokens is None:
             body.max_tokens = min(16, room) if isinstance(body, CompletionRequest) else room
         if body.max_tokens > room:
-            raise BadRequest(f"max_tokens {body.max_tokens} plus the prompt's {len(ids)} tokens exceed the context of {decoder.target.max_length}",
-                             param="max_tokens")
+            raise BadRequest(f"max_tokens {body.max_tokens} plus the prompt's {len(ids)} tokens exceed the context of "
+                             f"{decoder.target.max_length}", param="max_tokens")
         scope = None if key is None and body.cache_salt is None else KeyScope(key, body.cache_salt)
         try:
-            limits = Limits(max_new_tokens=body.max_tokens, stop=tuple(body.stops()), logprobs=body.top_logprobs_wanted())
-            return decoder.request(ids, body.sampling(), limits, prediction=body.predicted_text(), tenant=body.user, scope=scope)
+            limits = Limits(max_new_tokens=body.max_tokens, stop=tuple(body.stops()),
+                            logprobs=body.top_logprobs_wanted())
+            return decoder.request(ids, body.sampling(), limits, prediction=body.predicted_text(), tenant=body.user,
+                                   scope=scope)
         except SpecDecError as error:
             raise BadRequest(str(error), param=error.param) from None
 
