@@ -27,6 +27,7 @@ TREE_WIDTH, TREE_CHILDREN = 3, "sampled"
 PREFIX_TOKENS = 4096  # tokens of finished generations kept for prefix reuse: a long conversation, or a few shorter ones
 SERVER_PREFIX_TOKENS = 16_384  # a server keeps more than one process's generations do
 SERVER_DECODER = {"prefix_cache": SERVER_PREFIX_TOKENS, "share_acceptance": True}  # how a server's decoder differs
+HISTORY_TOKENS = 200_000  # the default drafter's history, per tenant: ~0.8 MB, a search of a few hundred µs at worst
 DEFAULT_BATCH = {"cpu": 16, "gpu": 64}  # a server's generations at once (`ServeConfig.batch`)
 BACKENDS = ("auto", "transformers", "llamacpp")
 OUTPUT_LAYERS = ("auto", "specdec", "llama.cpp")  # who computes a GGUF model's logits on the CPU (see cpu_head)
@@ -330,21 +331,122 @@ def _integer(value) -> int | None:
 
 
 _text = str
-RUNTIME_OPTIONS: dict[str, Callable] = {
-    "backend": _text, "device": _text, "dtype": _text, "attn_implementation": _text, "compile": _text,
-    "threads": parse_positive, "context": parse_positive, "gpu_layers": parse_integer, "tokenizer": _text,
-    "output_layer": _text, "batch_invariant": parse_flag}
-DRAFTER_OPTIONS: dict[str, Callable] = {
-    "draft": _text, "ngram": _text, "prompt_lookup": parse_flag, "ngram_top1": parse_flag, "plain": parse_flag,
-    "no_explore": parse_flag, "gamma": parse_gamma, "tree": parse_positive, "depth": parse_gamma,
-    "tree_width": parse_positive, "tree_children": _text, "staged": parse_flag, "inner_gamma": parse_positive}
-SERVE_OPTIONS: dict[str, Callable] = {
-    "host": _text, "port": parse_integer, "model_name": _text, "max_queue": parse_positive, "max_batch": parse_positive,
-    "batch_depth": _text, "shutdown_timeout": parse_number, "api_key": parse_words, "api_key_file": _text,
-    "keys_share_caches": parse_flag, "public_metrics": parse_flag, "allowed_origins": parse_words,
-    "chat_template": _text, "max_connections": parse_positive, "history_tokens": parse_integer,
-    "share_history": parse_flag,
-    "prefix_cache_tokens": parse_integer, "replicas": parse_positive, "max_replicas": parse_positive}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option, declared once: how its value is read (`parse`: argv's text or a typed value from
+    Ray's builder) and how `specdec COMMAND --help` shows it. A `parse_flag` option is a switch on the
+    command line, a `parse_words` one takes several words (`repeat`: and may be given again, adding more)."""
+
+    parse: Callable
+    help: str
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    repeat: bool = False
+
+
+MODEL_OPTIONS: dict[str, Option] = {
+    "target": Option(_text, "target: a checkpoint directory or a .gguf file "
+                            "(default: the demo pair, drafting with its draft model)"),
+    "draft": Option(_text, "draft model: a checkpoint directory or a .gguf file (same tokenizer as the target)"),
+    "ngram": Option(_text, "n-gram model file from `specdec ngram build` "
+                           "(a drafter, or with --staged the draft model's drafter)"),
+}
+RUNTIME_OPTIONS: dict[str, Option] = {
+    "backend": Option(_text, "auto (default): a .gguf file runs on llama.cpp, a checkpoint directory on transformers",
+                      choices=BACKENDS),
+    "device": Option(_text, "checkpoints: cpu, cuda, cuda:1 ... (default: cuda if available)"),
+    "dtype": Option(_text, "checkpoints: float32 (CPU default), bfloat16 (CUDA default), float16"),
+    "attn_implementation": Option(_text, "checkpoints: eager, sdpa, flex_attention ... "
+                                         "(default: what transformers picks for the model)", metavar="NAME"),
+    "threads": Option(parse_positive, "CPU threads (default: every core this process may use)"),
+    "gpu_layers": Option(parse_integer, "GGUF: layers to offload to the GPU where llama.cpp was built with one "
+                                        "(-1 = all; default 0)", metavar="N"),
+    "context": Option(parse_positive, "GGUF: KV cache cells; a checkpoint with --compile on: a static slot's length "
+                                      "(default: the trained context, at most 4096)", metavar="TOKENS"),
+    "compile": Option(_text, f"checkpoints: auto (default {RuntimeConfig.compile!r}: on for a GPU, off on the CPU), "
+                             "on (a static KV pool, a CUDA graph per forward shape), "
+                             "off (growing caches, eager kernels), or how the pool's forwards run: graphs (= on), "
+                             "inductor (torch.compile's kernels too), aot_eager, static (the pool, nothing compiled)",
+                      choices=COMPILE_CHOICES),
+    "tokenizer": Option(_text, "GGUF: a Hugging Face tokenizer directory to use instead of the file's own",
+                        metavar="DIR"),
+    "output_layer": Option(_text, "GGUF on the CPU: who computes the logits from the final norm. "
+                                  "auto (default): specdec's kernel where it runs (a Q8_0 or Q6_K output matrix, "
+                                  "AVX-512 VNNI), agrees with llama.cpp and is faster; else llama.cpp",
+                           choices=OUTPUT_LAYERS),
+    "batch_invariant": Option(parse_flag, "GGUF: kernels that give a token the same logits in a batch of any size "
+                                          "(checked at load), so greedy speculation equals plain greedy decoding "
+                                          "exactly; see docs/backends.md for what it costs"),
+}
+DRAFTER_OPTIONS: dict[str, Option] = {  # with MODEL_OPTIONS' draft and ngram
+    "prompt_lookup": Option(parse_flag, "draft by matching the context's last tokens earlier in the context"),
+    "ngram_top1": Option(parse_flag, "with --ngram: propose the top token instead of sampling"),
+    "plain": Option(parse_flag, "decode without any drafter (plain autoregressive decoding, the baseline)"),
+    "no_explore": Option(parse_flag, "the default policy drafts prompt lookup only when its estimate pays, "
+                                     "without probing it"),
+    "gamma": Option(parse_gamma, "draft tokens per iteration, or 'auto' (default): chosen every iteration from "
+                                 "measured forward costs and the acceptance so far; with no other drafter flags, "
+                                 "prompt lookup and the draft model share one tree"),
+    "tree": Option(parse_positive, "draft token trees of up to NODES nodes with the draft model", metavar="NODES"),
+    "depth": Option(parse_gamma, "with --tree: tree depth, or 'auto' (default: --gamma)"),
+    "tree_width": Option(parse_positive, "with --tree: children per node and nodes expanded per level "
+                                         f"(default {TREE_WIDTH})"),
+    "tree_children": Option(_text, "with --tree at temperature > 0: draw children from the draft, or take its most "
+                                   f"likely tokens (default {TREE_CHILDREN})", choices=("sampled", "top")),
+    "staged": Option(parse_flag, "the draft model drafts with --ngram or --prompt-lookup as its own drafter (draft²)"),
+    "inner_gamma": Option(parse_positive,
+                          f"with --staged: draft² tokens per draft-model forward (default {INNER_GAMMA})"),
+}
+SERVE_OPTIONS: dict[str, Option] = {
+    "host": Option(_text, f"default {ServeConfig.host}"),
+    "port": Option(parse_integer, f"default {ServeConfig.port}"),
+    "model_name": Option(_text, "the model id clients send (default: the target directory's name)"),
+    "max_queue": Option(parse_positive, f"requests that may wait; more get 429 (default {ServeConfig.max_queue})"),
+    "max_batch": Option(parse_positive, f"generations that run together (default {DEFAULT_BATCH['cpu']} on a CPU, "
+                                        f"{DEFAULT_BATCH['gpu']} on a GPU)"),
+    "batch_depth": Option(_text, "with a numeric --gamma: measured (default) caps the draft depth of each step for the "
+                                 "batch size, from measured forward costs and the acceptance so far (no drafting when "
+                                 "it does not pay); fixed: always --gamma. "
+                                 "(--gamma auto, the default, sizes every row's draft for the batch itself.)",
+                          choices=("measured", "fixed")),
+    "shutdown_timeout": Option(parse_number, "on SIGTERM/SIGINT, how long running generations may finish before they "
+                                             f"end with an error (default {ServeConfig.shutdown_timeout:g})",
+                               metavar="SECONDS"),
+    "api_key": Option(parse_words, "require `Authorization: Bearer KEY` on /v1 routes and /metrics; repeat for several "
+                                   "tenants, each with caches and histories of its own "
+                                   "(also $SPECDEC_API_KEY; default: none, one tenant)", metavar="KEY", repeat=True),
+    "api_key_file": Option(_text, "API keys, one per line (# comments and blank lines ignored), as --api-key",
+                           metavar="FILE"),
+    "keys_share_caches": Option(parse_flag, "all API keys share one scope: a request may reuse the prefix cache and "
+                                            "history of any key's requests (faster where tenants send the same "
+                                            "prompts, but cached_tokens and timing then tell one key what another "
+                                            "sent)"),
+    "public_metrics": Option(parse_flag, "/metrics needs no API key"),
+    "allowed_origins": Option(parse_words, "browser origins allowed by CORS, e.g. http://localhost:3000 "
+                                           "(default: none)", metavar="ORIGIN"),
+    "chat_template": Option(_text, "a Jinja chat template for models without one (or to replace theirs)",
+                            metavar="FILE"),
+    "max_connections": Option(parse_positive, "open connections at most; more get 503 "
+                                              f"(default {ServeConfig.max_connections})"),
+    "history_tokens": Option(parse_integer, "the default drafter also drafts from earlier requests' prompts and "
+                                            "outputs, N tokens kept per tenant (a request's `user`; "
+                                            f"default {HISTORY_TOKENS:,}; 0 = off)", metavar="N"),
+    "share_history": Option(parse_flag, "every request drafts from every tenant's history (faster where tenants repeat "
+                                        "each other, but a request's speed then tells something of other tenants' "
+                                        "requests)"),
+    "prefix_cache_tokens": Option(parse_integer, "finished requests keep up to N tokens of their caches, and a new "
+                                                 "request starts from the longest prefix it shares with them: a "
+                                                 "conversation's next turn or a shared system prompt is not computed "
+                                                 f"again (default {SERVER_PREFIX_TOKENS:,}; on llama.cpp that many KV "
+                                                 "cells more; 0 = off)", metavar="N"),
+    "replicas": Option(parse_positive, "run N replicas as a Ray Serve application on a local Ray instance "
+                                       "(pip install -e \".[ray]\"); each loads the models and takes --threads cores "
+                                       "of its own (default: the cores / N)", metavar="N"),
+    "max_replicas": Option(parse_positive, "with --replicas: autoscale between --replicas and N replicas on ongoing "
+                                           "requests", metavar="N"),
+}
 
 
 class Options:
@@ -354,13 +456,13 @@ class Options:
     def __init__(self, mapping: Mapping[str, object]):
         self.left = {str(k).replace("-", "_"): v for k, v in mapping.items() if v is not None}
 
-    def take(self, parsers: Mapping[str, Callable]) -> dict:
+    def take(self, options: Mapping[str, Option]) -> dict:
         taken = {}
-        for name, parse in parsers.items():
+        for name, option in options.items():
             if name in self.left:
                 value = self.left.pop(name)
                 try:
-                    taken[name] = parse(value)
+                    taken[name] = option.parse(value)
                 except ValueError as error:
                     raise SpecDecError(f"--{name.replace('_', '-')}: {error}") from None
         return taken
@@ -377,9 +479,10 @@ def runtime_config(options: Options) -> RuntimeConfig:
 def decoder_config(options: Options, **defaults) -> DecoderConfig:
     """A DecoderConfig from the model, drafter and runtime options (`defaults`: DecoderConfig
     fields the front end sets, e.g. a server's larger prefix cache)."""
-    target = options.take({"target": _text}).get("target")
+    given = options.take(MODEL_OPTIONS)
+    target = given.pop("target", None)
     runtime = runtime_config(options)
-    given = options.take(DRAFTER_OPTIONS)
+    given.update(options.take(DRAFTER_OPTIONS))
     tree_options = {k: given.pop(k) for k in ("depth", "tree_width", "tree_children") if k in given}
     tree = None
     if "tree" in given:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 
 from specdec.build import build_decoder
-from specdec.cli.arguments import add_model_arguments, add_sampling_arguments, decoder_config
+from specdec.cli.arguments import add_model_arguments, add_sampling_arguments, decoder_config, sampling_params
 from specdec.errors import SpecDecError
 from specdec.losslessness import DEFAULT_PROMPTS, check_lossless, check_settings, failure_summary, format_report
-from specdec.types import SamplingParams
 
 
 def add_parser(commands) -> None:
@@ -34,7 +33,7 @@ def add_parser(commands) -> None:
 
 def run_verify(args) -> None:
     check_settings(args.samples, 1 if args.length is None else args.length, args.alpha, args.seed)
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # fails before loading
+    sampling = sampling_params(args)  # fails before loading
     decoder = build_decoder(decoder_config(args, prefix_cache=0))
     report = check_lossless(decoder, args.prompt or DEFAULT_PROMPTS, samples=args.samples, length=args.length,
                             sampling=sampling, seed=args.seed, alpha=args.alpha)

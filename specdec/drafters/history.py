@@ -26,12 +26,12 @@ import threading
 from collections import OrderedDict, deque
 from typing import Hashable, Sequence
 
+from specdec.config import HISTORY_TOKENS
 from specdec.drafters.prompt_lookup import SEPARATOR, continuation_in, packed
 from specdec.scopes import Scope, evictee, owner
 
 # suffix lengths looked up in the history, longest first: short matches in a big corpus are noise
 HISTORY_NGRAMS = (8, 5, 3)
-DEFAULT_TOKENS = 200_000  # tokens kept per tenant by default: ~0.8 MB, a search of a few hundred microseconds at worst
 DEFAULT_TENANTS = 64  # tenants kept in all (see the module docstring for which goes first)
 
 
@@ -57,7 +57,7 @@ class History:
     tokens: ids kept per tenant; tenants: tenants kept in all; shared: every request of a scope
     drafts from every request of that scope (one tenant per scope)."""
 
-    def __init__(self, tokens: int = DEFAULT_TOKENS, tenants: int = DEFAULT_TENANTS, shared: bool = False):
+    def __init__(self, tokens: int = HISTORY_TOKENS, tenants: int = DEFAULT_TENANTS, shared: bool = False):
         if tokens < 1 or tenants < 1:
             raise ValueError("a history keeps at least one token of one tenant")
         self.tokens, self.tenants, self.shared = tokens, tenants, shared
