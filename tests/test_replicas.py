@@ -164,10 +164,10 @@ def test_the_serve_config_is_valid_and_its_args_are_specdec_serves_options(monke
     assert replica["ray_actor_options"]["num_cpus"] == parsed.decoder.runtime.threads and replica["max_ongoing_requests"] == parsed.max_batch
     assert serve_config({"api_key": ["k1", "k2"]}).api_keys == ("k1", "k2"), "a list of keys: each a tenant"
     given = serve_config({"share_history": True, "allowed_origins": ["http://a", "http://b"], "draft": None, "prefix_cache_tokens": 0})
-    assert given.share_history and given.allowed_origins == ("http://a", "http://b") and given.decoder.prefix_cache == 0
+    assert given.decoder.share_history and given.allowed_origins == ("http://a", "http://b") and given.decoder.prefix_cache == 0
     assert given.decoder.drafter.draft is None and not given.public_metrics, "null is not given; false flags stay off"
     text = serve_config({"threads": "2", "share_history": "true", "public_metrics": "false", "max_batch": "8", "gamma": "3"})  # key=value
-    assert (text.decoder.runtime.threads, text.share_history, text.public_metrics, text.max_batch, text.decoder.gamma) == (2, True, False, 8, 3)
+    assert (text.decoder.runtime.threads, text.decoder.share_history, text.public_metrics, text.max_batch, text.decoder.gamma) == (2, True, False, 8, 3)
     with pytest.raises(SpecDecError, match="unknown option.*--max-bacth"):
         serve_config({"max_bacth": 8})
     with pytest.raises(SpecDecError, match="--threads: expected a positive integer"):
