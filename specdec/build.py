@@ -32,7 +32,8 @@ def _model_drafter(spec: DrafterSpec, parts: Parts) -> ModelDrafter:
 
 DRAFTERS: dict[str, Callable[[DrafterSpec, Parts], Drafter | None]] = {
     "plain": lambda spec, parts: None,
-    "auto": lambda spec, parts: AutoDrafter(_model_drafter(spec, parts) if parts.draft is not None else None, PromptLookupDrafter()),
+    "auto": lambda spec, parts: AutoDrafter(_model_drafter(spec, parts) if parts.draft is not None else None,
+                                            PromptLookupDrafter()),
     "model": _model_drafter,
     "ngram": lambda spec, parts: NgramDrafter(parts.ngram, stochastic=spec.ngram_stochastic),
     "lookup": lambda spec, parts: PromptLookupDrafter(),
@@ -77,14 +78,16 @@ def build_decoder(config: DecoderConfig, prepare: bool = True) -> SpeculativeDec
         target.tokenizer.chat_template = config.chat_template
     drafter = assemble(spec, parts)
     return SpeculativeDecoder(target, drafter, config.gamma, config.explore, history=history(config, drafter),
-                              prefix_cache=config.prefix_cache, share_acceptance=config.share_acceptance, prepare=prepare)
+                              prefix_cache=config.prefix_cache, share_acceptance=config.share_acceptance,
+                              prepare=prepare)
 
 
 def history(config: DecoderConfig, drafter: Drafter | None) -> History | None:
     """Earlier requests' history, for a drafter that drafts from one (None: off, or one that does not)."""
     if drafter is None or not drafter.takes_chains:
         if config.history_tokens or config.share_history:
-            raise SpecDecError("--history-tokens and --share-history are for the default drafter; this decoder runs a fixed strategy")
+            raise SpecDecError("--history-tokens and --share-history are for the default drafter; "
+                               "this decoder runs a fixed strategy")
         return None
     if config.history_tokens == 0:
         return None

@@ -33,7 +33,8 @@ class Profile:
         return interpolate(self.target, k)
 
     def draft_level(self, rows: float) -> float:
-        """One draft level for `rows` rows of a batch: one forward, and each row's own work (0 without a draft model)."""
+        """One draft level for `rows` rows of a batch: one forward, and each row's own work (0 without a
+        draft model)."""
         return interpolate(self.draft, rows) + rows * self.level_overhead if self.draft else 0.0
 
     def to_json(self) -> dict:
@@ -68,9 +69,12 @@ class LiveCosts(Profile):
 
     MEMORY: ClassVar[int] = 32
     AFTERMATH: ClassVar[int] = 16
-    CLAMP: ClassVar[float] = 16.0  # one step's factor is taken within [1/CLAMP, CLAMP]: a stall does not swing the estimate
-    _classes: dict[int, list[float]] = field(default_factory=dict, repr=False)  # size class -> [steps seen, mean log factor, mean k]
-    _drafted: tuple[int, float, int] | None = field(default=None, repr=False)  # the last drafting step: tokens, seconds so far, plain steps after it
+    # one step's factor is taken within [1/CLAMP, CLAMP]: a stall does not swing the estimate
+    CLAMP: ClassVar[float] = 16.0
+    # size class -> [steps seen, mean log factor, mean k]
+    _classes: dict[int, list[float]] = field(default_factory=dict, repr=False)
+    # the last drafting step: tokens, seconds so far, plain steps after it
+    _drafted: tuple[int, float, int] | None = field(default=None, repr=False)
     _curve: dict[int, float] | None = field(default=None, repr=False)  # t(k) as decoding pays it, at the measured sizes
 
     @classmethod
@@ -87,7 +91,8 @@ class LiveCosts(Profile):
             return
         steady = Profile.verify(self, 1) * math.exp(self._classes[0][1]) if 0 in self._classes else None
         drafted = self._drafted
-        if drafted is not None and tokens == 1 and steady is not None and drafted[2] < self.AFTERMATH and seconds > 1.05 * steady:
+        if (drafted is not None and tokens == 1 and steady is not None and drafted[2] < self.AFTERMATH
+                and seconds > 1.05 * steady):
             self._drafted = (drafted[0], drafted[1] + seconds - steady, drafted[2] + 1)
             return
         if drafted is not None:

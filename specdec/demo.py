@@ -37,7 +37,8 @@ def demo_gguf(name: str) -> Path:
     if name not in ("target", "draft"):
         raise ValueError(f"the demo pair has a target and a draft, not {name!r}")
     checkpoint = demo_dir() / name
-    folder = cache_dir() / "demo_pair" / source_digest(checkpoint, Path(gguf_files.__file__))  # a new writer writes anew
+    # a new writer writes anew
+    folder = cache_dir() / "demo_pair" / source_digest(checkpoint, Path(gguf_files.__file__))
     return made_once(folder / f"{name}.gguf", lambda out: gguf_files.convert_checkpoint(checkpoint, out, "f16"),
                      f"the demo pair's {name}.gguf")
 
@@ -56,7 +57,8 @@ def demo_ngram() -> Path:
     stdlib = f"{sys.implementation.name} {sys.version} {sysconfig.get_paths()['stdlib']}"
     sources = (tokenizer / "tokenizer.json", tokenizer / "tokenizer_config.json", Path(katz.__file__))
     folder = cache_dir() / "demo_pair" / source_digest(*sources, salt=stdlib)
-    return made_once(folder / "ngram.safetensors", lambda out: _build_demo_ngram(tokenizer, out), "the demo pair's n-gram model")
+    return made_once(folder / "ngram.safetensors", lambda out: _build_demo_ngram(tokenizer, out),
+                     "the demo pair's n-gram model")
 
 
 def demo_ngram_sources() -> list[Path]:
@@ -71,7 +73,8 @@ def demo_ngram_sources() -> list[Path]:
     trained, _ = split_files(stdlib_sources(), 0.02)
     kept = [f for f in trained if not DEMO_NGRAM_SKIPPED.intersection(f.relative_to(stdlib).parts[:-1])]
     if not kept:
-        raise SpecDecError(f"this Python's standard library sources are not installed ({stdlib}); pass an n-gram file (--ngram)")
+        raise SpecDecError(f"this Python's standard library sources are not installed ({stdlib}); "
+                           "pass an n-gram file (--ngram)")
     return kept[::5]
 
 

@@ -83,8 +83,9 @@ class DistillConfig:
     def check(self) -> None:
         if self.short_prompts < 0:
             raise SpecDecError("short-prompts must be >= 0")
-        for name in ("corpus_tokens", "prompts", "prompt_tokens", "new_tokens", "soft_top", "generate_batch", "draft_vocab",
-                     "hidden_size", "layers", "heads", "kv_heads", "intermediate_size", "batch_size", "steps", "eval_every", "save_every"):
+        for name in ("corpus_tokens", "prompts", "prompt_tokens", "new_tokens", "soft_top", "generate_batch",
+                     "draft_vocab", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size", "batch_size",
+                     "steps", "eval_every", "save_every"):
             if getattr(self, name) < 1:
                 raise SpecDecError(f"{name.replace('_', '-')} must be >= 1")
         if self.hidden_size % self.heads or self.heads % self.kv_heads or (self.hidden_size // self.heads) % 2:
@@ -125,7 +126,8 @@ def build_corpus(config: DistillConfig, tokenizer) -> np.ndarray:
             break
     stream = np.concatenate(chunks)[: config.corpus_tokens] if chunks else np.zeros(0, dtype=np.int32)
     if len(stream) < config.prompt_tokens * 4:
-        raise SpecDecError(f"the corpus holds {len(stream)} tokens of the target, too few for {config.prompt_tokens}-token prompts")
+        raise SpecDecError(f"the corpus holds {len(stream)} tokens of the target, too few for "
+                           f"{config.prompt_tokens}-token prompts")
     return stream
 
 
@@ -149,18 +151,20 @@ class Generations:
         return (np.arange(self.tokens.shape[1])[None, :] >= self.prompt_lengths[:, None]) & (self.tokens >= 0)
 
     def save(self, path: Path) -> None:
-        np.savez(path, tokens=self.tokens, top_ids=self.top_ids, top_logits=self.top_logits, prompt_lengths=self.prompt_lengths,
-                 states=self.states)
+        np.savez(path, tokens=self.tokens, top_ids=self.top_ids, top_logits=self.top_logits,
+                 prompt_lengths=self.prompt_lengths, states=self.states)
 
     @staticmethod
     def load(paths: list[Path], states: bool = True) -> Generations:
         """The saved batches in order; without `states`, an empty [n, length, 0] array stands for them."""
         parts = [np.load(p) for p in paths]
         if states and not all("states" in part for part in parts):
-            raise SpecDecError(f"{paths[0].parent}: these generations were made before specdec recorded the target's hidden "
-                               "states (a draft head needs them); distil into a new output directory")
-        arrays = [np.concatenate([part[key] for part in parts]) for key in ("tokens", "top_ids", "top_logits", "prompt_lengths")]
-        kept = np.concatenate([part["states"] for part in parts]) if states else np.zeros((*arrays[0].shape, 0), np.float16)
+            raise SpecDecError(f"{paths[0].parent}: these generations were made before specdec recorded the target's "
+                               "hidden states (a draft head needs them); distil into a new output directory")
+        arrays = [np.concatenate([part[key] for part in parts])
+                  for key in ("tokens", "top_ids", "top_logits", "prompt_lengths")]
+        kept = (np.concatenate([part["states"] for part in parts]) if states
+                else np.zeros((*arrays[0].shape, 0), np.float16))
         return Generations(*arrays, kept)
 
 
@@ -231,11 +235,14 @@ def continue_batch(target, prompts: list[np.ndarray], sampled: list[bool], confi
                 values, ids = torch.topk(row_logits, config.soft_top)
                 top_ids[row, at], top_logits[row, at] = ids.numpy(), values.numpy()
                 states[row, at] = last_states[row].float().cpu().numpy()
-                tokens[row, at] = sample(probs_from_logits(row_logits, params), rng) if sampled[row] else int(row_logits.argmax())
-            live = [row for row in live if tokens[row, lengths[row] + step] not in target.stop_token_ids and lengths[row] + step + 1 < length]
+                tokens[row, at] = (sample(probs_from_logits(row_logits, params), rng) if sampled[row]
+                                   else int(row_logits.argmax()))
+            live = [row for row in live if tokens[row, lengths[row] + step] not in target.stop_token_ids
+                    and lengths[row] + step + 1 < length]
             if not live:
                 break
-            fed = target.forward_batch([Feed(sequences[row], [int(tokens[row, lengths[row] + step])], last=1) for row in live])
+            fed = target.forward_batch([Feed(sequences[row], [int(tokens[row, lengths[row] + step])], last=1)
+                                        for row in live])
             for row, row_logits in zip(live, fed):
                 logits[row], last_states[row] = row_logits[0], sequences[row].states[0]
     finally:
@@ -264,8 +271,9 @@ def draft_config(config: DistillConfig, vocab_map: VocabMap, eos_draft_id: int |
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=vocab_map.draft_vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.layers, num_attention_heads=config.heads, num_key_value_heads=config.kv_heads,
+        vocab_size=vocab_map.draft_vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.layers,
+        num_attention_heads=config.heads, num_key_value_heads=config.kv_heads,
         max_position_embeddings=config.context, tie_word_embeddings=True, rope_theta=10000.0,
         bos_token_id=None, eos_token_id=eos_draft_id, pad_token_id=eos_draft_id,
     )
@@ -281,7 +289,8 @@ def project_embeddings(embeddings: torch.Tensor, width: int) -> torch.Tensor:
     (std 0.02 per entry): the draft starts from the target's geometry of its tokens."""
     centered = embeddings - embeddings.mean(0, keepdim=True)
     _, _, v = torch.linalg.svd(centered, full_matrices=False)
-    projected = centered @ v[:width].T if v.shape[0] >= width else torch.nn.functional.pad(centered @ v.T, (0, width - v.shape[0]))
+    projected = (centered @ v[:width].T if v.shape[0] >= width
+                 else torch.nn.functional.pad(centered @ v.T, (0, width - v.shape[0])))
     return projected * (0.02 / projected.std().clamp_min(1e-12))
 
 
@@ -329,9 +338,11 @@ def examples(generations: Generations, vocab_map: VocabMap) -> Examples:
 
 def batch_loss(model, batch: Examples, device: str) -> torch.Tensor:
     logits = model(input_ids=batch.inputs.to(device)).logits  # [b, length, draft vocab]
-    hard = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch.hard.to(device).flatten(), reduction="sum")
+    hard = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch.hard.to(device).flatten(),
+                                             reduction="sum")
     soft_mask = batch.soft.to(device)
-    soft = soft_loss(logits[soft_mask], batch.top_ids.to(device)[soft_mask], batch.top_logits.to(device)[soft_mask]).sum()
+    soft = soft_loss(logits[soft_mask], batch.top_ids.to(device)[soft_mask],
+                     batch.top_logits.to(device)[soft_mask]).sum()
     count = (batch.hard >= 0).sum() + batch.soft.sum()
     return (hard + soft) / count.clamp_min(1).to(device)
 
@@ -389,11 +400,13 @@ def prepare(config: DistillConfig) -> Prepared:
         options = dict(device=config.device)
     else:  # on a GPU, every layer offloaded (where llama.cpp was built with CUDA)
         options = dict(context=config.prompt_tokens + config.new_tokens + 8, gpu_layers=-1 if on_gpu else None)
-    target = load_model(config.target, backend=config.backend, threads=config.threads, slots=config.generate_batch, **options)
+    target = load_model(config.target, backend=config.backend, threads=config.threads, slots=config.generate_batch,
+                        **options)
     corpus = _cached(work / "corpus.npy", lambda: stage("corpus", lambda: build_corpus(config, target.tokenizer)))
     generations = stage("generate", lambda: generate(target, corpus, config, work, states=config.head))
     ids = choose_vocabulary(corpus, generations, config.draft_vocab, target.stop_token_ids, target.vocab_size)
-    vocab_map = VocabMap(tuple(int(i) for i in ids), target.vocab_size, tokenizer_fingerprint(target.tokenizer, spaces_as_written=True))
+    vocab_map = VocabMap(tuple(int(i) for i in ids), target.vocab_size,
+                         tokenizer_fingerprint(target.tokenizer, spaces_as_written=True))
     return Prepared(target, corpus, generations, vocab_map, report, stage)
 
 
@@ -402,9 +415,10 @@ def distill(config: DistillConfig) -> dict:
     run = prepare(config)
     work = Path(config.output) / "work"
     embeddings = target_embeddings(run.target) if not (work / "checkpoint" / "state.json").exists() else None
-    model, state = run.stage("train", lambda: train_draft(config, run.generations, run.vocab_map, embeddings, run.target, work, run.report))
-    return write_outputs(config, model, run.vocab_map, draft_pieces(run.target.tokenizer, run.vocab_map), run.corpus, run.generations,
-                         state, run.report)
+    model, state = run.stage("train", lambda: train_draft(config, run.generations, run.vocab_map, embeddings,
+                                                          run.target, work, run.report))
+    return write_outputs(config, model, run.vocab_map, draft_pieces(run.target.tokenizer, run.vocab_map),
+                         run.corpus, run.generations, state, run.report)
 
 
 def _cached(path: Path, build) -> np.ndarray:
@@ -419,21 +433,25 @@ def _peak_rss_mb() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 
 
-def train_draft(config: DistillConfig, generations: Generations, vocab_map: VocabMap, embeddings, target, work: Path, report: Report):
+def train_draft(config: DistillConfig, generations: Generations, vocab_map: VocabMap, embeddings, target, work: Path,
+                report: Report):
     """Stage 4: the draft model, by `fit`."""
     from transformers import LlamaForCausalLM
 
-    eos = next((i for i, t in enumerate(vocab_map.target_ids) if t == getattr(target.tokenizer, "eos_token_id", None)), None)
+    eos = next((i for i, t in enumerate(vocab_map.target_ids)
+                if t == getattr(target.tokenizer, "eos_token_id", None)), None)
     model = LlamaForCausalLM(draft_config(config, vocab_map, eos)).to(config.device)
     if embeddings is not None:
         with torch.no_grad():
             rows = embeddings[list(vocab_map.target_ids)]
-            model.get_input_embeddings().weight[: vocab_map.unknown] = project_embeddings(rows, config.hidden_size).to(config.device)
+            model.get_input_embeddings().weight[: vocab_map.unknown] = (
+                project_embeddings(rows, config.hidden_size).to(config.device))
     data = examples(generations, vocab_map)
     held, train_rows = split_rows(len(data.inputs), config)
     state = fit(model, config, work / "checkpoint", report, "training the draft", data.inputs.shape[1],
                 lambda rows: batch_loss(model, data.rows(torch.from_numpy(rows)), config.device), train_rows,
-                lambda: {"heldout_agreement": round(agreement(model, data.rows(torch.from_numpy(held)), config.device), 4)})
+                lambda: {"heldout_agreement":
+                         round(agreement(model, data.rows(torch.from_numpy(held)), config.device), 4)})
     return model, state
 
 
@@ -444,8 +462,8 @@ def split_rows(count: int, config: DistillConfig) -> tuple[np.ndarray, np.ndarra
     return order[:held_count], order[held_count:]
 
 
-def fit(model, config: DistillConfig, checkpoint: Path, report: Report, description: str, tokens_per_row: int, loss_of, train_rows: np.ndarray,
-        evaluate) -> object:
+def fit(model, config: DistillConfig, checkpoint: Path, report: Report, description: str, tokens_per_row: int, loss_of,
+        train_rows: np.ndarray, evaluate) -> object:
     """AdamW with warmup and a cosine schedule over `config.steps` batches of `config.batch_size`
     training rows (`loss_of(rows)` -> the batch's loss), bf16 autocast if asked, `evaluate()` (a
     dict of held-out figures) into the report every eval_every steps, a checkpoint every
@@ -465,7 +483,8 @@ def fit(model, config: DistillConfig, checkpoint: Path, report: Report, descript
         started = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(schedule, state.step)
-        with torch.autocast("cuda" if config.device.startswith("cuda") else "cpu", dtype=torch.bfloat16, enabled=config.bf16):
+        with torch.autocast("cuda" if config.device.startswith("cuda") else "cpu", dtype=torch.bfloat16,
+                            enabled=config.bf16):
             loss = loss_of(rng.choice(train_rows, config.batch_size))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
@@ -484,14 +503,16 @@ def fit(model, config: DistillConfig, checkpoint: Path, report: Report, descript
             model.train()
             report.history.append({"step": state.step, "train_loss": round(running, 4), **figures})
             state.history = report.history
-            bar.write(f"step {state.step}: loss {running:.3f}, held-out " + ", ".join(f"{k} {v}" for k, v in figures.items()))
+            bar.write(f"step {state.step}: loss {running:.3f}, held-out "
+                      + ", ".join(f"{k} {v}" for k, v in figures.items()))
         if state.step % config.save_every == 0 or state.step == config.steps:
             save_checkpoint(checkpoint, model, optimizer, state, schedule)
     bar.close()
     return state
 
 
-def write_outputs(config: DistillConfig, model, vocab_map: VocabMap, pieces: list[str], corpus, generations: Generations, state, report: Report) -> dict:
+def write_outputs(config: DistillConfig, model, vocab_map: VocabMap, pieces: list[str], corpus,
+                  generations: Generations, state, report: Report) -> dict:
     """OUTPUT: the transformers checkpoint with its vocabulary map, draft.gguf, distill.json."""
     from specdec.export import save_draft
 
@@ -499,8 +520,10 @@ def write_outputs(config: DistillConfig, model, vocab_map: VocabMap, pieces: lis
     save_draft(model, vocab_map, pieces, out, gguf=config.gguf)
     inside = np.isin(generations.tokens[generations.generated()], np.asarray(vocab_map.target_ids))
     summary = {
-        "target": str(config.target), "settings": {k: v for k, v in asdict(config).items() if k not in ("target", "output")},
-        "corpus_tokens": int(len(corpus)), "continuations": int(len(generations.tokens)), "generated_tokens": int(inside.size),
+        "target": str(config.target),
+        "settings": {k: v for k, v in asdict(config).items() if k not in ("target", "output")},
+        "corpus_tokens": int(len(corpus)), "continuations": int(len(generations.tokens)),
+        "generated_tokens": int(inside.size),
         "vocabulary": {"draft": len(vocab_map.target_ids), "target": vocab_map.target_vocab_size,
                        "generated_tokens_covered": round(float(inside.mean()), 4)},
         "parameters": sum(p.numel() for p in model.parameters()),

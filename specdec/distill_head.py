@@ -29,10 +29,12 @@ from specdec.errors import SpecDecError
 from specdec.runtime.head import HeadNet, HeadShape, save_head
 from specdec.runtime.pruned import VocabMap
 
-HEAD_DEFAULTS = dict(batch_size=256, steps=2000, lr=1e-3, weight_decay=0.0)  # `specdec train --head`'s, where the draft's differ
+# `specdec train --head`'s, where the draft's differ
+HEAD_DEFAULTS = dict(batch_size=256, steps=2000, lr=1e-3, weight_decay=0.0)
 UNROLL = 3  # positions trained in a row from one state of the target's
 STATE_WEIGHT = 0.1  # of the state regression beside the KL
-STATE_NOISE = 0.1  # Gaussian noise on the target's state fed in training, relative to its RMS (EAGLE: robust to its own guesses)
+# Gaussian noise on the target's state fed in training, relative to its RMS (EAGLE: robust to its own guesses)
+STATE_NOISE = 0.1
 
 
 def head_inputs(target, vocab_map: VocabMap) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +43,8 @@ def head_inputs(target, vocab_map: VocabMap) -> tuple[torch.Tensor, torch.Tensor
     embeddings = target_embeddings(target)
     outputs = target_output_rows(target, embeddings)
     if embeddings is None or outputs is None:
-        raise SpecDecError(f"a draft head needs the target's embedding and output matrices, which specdec cannot read from {target.path}")
+        raise SpecDecError("a draft head needs the target's embedding and output matrices, which specdec cannot "
+                           f"read from {target.path}")
     ids = list(vocab_map.target_ids)
     return torch.cat([embeddings[ids], torch.zeros(1, embeddings.shape[1])]), outputs[ids]
 
@@ -84,7 +87,8 @@ class Windows:
             at = starts + k + 1
             guessed, logits = net(state, self.tokens[rows, starts + k].to(device))
             truth = self.states[rows, at].float().to(device)
-            total = total + soft_loss(logits, self.top_ids[rows, at].to(device), self.top_logits[rows, at].to(device)).mean()
+            total = total + soft_loss(logits, self.top_ids[rows, at].to(device),
+                                      self.top_logits[rows, at].to(device)).mean()
             total = total + STATE_WEIGHT * torch.nn.functional.smooth_l1_loss(guessed.float(), truth)
             state = guessed
         return total / UNROLL
@@ -130,7 +134,8 @@ def distill_head(config: DistillConfig, shape: HeadShape | None = None) -> dict:
                            "use more prompts or another --holdout")
     work, history = Path(config.output) / "work", Report()  # the head's own history (a draft may share the work folder)
     state = run.stage("train head", lambda: fit(
-        net, config, work / "head-checkpoint", history, "training the head", UNROLL, lambda rows: windows.loss(net, rows, config.device),
+        net, config, work / "head-checkpoint", history, "training the head", UNROLL,
+        lambda rows: windows.loss(net, rows, config.device),
         train, lambda: {"heldout_agreement_by_depth": windows.agreement(net, held, config.device)}))
     summary = {
         "target": str(config.target), "shape": asdict(shape), "parameters": sum(p.numel() for p in net.parameters()),

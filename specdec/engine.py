@@ -72,13 +72,15 @@ class DecodeState:
     stats: GenerationStats = field(default_factory=GenerationStats)
     stop_tokens: frozenset[int] = frozenset()
     context: list[int] = field(default_factory=list)
-    token_limit: int = 0  # tokens this generation may emit in all: max_new_tokens, capped by the context left when it opened
+    # tokens this generation may emit in all: max_new_tokens, capped by the context left when it opened
+    token_limit: int = 0
     generated: int = 0
     finish_reason: str | None = None
     sequence: CachedSequence | None = None  # the target's slot
     draft_slot: DraftSlot | None = None
     logprobs: int | None = None  # report each token's log-probability and this many alternatives (None: no)
-    chains: tuple[ChainSource, ...] = ()  # the request's own chain sources (a prediction, its history), for the default drafter
+    # the request's own chain sources (a prediction, its history), for the default drafter
+    chains: tuple[ChainSource, ...] = ()
     scope: Hashable = None  # who may reuse the cache it leaves (`specdec.scopes`)
 
 
@@ -112,7 +114,8 @@ class Engine:
         state.token_limit = min(state.max_new_tokens, self.target.max_length - len(state.context))
         # a drafter that reads states gets one from the prefill: at least one prompt token is fed
         reusable = state.context[:-1] if self.reads_states else state.context
-        state.sequence = self.prefixes.take(reusable, state.scope) if self.prefixes is not None else self.target.sequence()
+        state.sequence = (self.prefixes.take(reusable, state.scope) if self.prefixes is not None
+                          else self.target.sequence())
         state.stats.cached_tokens = state.sequence.cache_len
         try:
             if self.drafter is not None:
@@ -171,7 +174,8 @@ class Engine:
                 if self.prefixes is not None and not failed:
                     # the cache holds context[:-1] (a prompt being prefilled: its first cache_len
                     # tokens), and nodes past a stop token that cut the last step's tokens
-                    self.prefixes.put(sequence, state.context[: min(sequence.cache_len, len(state.context) - 1)], state.scope)
+                    self.prefixes.put(sequence, state.context[: min(sequence.cache_len, len(state.context) - 1)],
+                                      state.scope)
                 else:
                     sequence.release()
                 for chain in state.chains if not failed else ():
@@ -191,7 +195,8 @@ class Engine:
         forward (the target's, or a draft model's for several rows) raises: every row's cache is
         then unknown."""
         gammas = [attempt(lambda: self._gamma(state, gamma_cap, len(states))) for state in states]
-        noises = [StepNoise(state.streams, state.generated, self.target.vocab_size) if state.streams.keyed else None for state in states]
+        noises = [StepNoise(state.streams, state.generated, self.target.vocab_size) if state.streams.keyed else None
+                  for state in states]
         tick = time.perf_counter()
         drafts = self._drafts(states, gammas, noises)
         tock = time.perf_counter()
@@ -199,7 +204,8 @@ class Engine:
         live = [i for i, result in enumerate(results) if result is None]
         # one target forward scores every row's last committed token and draft nodes
         on_device = self.target.device_logits  # verification then reads the device once per row (`_verify`)
-        rows = self.target.forward_batch([_feed(states[i].sequence, states[i].context[-1], drafts[i], on_device) for i in live]) if live else []
+        rows = (self.target.forward_batch([_feed(states[i].sequence, states[i].context[-1], drafts[i], on_device)
+                                           for i in live]) if live else [])
         for i, logits in zip(live, rows):
             outcome = attempt(lambda: self._advance(states[i], gammas[i], drafts[i], logits, noises[i]))
             results[i] = StepResult.failed(outcome) if isinstance(outcome, Exception) else outcome
@@ -218,29 +224,35 @@ class Engine:
         positions that one forward with the root cannot score exactly."""
         if self.drafter is None:
             return 0
-        gamma = min(state.gamma_policy.depth(batch), state.token_limit - state.generated - 1, self.target.verify_room(len(state.context) - 1))
+        gamma = min(state.gamma_policy.depth(batch), state.token_limit - state.generated - 1,
+                    self.target.verify_room(len(state.context) - 1))
         return max(0, gamma if cap is None else min(gamma, cap))
 
-    def _drafts(self, states: list[DecodeState], gammas: list[int | Exception], noises: list[StepNoise | None]) -> list[Draft | Exception]:
-        """Each row's checked draft, or the exception its own drafting raised. noises: each keyed row's (None: not keyed)."""
+    def _drafts(self, states: list[DecodeState], gammas: list[int | Exception],
+                noises: list[StepNoise | None]) -> list[Draft | Exception]:
+        """Each row's checked draft, or the exception its own drafting raised. noises: each keyed row's
+        (None: not keyed)."""
         drafts: list[Draft | Exception] = [gamma if isinstance(gamma, Exception) else empty_draft() for gamma in gammas]
         asked = [i for i, gamma in enumerate(gammas) if not isinstance(gamma, Exception) and gamma > 0]
         if asked:
-            requests = [DraftRequest(states[i].draft_slot, states[i].context, gammas[i], states[i].sampling, states[i].streams.draft,
-                                     states[i].gamma_policy, states[i].chains, noise=noises[i]) for i in asked]
+            requests = [DraftRequest(states[i].draft_slot, states[i].context, gammas[i], states[i].sampling,
+                                     states[i].streams.draft, states[i].gamma_policy, states[i].chains, noise=noises[i])
+                        for i in asked]
             for i, draft in zip(asked, self.drafter.propose(requests)):
                 state = states[i]
                 if not isinstance(draft, Exception):  # a tree's nodes take cache slots too
-                    draft = attempt(lambda: _checked(draft.first(self.target.max_length - len(state.context)), gammas[i],
-                                                  self.target.vocab_size, state.sampling))
+                    draft = attempt(lambda: _checked(draft.first(self.target.max_length - len(state.context)),
+                                                     gammas[i], self.target.vocab_size, state.sampling))
                 drafts[i] = draft
         return drafts
 
-    def _advance(self, state: DecodeState, gamma: int, draft: Draft, logits: torch.Tensor, noise: StepNoise | None) -> StepResult:
+    def _advance(self, state: DecodeState, gamma: int, draft: Draft, logits: torch.Tensor,
+                 noise: StepNoise | None) -> StepResult:
         result = _verify(draft, logits, state.sampling, state.streams, noise)
         if self.reads_states:  # the last emitted token was drawn from the root's row or the last accepted node's
             row = 1 + result.path[-1] if result.path else 0
-            self.drafter.observe(state.draft_slot, len(state.context) - 1 + len(result.path), state.sequence.states[row])
+            self.drafter.observe(state.draft_slot, len(state.context) - 1 + len(result.path),
+                                 state.sequence.states[row])
         # drop the rejected nodes: the cache keeps context[:-1] + last + the accepted path, contiguous
         if len(draft):
             kept = state.sequence.cache_len - len(draft)
@@ -249,7 +261,8 @@ class Engine:
         stats.target_forwards += 1
         stats.draft_forwards = state.draft_slot.forwards if state.draft_slot is not None else 0
         stats.record(draft.depth, result.accepted, gamma, nodes=len(draft),
-                     drafter=None if self.drafter is None else draft.label or (self.drafter.name if len(draft) else "none"))
+                     drafter=(None if self.drafter is None
+                              else draft.label or (self.drafter.name if len(draft) else "none")))
         if draft.sources is not None and len(draft):
             stats.record_trials(draft, result.path)
         state.gamma_policy.update(draft, result)
@@ -284,7 +297,8 @@ def _checked_columns(columns: torch.Tensor, vocab_size: int) -> int:
     """How many columns a draft's distributions have: distinct target ids (two columns with one id
     would make q's mass at it ambiguous and the residual's scatter undefined)."""
     if columns.dim() != 1 or columns.dtype != torch.long or not len(columns):
-        raise ValueError(f"draft columns must be a non-empty [columns] int64 tensor, got {columns.dtype} {list(columns.shape)}")
+        raise ValueError(f"draft columns must be a non-empty [columns] int64 tensor, got {columns.dtype} "
+                         f"{list(columns.shape)}")
     low, high = columns.aminmax()
     if low < 0 or high >= vocab_size:
         raise ValueError(f"draft columns must be target ids in [0, {vocab_size})")
@@ -305,7 +319,8 @@ def _feed(sequence: CachedSequence, last: int, draft: Draft, on_device: bool = F
     return Feed(sequence, [last] + draft.tokens.tolist(), parents, on_device=on_device)
 
 
-def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, streams: RandomStreams, noise: StepNoise | None = None):
+def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, streams: RandomStreams,
+            noise: StepNoise | None = None):
     """noise: a keyed generation's, None otherwise. Logits may be on a device: the greedy verifier
     reads their argmax once; a sampled one gets the distribution, computed there, in one copy."""
     if sampling.greedy:
@@ -313,9 +328,11 @@ def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, stream
     target_probs = probs_from_logits(logits, sampling).cpu()  # [len(draft) + 1, vocab]
     if noise is not None:
         if draft.probs is not None:
-            raise ValueError("a generation with keyed draws verifies point-mass drafts only; the drafter drew from a distribution")
+            raise ValueError("a generation with keyed draws verifies point-mass drafts only; "
+                             "the drafter drew from a distribution")
         return verify_tree_coupled(draft.tokens, draft.parents, target_probs, noise.for_verifier)
-    return verify_tree(draft.tokens, draft.parents, draft.probs, target_probs, streams.accept, streams.recover, draft.columns)
+    return verify_tree(draft.tokens, draft.parents, draft.probs, target_probs, streams.accept, streams.recover,
+                       draft.columns)
 
 
 def _logprobs(logits: torch.Tensor, path: list[int], tokens: list[int], top: int) -> list[TokenLogprob]:
@@ -326,7 +343,8 @@ def _logprobs(logits: torch.Tensor, path: list[int], tokens: list[int], top: int
     device = logprobs.device
     chosen = logprobs[torch.arange(len(tokens), device=device), torch.tensor(tokens, device=device)].tolist()
     best = logprobs.topk(top, dim=-1) if top else None
-    ids, values = (best.indices.tolist(), best.values.tolist()) if best is not None else ([[]] * len(tokens), [[]] * len(tokens))
+    ids, values = ((best.indices.tolist(), best.values.tolist()) if best is not None
+                   else ([[]] * len(tokens), [[]] * len(tokens)))
     return [TokenLogprob(token, chosen[i], list(zip(ids[i], values[i]))) for i, token in enumerate(tokens)]
 
 

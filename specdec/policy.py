@@ -11,9 +11,9 @@
 Losslessness (docs/design.md, pitfall 14): every choice here is a function of the measured costs,
 the batch size, outcomes of iterations already verified, and what the drafter itself computed
 before the choice (its distributions and the tokens drawn from them); never of target
-probabilities of tokens not yet verified. A draft token is kept or not *before* it is drawn (on its distribution, never on
-the token), so each drafted token is still distributed as its stated q given everything before it,
-and the verifiers' guarantee holds for any tree the policy shapes.
+probabilities of tokens not yet verified. A draft token is kept or not *before* it is drawn (on
+its distribution, never on the token), so each drafted token is still distributed as its stated q
+given everything before it, and the verifiers' guarantee holds for any tree the policy shapes.
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ from specdec.errors import SpecDecError
 from specdec.tree import trials
 from specdec.types import Draft, VerifyResult
 
-MAX_DEPTH = 12  # deepest draft the cost-aware depth policies consider, and the draft model's deepest level in the default
+# deepest draft the cost-aware depth policies consider, and the draft model's deepest level in the default
+MAX_DEPTH = 12
 AUTO_MAX_DEPTH = 64  # deepest draft of the default: looked-up chains run as long as the match and the costs allow
 PROBE_EVERY = 64  # steps without drafting before one drafts a token, to keep the acceptance estimate current
 PROBE_MODEL_EVERY = 8  # iterations without a draft-model node before the auto drafter tries one anyway
-PROBE_CHAIN_EVERY = 8  # iterations without a node of a chain source (lookup, prediction, history) before the auto drafter tries it anyway ...
+# iterations without a node of a chain source (lookup, prediction, history) before the auto drafter tries it anyway ...
+PROBE_CHAIN_EVERY = 8
 PROBE_CHAIN_TOKENS = 8  # ... with this many tokens of its chain (fewer if it is shorter)
 PROBE_MAX = 256  # the wait between probes doubles after each probe, up to this (see `Probe`)
 EXPLORE_SHARE = 0.05  # about the most of decoding's time that probes of the draft model may take
@@ -135,7 +137,8 @@ class BatchDepth:
     single token so that α keeps being measured (a fixed schedule: still lossless)."""
 
     def __init__(self, profile: Profile, max_gamma: int, models_draft: bool, width: int = 1, prior: float = 0.6):
-        self.profile, self.max_gamma, self.models_draft, self.width, self.prior = profile, max_gamma, models_draft, width, prior
+        self.profile, self.max_gamma, self.models_draft, self.width, self.prior = (
+            profile, max_gamma, models_draft, width, prior)
         self.acceptance = Acceptance()
         self.idle = 0
 
@@ -276,12 +279,13 @@ class CostAwarePolicy:
     its most likely token when sampling, known before the draw); for each chain source (prompt
     lookup, a prediction, the history), one for its first token and one for each next token given
     the one before was accepted (in copied text they run long; when copying stops the first one
-    drops within a few iterations). Priors: a calibrated draft model; CHAIN_PRIORS for chains. A source whose estimate does not pay is
-    tried anyway on a `Probe` schedule (`explore`; the draft model is always probed), so that it is
-    found when the text starts copying, on machines where a long verify is dear and the priors
-    alone would never draft."""
+    drops within a few iterations). Priors: a calibrated draft model; CHAIN_PRIORS for chains. A
+    source whose estimate does not pay is tried anyway on a `Probe` schedule (`explore`; the draft
+    model is always probed), so that it is found when the text starts copying, on machines where a
+    long verify is dear and the priors alone would never draft."""
 
-    def __init__(self, profile: Profile, max_depth: int = AUTO_MAX_DEPTH, explore: bool = True, shared: SharedAcceptance | None = None):
+    def __init__(self, profile: Profile, max_depth: int = AUTO_MAX_DEPTH, explore: bool = True,
+                 shared: SharedAcceptance | None = None):
         self.profile, self.max_depth, self.explore, self.shared = profile, max_depth, explore, shared
         self.acceptance: dict[tuple, Acceptance] = {}
         self.batch = 1

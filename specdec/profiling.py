@@ -46,7 +46,8 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 DRAFT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 STABLE = 0.05
 MIN_ROUNDS, MAX_ROUNDS = 3, 12
-FORMAT = 3  # bump when what is measured changes: old cache files are then ignored (3: CUDA attention off cuDNN, static slots)
+# bump when what is measured changes: old cache files are then ignored (3: CUDA attention off cuDNN, static slots)
+FORMAT = 3
 
 
 
@@ -137,14 +138,16 @@ def cache_dir() -> Path:
 
 
 def cache_key(target: CausalLM, draft: CausalLM | None) -> str:
-    facts = {"format": FORMAT, "cpu": cpu_name(), "target": model_identity(target), "draft": model_identity(draft) if draft else None}
+    facts = {"format": FORMAT, "cpu": cpu_name(), "target": model_identity(target),
+             "draft": model_identity(draft) if draft else None}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
 
 
 def model_identity(model: CausalLM) -> dict:
     """What makes a model's costs what they are: its files, backend, threads, device and dtype."""
     path = Path(model.path)
-    files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.suffix in (".json", ".safetensors", ".bin", ".gguf"))
+    files = ([path] if path.is_file()
+             else sorted(p for p in path.glob("*") if p.suffix in (".json", ".safetensors", ".bin", ".gguf")))
     stamps = [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files if p.exists()]
     return {"path": str(path.resolve()), "files": stamps, "backend": model.backend, "dtype": model.dtype,
             "device": str(model.device), "threads": model.threads or torch.get_num_threads(),
@@ -158,7 +161,8 @@ def _plain_step(target: CausalLM) -> float:
     steps = min(24, target.max_length - prefix - 1)
     if steps < 2:
         return 0.0
-    state = DecodeState([i % target.vocab_size for i in range(prefix)], SamplingParams(temperature=1.0), steps, FixedGamma(0), RandomStreams(0))
+    state = DecodeState([i % target.vocab_size for i in range(prefix)], SamplingParams(temperature=1.0), steps,
+                        FixedGamma(0), RandomStreams(0))
     engine, times = Engine(target, None), []
     engine.open(state)
     try:

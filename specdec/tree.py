@@ -89,7 +89,8 @@ def check_kept_path(parents: Sequence[int], start: int, indices: Sequence[int], 
     above = start - 1
     for index in indices:
         if not start <= index < length or parents[index] != above:
-            raise ValueError(f"cannot keep entries {list(indices)} after {start}: they must be a chain below entry {start - 1}")
+            raise ValueError(f"cannot keep entries {list(indices)} after {start}: they must be a chain below "
+                             f"entry {start - 1}")
         above = index
 
 

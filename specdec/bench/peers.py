@@ -89,7 +89,8 @@ def _hf_generate(target, max_new_tokens: int, target_forwards: _ForwardCounter, 
         if sampling.greedy:
             options.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         else:
-            options.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+            options.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None,
+                           top_p=sampling.top_p)
         torch.manual_seed(seed)  # generate() draws from the global generator
         before_t, before_d = target_forwards.calls, draft_forwards.calls if draft_forwards else 0
         started = time.perf_counter()
@@ -97,7 +98,8 @@ def _hf_generate(target, max_new_tokens: int, target_forwards: _ForwardCounter, 
             out = target.model.generate(ids, **options, **extra)
         seconds = time.perf_counter() - started
         drafts = (draft_forwards.calls - before_d) if draft_forwards else 0
-        return PeerRun(cut_at_stop(out[0, len(prompt_ids):].tolist(), stop_ids), seconds, target_forwards.calls - before_t, drafts)
+        return PeerRun(cut_at_stop(out[0, len(prompt_ids):].tolist(), stop_ids), seconds,
+                       target_forwards.calls - before_t, drafts)
 
     return run
 
@@ -123,10 +125,12 @@ def llamacpp_peers(target, draft, max_new_tokens: int) -> list[Peer]:
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     # with a draft model, Llama keeps logits for n_batch rows but writes one per position: n_batch = n_ctx
-    lookup = _load_llama(target, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_TOKENS), n_batch=target.max_length)
+    lookup = _load_llama(target, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_TOKENS),
+                         n_batch=target.max_length)
     plain = _load_llama(target, n_batch=target.batch_tokens)  # llama.cpp's tokens per decode, as specdec's
     return [Peer("llama-cpp-python generate", False, _llama_generate(plain, max_new_tokens, target.stop_token_ids)),
-            Peer("llama-cpp-python prompt lookup", False, _llama_generate(lookup, max_new_tokens, target.stop_token_ids))]
+            Peer("llama-cpp-python prompt lookup", False,
+                 _llama_generate(lookup, max_new_tokens, target.stop_token_ids))]
 
 
 # each model's `peer_kind` -> (target, draft, max new tokens) -> the peers that run its library's own loops

@@ -47,7 +47,8 @@ class BenchConfig:
     suites: tuple[str, ...] = ("complete",)  # specdec.bench.suites; "complete" is HumanEval
     limit: int | None = None  # prompts per suite (None: every task of the suite)
     rounds: int = 1  # every prompt runs this many times, in rounds over all suites
-    predictions: bool = True  # a strategy that sends the tasks' reference answers as predictions (where the suite has them)
+    # a strategy that sends the tasks' reference answers as predictions (where the suite has them)
+    predictions: bool = True
     history: bool = True  # a strategy that drafts from the history of the round's earlier prompts and outputs too
     max_new_tokens: int = 128
     modes: tuple[str, ...] = ("greedy", "sampled")
@@ -95,19 +96,22 @@ class Strategy:
 
 
 def sampling_for(mode: str, config: BenchConfig) -> SamplingParams:
-    return SamplingParams(temperature=0.0) if mode == "greedy" else SamplingParams(temperature=config.temperature, top_k=config.top_k)
+    return (SamplingParams(temperature=0.0) if mode == "greedy"
+            else SamplingParams(temperature=config.temperature, top_k=config.top_k))
 
 
 # ------------------------------------------------------------------------------------ strategies
 
 
-def specdec_strategy(name, family, decoder: SpeculativeDecoder, max_new_tokens: int, predicts: bool = False) -> Strategy:
+def specdec_strategy(name, family, decoder: SpeculativeDecoder, max_new_tokens: int,
+                     predicts: bool = False) -> Strategy:
     """predicts: the task's reference answer, where it has one, goes in as the prediction."""
 
     def run(prompt_ids, sampling, seed, reference: str = "") -> Run:
         # seeded for repeatability, drawn as unseeded requests are: the path users' requests take
         prediction = (reference or None) if predicts else None
-        generation = decoder.request(prompt_ids, replace(sampling, seed=seed), Limits(max_new_tokens), prediction=prediction)
+        generation = decoder.request(prompt_ids, replace(sampling, seed=seed), Limits(max_new_tokens),
+                                     prediction=prediction)
         result = decoder.run(generation.drawn(seed))
         return Run(result.tokens, result.stats.total_seconds, result.stats)
 
@@ -120,7 +124,8 @@ def peer_strategy(peer) -> Strategy:
 
     def run(prompt_ids, sampling, seed, reference: str = "") -> Run:
         out = peer.run(prompt_ids, sampling, seed)
-        return Run(out.tokens, out.seconds, GenerationStats(target_forwards=out.target_forwards, draft_forwards=out.draft_forwards))
+        return Run(out.tokens, out.seconds,
+                   GenerationStats(target_forwards=out.target_forwards, draft_forwards=out.draft_forwards))
 
     return Strategy(peer.name, "peer", None, peer.uses_draft_model, run)
 
@@ -128,10 +133,13 @@ def peer_strategy(peer) -> Strategy:
 def build_strategies(config: BenchConfig):
     """Load the models once and make every strategy over them, each drafter assembled by the
     builder's registry (`specdec.build.DRAFTERS`) from those models."""
-    paths = with_demo_paths(DecoderConfig(config.target, DrafterSpec("model", draft=config.draft), config.runtime, gamma=1))
+    paths = with_demo_paths(DecoderConfig(config.target, DrafterSpec("model", draft=config.draft), config.runtime,
+                                          gamma=1))
     runtime = bench_runtime(config.runtime, paths.target)
     draft_path = paths.drafter.draft
-    base = build_decoder(replace(paths, runtime=runtime, drafter=DrafterSpec("model", draft=draft_path) if draft_path else DrafterSpec("plain")))
+    base = build_decoder(replace(paths, runtime=runtime,
+                                 drafter=(DrafterSpec("model", draft=draft_path) if draft_path
+                                          else DrafterSpec("plain"))))
     target, draft = base.target, base.draft_model
     ngram_path = config.ngram or (str(demo_ngram()) if config.target is None else None)
     parts = Parts(draft, KatzTrigram.load(ngram_path) if ngram_path else None)
@@ -145,18 +153,22 @@ def build_strategies(config: BenchConfig):
     if config.predictions and not config.prompts and set(config.suites) & set(WITH_REFERENCES):
         strategies.append(specdec_strategy("default + prediction", "auto", auto(), new, predicts=True))
     if draft is not None:
-        strategies += [drafted(f"chain γ={gamma}", "chain", DrafterSpec("model"), gamma, target, parts, new) for gamma in (*config.gammas, "auto")]
+        strategies += [drafted(f"chain γ={gamma}", "chain", DrafterSpec("model"), gamma, target, parts, new)
+                       for gamma in (*config.gammas, "auto")]
         if config.trees or config.staged:
             strategies += tree_strategies(config, target, draft, parts.ngram)
-    strategies.append(drafted(f"prompt lookup γ={config.lookup_gamma}", "lookup", DrafterSpec("lookup"), config.lookup_gamma, target, parts, new))
+    strategies.append(drafted(f"prompt lookup γ={config.lookup_gamma}", "lookup", DrafterSpec("lookup"),
+                              config.lookup_gamma, target, parts, new))
     if parts.ngram is not None:
-        strategies.append(drafted(f"n-gram γ={config.ngram_gamma}", "ngram", DrafterSpec("ngram"), config.ngram_gamma, target, parts, new))
+        strategies.append(drafted(f"n-gram γ={config.ngram_gamma}", "ngram", DrafterSpec("ngram"), config.ngram_gamma,
+                                  target, parts, new))
     if config.peers:
         strategies += [peer_strategy(peer) for peer in peers(target, draft, new)]
     return target, draft, strategies
 
 
-def drafted(name: str, family: str, spec: DrafterSpec, gamma, target: CausalLM, parts: Parts, max_new_tokens: int) -> Strategy:
+def drafted(name: str, family: str, spec: DrafterSpec, gamma, target: CausalLM, parts: Parts,
+            max_new_tokens: int) -> Strategy:
     """A strategy of one fixed drafter, assembled from loaded models by the builder's registry."""
     return specdec_strategy(name, family, Decoder(target, assemble(spec, parts), gamma), max_new_tokens)
 
@@ -177,7 +189,8 @@ def tree_strategies(config: BenchConfig, target: CausalLM, draft: CausalLM, ngra
     if refusal is not None:  # chains still run; trees would be refused (never scored wrong)
         print(f"bench: token-tree strategies skipped: {refusal}", file=sys.stderr)
     for nodes, depth in config.trees if refusal is None else ():
-        out.append(make(f"tree {nodes} γ={depth}", "tree", DrafterSpec("model", tree=TreeShape(nodes, config.tree_width)), depth))
+        out.append(make(f"tree {nodes} γ={depth}", "tree",
+                        DrafterSpec("model", tree=TreeShape(nodes, config.tree_width)), depth))
     if not config.staged:
         return out
     inners = {"n-gram": "ngram", "lookup": "lookup"} if ngram is not None else {"lookup": "lookup"}
@@ -213,9 +226,9 @@ class LoadMonitor:
         foreign = median - self.own_threads
         warning = None
         if foreign > 0.5 or self.own_threads + foreign > cores:
-            warning = (f"foreign load: the 1-minute load averaged {median:.2f} (max {highest:.2f}) while this run used {self.own_threads} "
-                       f"thread(s) of {cores} cores; other work competed for the CPU, so speedups and tokens/s are not trustworthy "
-                       "(run again on a quiet machine, or with --threads 1)")
+            warning = (f"foreign load: the 1-minute load averaged {median:.2f} (max {highest:.2f}) while this run "
+                       f"used {self.own_threads} thread(s) of {cores} cores; other work competed for the CPU, so "
+                       "speedups and tokens/s are not trustworthy (run again on a quiet machine, or with --threads 1)")
         return {"median": median, "max": highest, "own_threads": self.own_threads, "cores": cores, "warning": warning}
 
 
@@ -246,7 +259,8 @@ def suite_prompts(config: BenchConfig, target: CausalLM) -> dict[str, list[tuple
         ids = [encode(p) for p in file_prompts(config.prompts)[: config.limit]]
         too_long = [i for i, prompt in enumerate(ids) if len(prompt) > room]
         if too_long:
-            raise SpecDecError(f"{len(too_long)} prompts (first #{too_long[0]}) plus {config.max_new_tokens} new tokens exceed the context of {target.max_length}")
+            raise SpecDecError(f"{len(too_long)} prompts (first #{too_long[0]}) plus {config.max_new_tokens} new "
+                               f"tokens exceed the context of {target.max_length}")
         return {"prompts": [(prompt, "") for prompt in ids]}
     chosen: dict[str, list[tuple[list[int], str]]] = {}
     for name in config.suites:
@@ -258,7 +272,8 @@ def suite_prompts(config: BenchConfig, target: CausalLM) -> dict[str, list[tuple
             if len(chosen[name]) == config.limit:
                 break
         if not chosen[name]:
-            raise SpecDecError(f"no task of the {name} suite leaves room for {config.max_new_tokens} new tokens in the context of {target.max_length}")
+            raise SpecDecError(f"no task of the {name} suite leaves room for {config.max_new_tokens} new tokens in the "
+                               f"context of {target.max_length}")
     return chosen
 
 
@@ -289,7 +304,8 @@ def run_bench(config: BenchConfig) -> dict:
                 for i, (ids, reference) in enumerate(prompts):
                     for strategy in strategies:
                         bar.set_postfix_str(f"{mode} · {suite} · {strategy.name}", refresh=False)
-                        runs[suite][mode][strategy.name].append(strategy.run(ids, sampling, config.seed + i + round_ * len(prompts), reference))
+                        runs[suite][mode][strategy.name].append(
+                            strategy.run(ids, sampling, config.seed + i + round_ * len(prompts), reference))
                         bar.update(1)
                     monitor.sample()
     bar.close()
@@ -298,20 +314,25 @@ def run_bench(config: BenchConfig) -> dict:
         "machine": machine_description(),
         "models": {"target": model_facts(target), "draft": model_facts(draft) if draft else None},
         "costs": cost_curves,
-        "profile": {"step_overhead": profile.step_overhead, "level_overhead": profile.level_overhead, "rounds": profile.rounds},
+        "profile": {"step_overhead": profile.step_overhead, "level_overhead": profile.level_overhead,
+                    "rounds": profile.rounds},
         "load": monitor.summary(),
-        "strategies": [{"name": s.name, "family": s.family, "gamma": s.gamma, "uses_draft_model": s.uses_draft_model} for s in strategies],
+        "strategies": [{"name": s.name, "family": s.family, "gamma": s.gamma, "uses_draft_model": s.uses_draft_model}
+                       for s in strategies],
         "suites": {suite: {"prompts": len(suites[suite]), "rounds": config.rounds,
-                           "summary": {mode: summarize(by_mode[mode], strategies, target, draft, cost_curves) for mode in config.modes},
+                           "summary": {mode: summarize(by_mode[mode], strategies, target, draft, cost_curves)
+                                       for mode in config.modes},
                            "greedy_mismatches": greedy_mismatches(by_mode.get("greedy")),
-                           "runs": {mode: {name: [asdict(r) for r in rs] for name, rs in by_name.items()} for mode, by_name in by_mode.items()}}
+                           "runs": {mode: {name: [asdict(r) for r in rs] for name, rs in by_name.items()}
+                                    for mode, by_name in by_mode.items()}}
                    for suite, by_mode in runs.items()},
     }
 
 
 def model_facts(model: CausalLM) -> dict:
-    return {"path": model.path, "backend": model.backend, "parameters": model.parameters, "weight_bytes": model.weight_bytes,
-            "dtype": model.dtype, "vocab_size": model.vocab_size, "context": model.max_length, "threads": model.threads,
+    return {"path": model.path, "backend": model.backend, "parameters": model.parameters,
+            "weight_bytes": model.weight_bytes, "dtype": model.dtype, "vocab_size": model.vocab_size,
+            "context": model.max_length, "threads": model.threads,
             "output_layer": model.output_layer, "batch_invariant": model.batch_invariant,
             "compiled": model.compile_backend,
             "compile_seconds": {f"{rows}x{tokens}": round(seconds, 3)
@@ -338,8 +359,9 @@ def read_bandwidth(threads: int = 1, megabytes: int = 256, repeats: int = 5) -> 
 def machine_description() -> dict:
     import platform
 
-    return {"cpu": profiling.cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "python": platform.python_version()}
+    return {"cpu": profiling.cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "python": platform.python_version()}
 
 
 # ------------------------------------------------------------------------------------ summaries
@@ -358,7 +380,8 @@ def summarize(runs: dict[str, list[Run]], strategies, target: CausalLM, draft: C
         iterations = sum(s.iterations for s in stats)
         nodes = sum(sum(s.tree_nodes) for s in stats)
         rates = [len(r.tokens) / r.seconds for r in rs if r.seconds > 0 and r.tokens]
-        ratios = [(len(r.tokens) / r.seconds) / (len(p.tokens) / p.seconds) for r, p in zip(rs, plain) if r.tokens and p.tokens]
+        ratios = [(len(r.tokens) / r.seconds) / (len(p.tokens) / p.seconds)
+                  for r, p in zip(rs, plain) if r.tokens and p.tokens]
         alpha = accepted / drafted if drafted else None
         draft_bytes = draft.weight_bytes if (draft is not None and strategy.uses_draft_model) else 0
         rows[strategy.name] = {
@@ -371,13 +394,17 @@ def summarize(runs: dict[str, list[Run]], strategies, target: CausalLM, draft: C
             "target_forwards_per_token": target_fw / tokens if tokens else None,
             "draft_forwards_per_token": draft_fw / tokens if tokens else None,
             "tree_nodes_per_iteration": nodes / iterations if iterations and strategy.family != "peer" else None,
-            "weight_bytes_per_token": weight_bytes_per_token(target_fw, target.weight_bytes, draft_fw, draft_bytes, tokens),
+            "weight_bytes_per_token": weight_bytes_per_token(
+                target_fw, target.weight_bytes, draft_fw, draft_bytes, tokens),
             "predicted_speedup": predicted(strategy, alpha, drafted, iterations, rs, curves, tokens),
-            "predicted_speedup_iid_alpha": predicted(strategy, alpha, drafted, iterations, rs, curves) if strategy.family == "chain" else None,
-            "acceptance_by_position": [a / d for a, d in zip(_sum_lists(s.accepted_by_position for s in stats), _sum_lists(s.drafted_by_position for s in stats))],
+            "predicted_speedup_iid_alpha": (predicted(strategy, alpha, drafted, iterations, rs, curves)
+                                            if strategy.family == "chain" else None),
+            "acceptance_by_position": [a / d for a, d in zip(_sum_lists(s.accepted_by_position for s in stats),
+                                                             _sum_lists(s.drafted_by_position for s in stats))],
             "accepted_length_counts": _histogram(length for s in stats for length in s.accepted_lengths),
             "drafted_by": shares(label for s in stats for label in s.drafters),
-            "mean_depth": statistics.mean(d for s in stats for d in s.depths) if iterations and strategy.family != "peer" else None,
+            "mean_depth": (statistics.mean(d for s in stats for d in s.depths)
+                           if iterations and strategy.family != "peer" else None),
         }
     return rows
 
@@ -428,7 +455,8 @@ def greedy_mismatches(runs: dict[str, list[Run]] | None) -> dict[str, list[dict]
         bad = []
         for i, (r, p) in enumerate(zip(rs, runs["plain"])):
             if r.tokens != p.tokens:
-                first = next((j for j, (a, b) in enumerate(zip(r.tokens, p.tokens)) if a != b), min(len(r.tokens), len(p.tokens)))
+                first = next((j for j, (a, b) in enumerate(zip(r.tokens, p.tokens)) if a != b),
+                             min(len(r.tokens), len(p.tokens)))
                 bad.append({"prompt": i, "first_difference": first})
         if bad:
             out[name] = bad

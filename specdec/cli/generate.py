@@ -15,7 +15,8 @@ from specdec.types import Limits, SamplingParams
 
 
 def add_parsers(commands) -> None:
-    gen = commands.add_parser("generate", help="generate text from a prompt", description="Stream a continuation of PROMPT, then a one-line stats summary (on stderr).")
+    gen = commands.add_parser("generate", help="generate text from a prompt",
+                              description="Stream a continuation of PROMPT, then a one-line stats summary (on stderr).")
     gen.add_argument("prompt")
     add_model_arguments(gen)
     add_sampling_arguments(gen)
@@ -23,27 +24,31 @@ def add_parsers(commands) -> None:
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--prediction", metavar="FILE",
-                     help="a file holding the text the output is expected to be (e.g. the edited file): the default drafter proposes it")
+                     help="a file holding the text the output is expected to be (e.g. the edited file): "
+                          "the default drafter proposes it")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     gen.set_defaults(run=run_generate)
 
-    ngram = commands.add_parser("ngram", help="n-gram drafter tools").add_subparsers(dest="ngram_command", required=True)
+    ngram = commands.add_parser("ngram", help="n-gram drafter tools").add_subparsers(dest="ngram_command",
+                                                                                    required=True)
     build = ngram.add_parser("build", help="build a Katz-backoff trigram over a tokenizer's ids from text files")
     build.add_argument("files", nargs="+")
     build.add_argument("--tokenizer", required=True, help="directory with the target's tokenizer files")
     build.add_argument("-o", "--output", required=True, help="output file (.safetensors)")
     build.set_defaults(run=run_ngram_build)
 
-    prof = commands.add_parser("profile", help="measure (or show the cached) forward costs the auto policy decides with",
-                               description="Time one forward of k new tokens for the target (and the draft model), k = 1 ... 128, "
-                                           "plus the engine's own time per iteration; cached per model, backend, threads and device.")
+    prof = commands.add_parser("profile",
+                               help="measure (or show the cached) forward costs the auto policy decides with",
+                               description="Time one forward of k new tokens for the target (and the draft model), "
+                                           "k = 1 ... 128, plus the engine's own time per iteration; "
+                                           "cached per model, backend, threads and device.")
     add_model_arguments(prof)
     prof.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
     prof.add_argument("--plot", metavar="FILE.png", help="also draw the cost curves")
     prof.add_argument("--json", action="store_true", help="print the profile as JSON")
     prof.add_argument("--breakdown", action="store_true",
-                      help="GGUF: also time the target's forwards per kind of op (output layer, matmuls, attention, other) "
-                           "at k = 1, 4, 8, 16 (specdec/runtime/op_times.py)")
+                      help="GGUF: also time the target's forwards per kind of op (output layer, matmuls, "
+                           "attention, other) at k = 1, 4, 8, 16 (specdec/runtime/op_times.py)")
     prof.set_defaults(run=run_profile)
 
 
@@ -85,14 +90,16 @@ def run_profile(args) -> None:
         from specdec.runtime.op_times import breakdown, format_breakdown
 
         note = decoder.target.output_layer_note
-        print(f"\nwhere the target's forward goes (output layer: {decoder.target.output_layer}{f'; {note}' if note else ''}):\n")
+        print(f"\nwhere the target's forward goes (output layer: {decoder.target.output_layer}"
+              f"{f'; {note}' if note else ''}):\n")
         print(format_breakdown(breakdown(decoder.target)))
 
 
 def format_profile(profile, decoder, cache) -> str:
     """The cost curves as a table: milliseconds and the ratio to a one-token forward."""
     load = f", load {profile.load:.2f}" if profile.load is not None else ""
-    lines = [f"target: {decoder.target.describe()}" + (f" · draft: {decoder.draft_model.describe()}" if decoder.draft_model else ""),
+    lines = [f"target: {decoder.target.describe()}"
+             + (f" · draft: {decoder.draft_model.describe()}" if decoder.draft_model else ""),
              f"measured {profile.measured} in {profile.rounds} rounds{load} · cache: {cache}", "",
              "| k | target ms | × k=1 | draft ms |", "|---|---|---|---|"]
     for k, seconds in sorted(profile.target.items()):
@@ -128,12 +135,14 @@ def plot_profile(profile, path: str) -> str:
 
 
 def format_stats(stats, decoder) -> str:
-    parts = [f"{stats.generated_tokens} tokens", f"{stats.total_seconds:.2f} s", f"{stats.tokens_per_second or 0:.1f} tok/s"]
+    parts = [f"{stats.generated_tokens} tokens", f"{stats.total_seconds:.2f} s",
+             f"{stats.tokens_per_second or 0:.1f} tok/s"]
     parts.append(f"{stats.target_forwards} target forwards")
     if decoder.drafter is not None:
         rate = stats.acceptance_rate
         parts += [
-            f"drafter {decoder.drafter.name}, " + (f"depth {decoder.gamma}" if decoder.drafter.tree else f"gamma {decoder.gamma}"),
+            f"drafter {decoder.drafter.name}, "
+            + (f"depth {decoder.gamma}" if decoder.drafter.tree else f"gamma {decoder.gamma}"),
             f"{stats.draft_forwards} draft forwards",
             f"acceptance {rate:.1%}" if rate is not None else "acceptance n/a",
         ]
@@ -141,9 +150,11 @@ def format_stats(stats, decoder) -> str:
         parts.append(f"{sum(stats.tree_nodes) / len(stats.tree_nodes):.1f} draft nodes/iteration")
     if stats.drafters and decoder.gamma == "auto":
         counts = collections.Counter(stats.drafters)
-        parts.append("drafted by " + ", ".join(f"{name} {count / len(stats.drafters):.0%}" for name, count in counts.most_common()))
+        parts.append("drafted by " + ", ".join(
+            f"{name} {count / len(stats.drafters):.0%}" for name, count in counts.most_common()))
     if stats.source_trials:
-        parts.append("accepted by source " + ", ".join(f"{source} {accepted}/{tried}" for source, (tried, accepted) in sorted(stats.source_trials.items())))
+        parts.append("accepted by source " + ", ".join(
+            f"{source} {accepted}/{tried}" for source, (tried, accepted) in sorted(stats.source_trials.items())))
     parts.append(f"{stats.tokens_per_target_forward or 0:.2f} tokens/target forward")
     return "[specdec] " + " · ".join(parts)
 

@@ -89,7 +89,8 @@ def _load_gguf(path, config: RuntimeConfig, slots: int, prefix_tokens: int, pref
 
 def _load_checkpoint(path, config: RuntimeConfig, slots: int, prefix_tokens: int, prefix_cells: int) -> CausalLM:
     """A checkpoint on transformers; kept prefixes need no room reserved (caches grow, the pool grows rows)."""
-    if config.gpu_layers is not None or config.tokenizer is not None or config.output_layer != "auto" or config.batch_invariant:
+    if (config.gpu_layers is not None or config.tokenizer is not None or config.output_layer != "auto"
+            or config.batch_invariant):
         raise SpecDecError("gpu_layers, tokenizer, output_layer and batch_invariant apply to GGUF files on llama.cpp; "
                            "a checkpoint directory has its own tokenizer (use device to choose a GPU)")
     from specdec.runtime.checkpoints import default_device, load_model as load_hf
@@ -99,8 +100,10 @@ def _load_checkpoint(path, config: RuntimeConfig, slots: int, prefix_tokens: int
 
         torch.set_num_threads(config.threads)
     return load_hf(path, device=config.device, dtype=config.dtype, attn_implementation=config.attn_implementation,
-                   compile_backend=compile_backend(config.compile, config.device or default_device()), context=config.context,
-                   required=config.compile != "auto", rows=slots + 1)  # the batch and one kept prefix; the pool grows past that
+                   compile_backend=compile_backend(config.compile, config.device or default_device()),
+                   context=config.context, required=config.compile != "auto",
+                   # the batch and one kept prefix; the pool grows past that
+                   rows=slots + 1)
 
 
 def _checkpoint_on_gpu(config: RuntimeConfig) -> bool:

@@ -49,7 +49,8 @@ class CachedSequence(Protocol):
     # None while states are off.
     states: torch.Tensor | None
 
-    def forward(self, tokens: Seq[int] | torch.Tensor, parents: Seq[int] | None = None, last: int | None = None) -> torch.Tensor:
+    def forward(self, tokens: Seq[int] | torch.Tensor, parents: Seq[int] | None = None,
+                last: int | None = None) -> torch.Tensor:
         """Append entries for `tokens` and return next-token logits, [n, vocab] float on the CPU
         (a model with `device_logits` also takes on_device=True: they stay on its device).
 
@@ -160,7 +161,8 @@ class Feed:
 def forward_each(feeds: Seq[Feed]) -> list[torch.Tensor]:
     """`forward_batch` one sequence at a time: the reference, and what a model without batching does."""
     check_distinct(feeds)
-    return [feed.sequence.forward(feed.tokens, feed.parents, feed.last, **({"on_device": True} if feed.on_device else {}))
+    return [feed.sequence.forward(feed.tokens, feed.parents, feed.last,
+                                  **({"on_device": True} if feed.on_device else {}))
             for feed in feeds]
 
 
@@ -246,7 +248,8 @@ def tree_check(model: CausalLM) -> str | None:
     except Exception as error:  # a model whose attention cannot take the tree at all
         return f"a 2-node tree failed: {type(error).__name__}: {' '.join(str(error).split())[:200]}"
     error = float((tree_logits - alone).abs().max())
-    tolerance = min(model.tree_tolerance * max(1.0, float(alone.abs().max())), 0.25 * float((leaked - alone[1]).abs().max()))
+    tolerance = min(model.tree_tolerance * max(1.0, float(alone.abs().max())),
+                    0.25 * float((leaked - alone[1]).abs().max()))
     if not error <= tolerance:
         return f"a 2-node tree's logits differ from its paths computed alone by {error:.3g} (> {tolerance:.3g})"
     return None

@@ -48,8 +48,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 
 def load_model(
     path: str | os.PathLike, device: str | None = None, dtype: str | torch.dtype | None = None,
-    attn_implementation: str | None = None, compile_backend: str | None = None, context: int | None = None, required: bool = False,
-    rows: int = 2,
+    attn_implementation: str | None = None, compile_backend: str | None = None, context: int | None = None,
+    required: bool = False, rows: int = 2,
 ) -> HFModel:
     """Load a local checkpoint directory (config.json, *.safetensors, tokenizer files) or a GGUF
     file, whose weights transformers dequantizes (it needs the `gguf` package).
@@ -90,7 +90,8 @@ def _read_checkpoint(path: Path, torch_dtype: torch.dtype, attn_implementation: 
     directory = path.parent if gguf else path
     try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False, **source)
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False, **({"gguf_file": path.name} if gguf else {}))
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False,
+                                                  **({"gguf_file": path.name} if gguf else {}))
         model, info = AutoModelForCausalLM.from_pretrained(
             directory,
             config=config,
@@ -134,7 +135,9 @@ def _check_checkpoint_dir(path: Path) -> None:
         raise SpecDecError(f"{path / 'config.json'} is not valid JSON: {error}") from error
     if not any(path.glob("*.safetensors")):
         pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
-        hint = f" (found {', '.join(pickled)}: pickled weights are never loaded; convert them to safetensors)" if pickled else ""
+        hint = (f" (found {', '.join(pickled)}: pickled weights are never loaded; convert them to safetensors)"
+                if pickled else "")
         raise SpecDecError(f"{path} has no .safetensors weights{hint}")
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")):
+    if not any((path / name).is_file()
+               for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")):
         raise SpecDecError(f"{path} has no tokenizer files (tokenizer.json or tokenizer_config.json)")

@@ -16,9 +16,10 @@ Whether it is faster than llama.cpp's own on this machine is measured at load (`
 Exactness: the kernel quantizes each hidden row as llama.cpp does (Q8_0 rows against a Q8_0
 matrix, Q8_K rows against a Q6_K one), so the integer dot products are llama.cpp's; only the
 float order of the per-block sums differs. It computes every row alone, the same way in any
-batch: a row's logits are bitwise the same whatever the batch shape, so plain decoding (one row) and a verify (k rows) compute one function of the hidden
-states. A self-check at load compares it with llama.cpp's own logits and refuses it if they
-disagree beyond rounding (an architecture that does more after the final norm than one matmul).
+batch: a row's logits are bitwise the same whatever the batch shape, so plain decoding (one
+row) and a verify (k rows) compute one function of the hidden states. A self-check at load
+compares it with llama.cpp's own logits and refuses it if they disagree beyond rounding (an
+architecture that does more after the final norm than one matmul).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import numpy as np
 import torch
 
 NORM_TENSOR = b"result_norm"  # llama.cpp's name for the final norm's output, the rows the output matrix multiplies
-KINDS = {8: (32, 34), 14: (256, 210)}  # ggml type (Q8_0, Q6_K) -> weights and bytes per block; the kernel's kind is the index
+# ggml type (Q8_0, Q6_K) -> weights and bytes per block; the kernel's kind is the index
+KINDS = {8: (32, 34), 14: (256, 210)}
 GGUF_UINT32, GGUF_INT32, GGUF_FLOAT32 = 4, 5, 6  # enum gguf_type
 
 
@@ -43,8 +45,8 @@ class Capture(ctypes.Structure):
 
     _fields_ = [("get_name", ctypes.c_void_p), ("nbytes", ctypes.c_void_p), ("tensor_get", ctypes.c_void_p),
                 ("active", ctypes.c_int32), ("name", ctypes.c_char * 64),
-                ("dest", ctypes.c_void_p), ("capacity", ctypes.c_uint64), ("copied", ctypes.c_uint64), ("overflow", ctypes.c_int32),
-                ("go_on", ctypes.c_int32)]
+                ("dest", ctypes.c_void_p), ("capacity", ctypes.c_uint64), ("copied", ctypes.c_uint64),
+                ("overflow", ctypes.c_int32), ("go_on", ctypes.c_int32)]
 
 
 @functools.cache
@@ -82,13 +84,18 @@ def _ggml_base(llama_cpp_module) -> ctypes.CDLL:
     library = ctypes.CDLL(str(Path(llama_cpp_module.__file__).parent / "lib" / "libggml-base.so"))
     library.gguf_init_from_file.restype = ctypes.c_void_p
     library.gguf_init_from_file.argtypes = [ctypes.c_char_p, _GgufInit]
-    for name, result, arguments in (("gguf_find_tensor", ctypes.c_int64, [ctypes.c_char_p]), ("gguf_find_key", ctypes.c_int64, [ctypes.c_char_p]),
+    for name, result, arguments in (("gguf_find_tensor", ctypes.c_int64, [ctypes.c_char_p]),
+                                    ("gguf_find_key", ctypes.c_int64, [ctypes.c_char_p]),
                                     ("gguf_get_tensor_offset", ctypes.c_size_t, [ctypes.c_int64]),
                                     ("gguf_get_tensor_size", ctypes.c_size_t, [ctypes.c_int64]),
-                                    ("gguf_get_tensor_type", ctypes.c_int, [ctypes.c_int64]), ("gguf_get_data_offset", ctypes.c_size_t, []),
-                                    ("gguf_get_kv_type", ctypes.c_int, [ctypes.c_int64]), ("gguf_get_val_f32", ctypes.c_float, [ctypes.c_int64]),
-                                    ("gguf_get_val_str", ctypes.c_char_p, [ctypes.c_int64]), ("gguf_get_val_u32", ctypes.c_uint32, [ctypes.c_int64]),
-                                    ("gguf_get_arr_type", ctypes.c_int, [ctypes.c_int64]), ("gguf_get_arr_n", ctypes.c_size_t, [ctypes.c_int64]),
+                                    ("gguf_get_tensor_type", ctypes.c_int, [ctypes.c_int64]),
+                                    ("gguf_get_data_offset", ctypes.c_size_t, []),
+                                    ("gguf_get_kv_type", ctypes.c_int, [ctypes.c_int64]),
+                                    ("gguf_get_val_f32", ctypes.c_float, [ctypes.c_int64]),
+                                    ("gguf_get_val_str", ctypes.c_char_p, [ctypes.c_int64]),
+                                    ("gguf_get_val_u32", ctypes.c_uint32, [ctypes.c_int64]),
+                                    ("gguf_get_arr_type", ctypes.c_int, [ctypes.c_int64]),
+                                    ("gguf_get_arr_n", ctypes.c_size_t, [ctypes.c_int64]),
                                     ("gguf_get_arr_data", ctypes.c_void_p, [ctypes.c_int64]), ("gguf_free", None, [])):
         function = getattr(library, name)
         function.restype, function.argtypes = result, [ctypes.c_void_p, *arguments]
@@ -145,7 +152,8 @@ class NormCapture:
     def rows(self, count: int) -> torch.Tensor:
         """The `count` final-norm rows the last decode copied, [count, width] (a view: copy to keep)."""
         if self.capture.overflow or self.capture.copied != count * self.width * 4:
-            raise RuntimeError(f"llama.cpp's graph gave {self.capture.copied // (4 * self.width)} final-norm rows, {count} expected")
+            raise RuntimeError(f"llama.cpp's graph gave {self.capture.copied // (4 * self.width)} final-norm rows, "
+                               f"{count} expected")
         return self.hidden[:count]
 
 
@@ -179,8 +187,8 @@ class CpuHead:
         """[rows, width] final-norm rows -> [rows, vocab] logits."""
         rows = hidden.shape[0]
         out = torch.empty(rows, self.vocab_size, dtype=torch.float32)
-        self.kernels.logits(self.kind, self.weights, self.scales, self.subscales, self.vocab_size, self.width, hidden.contiguous().numpy(),
-                            rows, out.numpy(), self.threads, False)
+        self.kernels.logits(self.kind, self.weights, self.scales, self.subscales, self.vocab_size, self.width,
+                            hidden.contiguous().numpy(), rows, out.numpy(), self.threads, False)
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out
@@ -199,12 +207,14 @@ def _output_matrix(library: ctypes.CDLL, path: Path, width: int, vocab_size: int
             raise ValueError("no output matrix in the file")
         kind, size = library.gguf_get_tensor_type(gguf, tensor), library.gguf_get_tensor_size(gguf, tensor)
         if kind not in KINDS:
-            raise ValueError(f"its output matrix is neither Q8_0 nor Q6_K (ggml type {kind}), the types the kernel takes")
+            raise ValueError(f"its output matrix is neither Q8_0 nor Q6_K (ggml type {kind}), "
+                             "the types the kernel takes")
         block, block_bytes = KINDS[kind]
         if width % block or size != vocab_size * width // block * block_bytes:
             raise ValueError(f"its output matrix ({size} bytes) is not {vocab_size} x {width}")
         offset = library.gguf_get_data_offset(gguf) + library.gguf_get_tensor_offset(gguf, tensor)
         architecture = library.gguf_get_val_str(gguf, library.gguf_find_key(gguf, b"general.architecture")).decode()
         key = library.gguf_find_key(gguf, f"{architecture}.final_logit_softcapping".encode())
-        softcap = float(library.gguf_get_val_f32(gguf, key)) if key >= 0 and library.gguf_get_kv_type(gguf, key) == GGUF_FLOAT32 else 0.0
+        softcap = (float(library.gguf_get_val_f32(gguf, key))
+                   if key >= 0 and library.gguf_get_kv_type(gguf, key) == GGUF_FLOAT32 else 0.0)
     return np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(size,)), kind, softcap

@@ -38,7 +38,8 @@ def transposed_wins(out_features: int, in_features: int, dtype: torch.dtype, thr
         x = torch.randn(rows, in_features, dtype=dtype)
         linear, transposed = [], []
         for _ in range(24):
-            for form, times in ((lambda: torch.nn.functional.linear(x, weight), linear), (lambda: _transposed(weight, x), transposed)):
+            for form, times in ((lambda: torch.nn.functional.linear(x, weight), linear),
+                                (lambda: _transposed(weight, x), transposed)):
                 started = time.perf_counter()
                 form()
                 times.append(time.perf_counter() - started)

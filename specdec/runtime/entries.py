@@ -42,10 +42,12 @@ class SequenceEntries:
         tokens, parents = tree.new_entries(tokens, parents, start)
         max_length = self.owner.max_length
         if start + len(tokens) > max_length:  # positions stay below it too: an entry's position is at most its index
-            raise SpecDecError(f"{len(tokens)} new tokens after {start} cached ones overflow the model's context of {max_length}")
+            raise SpecDecError(f"{len(tokens)} new tokens after {start} cached ones overflow the model's context "
+                               f"of {max_length}")
         positions: list[int] = []
         for parent in parents:
-            positions.append(0 if parent < 0 else (self._positions[parent] if parent < start else positions[parent - start]) + 1)
+            positions.append(0 if parent < 0
+                             else (self._positions[parent] if parent < start else positions[parent - start]) + 1)
         return tokens, positions, self._parents + parents
 
     def commit(self, tokens: list[int], positions: list[int], all_parents: list[int]) -> None:

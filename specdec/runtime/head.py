@@ -89,7 +89,8 @@ class HeadNet(nn.Module):
         return guessed, self.score(guessed)
 
     def guess(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """[n, width] states and [n] draft ids -> [n, width]: the target's next final-norm state, as the head guesses it."""
+        """[n, width] states and [n] draft ids -> [n, width]: the target's next final-norm state, as
+        the head guesses it."""
         states = states.to(self.fuse.weight.dtype)
         x = self.fuse(torch.cat([self.state_norm(states), self.token_norm(self.inputs[tokens])], dim=-1))
         for block in self.blocks:
@@ -117,7 +118,8 @@ def load_head(directory: str | Path, dtype: torch.dtype = torch.float32) -> tupl
     except (OSError, ValueError) as error:
         raise SpecDecError(f"{directory}: not a draft head ({error})") from error
     shape = HeadShape(**saved["shape"])
-    vocab_map = VocabMap(tuple(saved["vocab_map"]["target_ids"]), saved["vocab_map"]["target_vocab_size"], saved["vocab_map"]["target_fingerprint"])
+    vocab_map = VocabMap(tuple(saved["vocab_map"]["target_ids"]), saved["vocab_map"]["target_vocab_size"],
+                         saved["vocab_map"]["target_fingerprint"])
     net = HeadNet(shape, weights["inputs"], weights["outputs"])
     net.load_state_dict({k: v.float() for k, v in weights.items()})
     return net.to(dtype).eval(), vocab_map
@@ -160,7 +162,8 @@ class HeadModel:
 
     def __init__(self, net: HeadNet, vocab_map: VocabMap, target: base.CausalLM, path: str = ""):
         if net.shape.width != target.hidden_size:
-            raise SpecDecError(f"the head {path} reads states {net.shape.width} wide; the target's are {target.hidden_size}")
+            raise SpecDecError(f"the head {path} reads states {net.shape.width} wide; the target's are "
+                               f"{target.hidden_size}")
         self.net, self.path = net, str(path)
         # the output rows through specdec's CPU kernel where the target's GGUF matrix suits it (the same
         # rows, quantized as the target reads them; far fewer bytes per draft level), else the network's matmul
@@ -169,7 +172,8 @@ class HeadModel:
         self.vocab_size = vocab_map.draft_vocab_size
         self.hidden_size = net.shape.width
         self.parameters = sum(p.numel() for p in net.parameters())
-        self.weight_bytes = net.fuse.weight.element_size() * (self.parameters + net.outputs.numel())  # one forward reads the network and the output rows
+        # one forward reads the network and the output rows
+        self.weight_bytes = net.fuse.weight.element_size() * (self.parameters + net.outputs.numel())
         self.dtype = str(net.fuse.weight.dtype).removeprefix("torch.")
         draft_id = {target_id: i for i, target_id in enumerate(vocab_map.target_ids)}
         self.stop_token_ids = frozenset(draft_id[t] for t in target.stop_token_ids if t in draft_id)
@@ -254,7 +258,8 @@ def _kernel_score(target: base.CausalLM, vocab_map: VocabMap):
     if target.backend != "llamacpp" or cpu_head.unavailable() is not None:
         return None
     try:
-        kernel = cpu_head.CpuHead(target.path, target.llama_cpp, target.hidden_size, target.vocab_size, 1, rows=vocab_map.target_ids)
+        kernel = cpu_head.CpuHead(target.path, target.llama_cpp, target.hidden_size, target.vocab_size, 1,
+                                  rows=vocab_map.target_ids)
     except ValueError:
         return None
     return lambda guessed: kernel.logits(guessed.float())

@@ -89,7 +89,8 @@ class HFModel(base.CheckedTrees):
         if on and self._states_hook is None:
             head = self.model.get_output_embeddings()
             if not _is_matrix_head(head):
-                raise SpecDecError(f"{self.describe()}: no hidden states ({type(head).__name__} is not a linear output layer)")
+                raise SpecDecError(f"{self.describe()}: no hidden states ({type(head).__name__} is not a linear "
+                                   "output layer)")
             self._states_hook = head.register_forward_pre_hook(self._take_head_input)
         elif not on and self._states_hook is not None:
             self._states_hook.remove()
@@ -175,10 +176,12 @@ class HFModel(base.CheckedTrees):
         base.check_distinct(feeds)
         if any(feed.sequence.owner is not self for feed in feeds):
             raise ValueError("a batched forward takes sequences of its own model only")
-        if len(feeds) == 1 or self.tree_refusal() is not None:  # padding moves slots: only where masks and positions are exact
+        # padding moves slots: only where masks and positions are exact
+        if len(feeds) == 1 or self.tree_refusal() is not None:
             return base.forward_each(feeds)
         rows = [(feed.sequence, *feed.sequence.place(feed.tokens, feed.parents)) for feed in feeds]
-        crossing = any(sequence.crosses_rope_switch(positions) for sequence, _, positions, _ in rows)  # its cache is recomputed
+        # its cache is recomputed
+        crossing = any(sequence.crosses_rope_switch(positions) for sequence, _, positions, _ in rows)
         if crossing or len({sequence._long_rope for sequence, *_ in rows}) > 1:
             # longrope picks its factors from the batch's largest position: rows on both sides of the switch go apart
             return base.forward_each(feeds)
@@ -252,7 +255,8 @@ class HFSequence(SequenceEntries):
         # mask, and a full layer can be cut back exactly (a sliding layer's counters cannot).
         self._cache = DynamicCache()
         self._long_rope = False  # the cache was computed with longrope's long factors
-        self.states: torch.Tensor | None = None  # [rows returned, hidden_size] of the last forward, while the model keeps states
+        # [rows returned, hidden_size] of the last forward, while the model keeps states
+        self.states: torch.Tensor | None = None
 
     def release(self) -> None:
         self._cache = None
@@ -282,10 +286,13 @@ class HFSequence(SequenceEntries):
         switch = self.owner.rope_switch
         return switch is not None and not self._long_rope and max(positions, default=0) >= switch
 
-    def _forward(self, tokens: list[int], positions: list[int], all_parents: list[int], last: int | None) -> torch.Tensor:
+    def _forward(self, tokens: list[int], positions: list[int], all_parents: list[int],
+                 last: int | None) -> torch.Tensor:
         owner, start = self.owner, self.cache_len
         ancestry = self.attends(all_parents, start, len(tokens))
-        mask = None if ancestry is None else owner.layer_masks(ancestry[None], torch.tensor([self._positions + positions]), torch.tensor([positions]))
+        mask = (None if ancestry is None
+                else owner.layer_masks(ancestry[None], torch.tensor([self._positions + positions]),
+                                       torch.tensor([positions])))
         keep = {"logits_to_keep": last} if last and owner.takes_logits_to_keep else {}
         out = owner.model(
             input_ids=torch.tensor([tokens], device=owner.torch_device),
@@ -427,7 +434,8 @@ def longrope_switch(config) -> int | None:
     """The first position longrope runs on its long factors, or None (no longrope)."""
     for rope in _rope_parameters(config):
         if rope.get("rope_type", rope.get("type")) == "longrope":
-            original = rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+            original = (rope.get("original_max_position_embeddings")
+                        or getattr(config, "original_max_position_embeddings", None))
             return int(original) if original else None
     return None
 

@@ -87,7 +87,8 @@ class _CpuOnly:
         cpu.ggml_cpu_has_amx_int8.restype = ctypes.c_int
         if not cpu.ggml_cpu_has_amx_int8():
             return False
-        self.overrides = (_BufferOverride * 2)(_BufferOverride(b".*", cpu.ggml_backend_cpu_buffer_type()), _BufferOverride(None, None))
+        self.overrides = (_BufferOverride * 2)(_BufferOverride(b".*", cpu.ggml_backend_cpu_buffer_type()),
+                                               _BufferOverride(None, None))
         return True
 
 
@@ -201,6 +202,6 @@ class GGUFTokenizer:
             raise SpecDecError("the model has no chat template")
         special = {name: self.decode([i], skip_special_tokens=False) if i is not None else ""
                    for name, i in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id))}
-        text = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special)
+        template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(self.chat_template)
+        text = template.render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
         return self.encode(text, add_special_tokens=False) if tokenize else text

@@ -29,11 +29,13 @@ from specdec.errors import SpecDecError
 from specdec.runtime import base, cpu_head
 from specdec.config import OUTPUT_LAYERS
 from specdec.runtime.entries import SequenceEntries
-from specdec.runtime.llama_lib import GGUFTokenizer, Weights, bindings, buffer_text, check_gguf_file, clear_log, last_log, untiled_matmuls
+from specdec.runtime.llama_lib import (GGUFTokenizer, Weights, bindings, buffer_text, check_gguf_file, clear_log,
+                                       last_log, untiled_matmuls)
 
 MAX_SEQUENCE_IDS = 128  # branch ids shared by all sequences of a model (llama.cpp reserves logits rows for as many)
 DEFAULT_CONTEXT = 4096  # positions per sequence unless asked (the training context when shorter)
-BATCH = 128  # tokens (and logits rows: llama.cpp keeps vocab x BATCH floats) per llama_decode; longer inputs go in pieces
+# tokens (and logits rows: llama.cpp keeps vocab x BATCH floats) per llama_decode; longer inputs go in pieces
+BATCH = 128
 
 
 class LlamaCppModel(base.CheckedTrees):
@@ -52,8 +54,8 @@ class LlamaCppModel(base.CheckedTrees):
     times_ops = True  # `runtime.op_times` splits a forward's time by kind of op
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, gpu_layers: int = 0,
-                 context: int | None = None, tokenizer=None, slots: int = 1, prefix_cells: int = 0, output_layer: str = "auto",
-                 batch_invariant: bool = False):
+                 context: int | None = None, tokenizer=None, slots: int = 1, prefix_cells: int = 0,
+                 output_layer: str = "auto", batch_invariant: bool = False):
         if output_layer not in OUTPUT_LAYERS:
             raise SpecDecError(f"unknown output layer {output_layer!r}; choose one of {', '.join(OUTPUT_LAYERS)}")
         self.llama_cpp = lib = bindings()
@@ -65,18 +67,21 @@ class LlamaCppModel(base.CheckedTrees):
         self._weights = Weights(lib, Path(path), gpu_layers, batch_invariant)
         self._model = self._weights.model
         if lib.llama_model_is_recurrent(self._model) or lib.llama_model_is_hybrid(self._model):
-            raise SpecDecError(f"{path}: recurrent models cannot take back rejected draft tokens; specdec needs an attention model")
+            raise SpecDecError(f"{path}: recurrent models cannot take back rejected draft tokens; "
+                               "specdec needs an attention model")
         self._vocab = self._weights.vocab
         self.vocab_size = lib.llama_vocab_n_tokens(self._vocab)
         self.tokenizer = tokenizer or GGUFTokenizer(self._weights)
         if len(self.tokenizer) != self.vocab_size:
-            raise SpecDecError(f"{path}: the model has {self.vocab_size} tokens but the tokenizer has {len(self.tokenizer)}")
+            raise SpecDecError(f"{path}: the model has {self.vocab_size} tokens but the tokenizer has "
+                               f"{len(self.tokenizer)}")
         trained = lib.llama_model_n_ctx_train(self._model)
         self.max_length = min(context or DEFAULT_CONTEXT, trained) if trained > 0 else (context or DEFAULT_CONTEXT)
         self.spare_cells = prefix_cells  # for kept prefixes (PrefixCache), beyond the slots'
         self.on_gpu = bool(gpu_layers)
         self.compile_seconds: dict[tuple[int, int], float] = {}  # nothing compiled
-        self.cells = self.max_length * slots + prefix_cells  # KV cells: `slots` sequences of max_length entries fit at once
+        # KV cells: `slots` sequences of max_length entries fit at once
+        self.cells = self.max_length * slots + prefix_cells
         self.weight_bytes = lib.llama_model_size(self._model)
         self.parameters = lib.llama_model_n_params(self._model)
         description = buffer_text(lambda buf, size: lib.llama_model_desc(self._model, buf, size))
@@ -89,7 +94,8 @@ class LlamaCppModel(base.CheckedTrees):
         self.threads = threads or len(os.sched_getaffinity(0))
         self._head, self.output_layer_note = self._open_head(output_layer, gpu_layers)
         # the final norm's rows, for specdec's output layer and for a draft head (None: not built)
-        self._capture = cpu_head.NormCapture(lib, self.hidden_size, BATCH) if cpu_head.capture_unavailable() is None else None
+        self._capture = (cpu_head.NormCapture(lib, self.hidden_size, BATCH)
+                         if cpu_head.capture_unavailable() is None else None)
         self._context = self._new_context(lib, self.threads)
         self._memory = lib.llama_get_memory(self._context)
         self._batch = lib.llama_batch_init(BATCH, 0, MAX_SEQUENCE_IDS)
@@ -114,10 +120,11 @@ class LlamaCppModel(base.CheckedTrees):
             batched.release()
         if not torch.equal(alone, together):
             difference = float((alone - together).abs().max())
-            raise SpecDecError(f"{self.path}: llama.cpp's logits still move with the batch shape (by up to {difference:.3g}) with "
-                               "repacked weights and tiled matmuls off; a build without llamafile's kernels fixes it for F16 and F32 "
-                               f'weights: CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" pip install --force-reinstall --no-cache-dir --no-deps '
-                               f"llama-cpp-python=={self.llama_cpp.__version__}")
+            raise SpecDecError(f"{self.path}: llama.cpp's logits still move with the batch shape (by up to "
+                               f"{difference:.3g}) with repacked weights and tiled matmuls off; a build without "
+                               "llamafile's kernels fixes it for F16 and F32 weights: "
+                               'CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" pip install --force-reinstall --no-cache-dir '
+                               f"--no-deps llama-cpp-python=={self.llama_cpp.__version__}")
 
     @property
     def output_layer(self) -> str:
@@ -158,11 +165,13 @@ class LlamaCppModel(base.CheckedTrees):
         try:
             error = float((forward(True, probe)[0] - theirs).abs().max())
             tolerance = 1e-3 * max(1.0, float(theirs.abs().max()))
-            problem = f"its logits differ from llama.cpp's by {error:.3g} (> {tolerance:.3g})" if not error <= tolerance else None
+            problem = (f"its logits differ from llama.cpp's by {error:.3g} (> {tolerance:.3g})"
+                       if not error <= tolerance else None)
         except RuntimeError as failure:  # the graph names no final norm "result_norm": the capture saw no rows
             problem = str(failure)
         if problem is None and mode == "auto":
-            times = {(use, k): min(forward(use, probe[:k])[1] for _ in range(3)) for use in (False, True) for k in (1, 8)}
+            times = {(use, k): min(forward(use, probe[:k])[1] for _ in range(3))
+                     for use in (False, True) for k in (1, 8)}
             slower = [k for k in (1, 8) if times[True, k] > times[False, k]]
             if slower:
                 problem = "slower here than llama.cpp's own: " + ", ".join(
@@ -190,11 +199,13 @@ class LlamaCppModel(base.CheckedTrees):
         params.swa_full = True  # sliding-window layers keep every cell, so any cell can be taken back
         params.n_threads = params.n_threads_batch = threads
         params.no_perf = True
-        if self._capture is not None:  # copies the final norm's rows out (and stops the graph there for specdec's output layer)
+        # copies the final norm's rows out (and stops the graph there for specdec's output layer)
+        if self._capture is not None:
             params.cb_eval, params.cb_eval_user_data = self._capture.callback, self._capture.user_data
         context = lib.llama_init_from_model(self._model, params)
         if not context:
-            raise SpecDecError(f"llama.cpp could not create a context of {self.cells} cells for {self.path}{last_log()}")
+            raise SpecDecError(f"llama.cpp could not create a context of {self.cells} cells for "
+                               f"{self.path}{last_log()}")
         return context
 
     def __del__(self):
@@ -231,16 +242,18 @@ class LlamaCppModel(base.CheckedTrees):
 
     def known_tree_refusal(self) -> str | None:
         if self.batch_invariant:
-            return ("batch-invariant decoding needs each sequence's KV cells in position order (llama.cpp's attention sums over "
-                    "cells in cell order), and a tree's rejected branches leave holes that later tokens would fill out of order")
+            return ("batch-invariant decoding needs each sequence's KV cells in position order "
+                    "(llama.cpp's attention sums over cells in cell order), and a tree's rejected branches "
+                    "leave holes that later tokens would fill out of order")
         return None
 
     # ---- sequence ids and decoding, for LlamaCppSequence
 
     def take_id(self) -> int:
         if not self._free_ids:
-            raise SpecDecError(f"all {MAX_SEQUENCE_IDS} llama.cpp sequence ids of {self.path} are in use (one per open sequence "
-                               "and per tree branch); use fewer tree nodes or fewer generations at once")
+            raise SpecDecError(f"all {MAX_SEQUENCE_IDS} llama.cpp sequence ids of {self.path} are in use "
+                               "(one per open sequence and per tree branch); use fewer tree nodes or fewer "
+                               "generations at once")
         return self._free_ids.pop()
 
     def drop_id(self, seq_id: int, from_position: int = -1) -> None:
@@ -283,7 +296,8 @@ class LlamaCppModel(base.CheckedTrees):
             feed.sequence.states = rows
         return list(torch.split(logits, counts))
 
-    def decode(self, tokens: list[int], positions: list[int], ids: list[list[int]], outputs: list[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def decode(self, tokens: list[int], positions: list[int], ids: list[list[int]],
+               outputs: list[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One llama_decode per BATCH tokens; returns the logits [n, vocab] of the tokens flagged in
         `outputs`, in order, and their final-norm rows [n, hidden] when states are kept (else None)."""
         lib, batch, rows, states = self.llama_cpp, self._batch, [], []
@@ -301,10 +315,12 @@ class LlamaCppModel(base.CheckedTrees):
                 self._capture.begin(copy=self._use_head or self._keep_states, stop=self._use_head)
             status = lib.llama_decode(self._context, batch)
             if status != 0:
-                full = f" (the KV cache of {self.cells} cells, shared by this model's open sequences, is full)" if status == 1 else ""
+                full = (f" (the KV cache of {self.cells} cells, shared by this model's open sequences, is full)"
+                        if status == 1 else "")
                 raise SpecDecError(f"llama.cpp could not decode {end - start} tokens of {self.path}{full}{last_log()}")
             n_out = sum(outputs[start:end])
-            hidden = self._capture.rows(n_out) if n_out and (self._use_head or self._keep_states) else None  # [n_out, hidden]
+            # [n_out, hidden]
+            hidden = self._capture.rows(n_out) if n_out and (self._use_head or self._keep_states) else None
             if n_out and self._use_head:
                 rows.append(self._head.logits(hidden))
             elif n_out:

@@ -65,7 +65,8 @@ def breakdown(model, sizes=(1, 4, 8, 16), repeats: int = 5, prefix: int = 64) ->
         return True
 
     sizes = [k for k in sizes if prefix + k <= model.max_length]
-    timed_context, plain_context = _Context(model, prefix + max(sizes), timed), _Context(model, prefix + max(sizes), None)
+    timed_context, plain_context = (_Context(model, prefix + max(sizes), timed),
+                                    _Context(model, prefix + max(sizes), None))
     result = {}
     for k in sizes:
         tokens = [(7 * i + 3) % model.vocab_size for i in range(k)]
@@ -117,7 +118,8 @@ class _Context:
         batch = self.batch
         batch.n_tokens = len(tokens)
         for j, token in enumerate(tokens):
-            batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.seq_id[j][0], batch.logits[j] = token, start + j, 1, 0, True
+            batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.seq_id[j][0], batch.logits[j] = (
+                token, start + j, 1, 0, True)
         started = time.perf_counter()
         if self.lib.llama_decode(self.context, batch) != 0:
             raise RuntimeError("llama.cpp could not decode the breakdown's forward")
@@ -153,12 +155,14 @@ def _copy_seconds(vocab: int, rows: int, repeats: int) -> float:
 def format_breakdown(result: dict[int, dict[str, float]]) -> str:
     """A markdown table: milliseconds per category, one column per k."""
     sizes = sorted(result)
-    kinds = [kind for kind in (*CATEGORIES, "forward", "output layer (specdec)", "logits copy") if kind in result[sizes[0]]]
+    kinds = [kind for kind in (*CATEGORIES, "forward", "output layer (specdec)", "logits copy")
+             if kind in result[sizes[0]]]
     lines = ["| ms per forward | " + " | ".join(f"k = {k}" for k in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
     for kind in kinds:
         label = {"forward": "whole forward, untimed ops (llama.cpp's logits)"}.get(kind, kind)
         lines.append(f"| {label} | " + " | ".join(f"{result[k][kind] * 1e3:.2f}" for k in sizes) + " |")
     if "output layer (specdec)" in result[sizes[0]]:
         ours = [result[k]["forward"] - result[k]["output layer"] + result[k]["output layer (specdec)"] for k in sizes]
-        lines.append("| forward with specdec's output layer (estimate) | " + " | ".join(f"{t * 1e3:.2f}" for t in ours) + " |")
+        lines.append("| forward with specdec's output layer (estimate) | "
+                     + " | ".join(f"{t * 1e3:.2f}" for t in ours) + " |")
     return "\n".join(lines)

@@ -42,9 +42,9 @@ class _Kept:
 
 class PrefixCache:
     """Finished sequences of one model, kept with the tokens their caches hold and the scope that
-    may reuse them, up to `budget` entries in all (shed as the module docstring says). Its list is guarded by a lock (metrics read
-    `tokens` from other threads); the model's own calls (fork, release) are the engine's, made on
-    its thread like every other call into the model.
+    may reuse them, up to `budget` entries in all (shed as the module docstring says). Its list is
+    guarded by a lock (metrics read `tokens` from other threads); the model's own calls (fork,
+    release) are the engine's, made on its thread like every other call into the model.
 
     Invariant: every kept sequence's cache holds exactly its `tokens`, as a chain (committed text),
     the kept tokens add up to at most `budget` and the kept sequences to at most MAX_KEPT (fewer on a
@@ -56,7 +56,8 @@ class PrefixCache:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise SpecDecError(f"a prefix cache's budget must be a number of tokens >= 0, got {budget!r}")
         spare = model.spare_cells
-        self.model, self.budget, self.min_shared = model, budget if spare is None else min(budget, spare), max(1, min_shared)
+        self.model, self.budget, self.min_shared = (model, budget if spare is None else min(budget, spare),
+                                                    max(1, min_shared))
         # a model whose kept sequences each hold a whole row of a static pool keeps fewer (`static.KEPT_ROWS`)
         self.max_kept = min(MAX_KEPT, model.spare_sequences or MAX_KEPT)
         self._kept: list[_Kept] = []  # least recently used first
@@ -135,7 +136,8 @@ class PrefixCache:
             newcomer = _Kept(None, tokens, scope)
             gone = [kept for kept in mine if common_prefix(kept.tokens, tokens) == len(kept.tokens)]
             staying = [kept for kept in self._kept if kept not in gone]
-            while len(staying) + 1 > self.max_kept or sum(len(kept.tokens) for kept in staying) + len(tokens) > self.budget:
+            while (len(staying) + 1 > self.max_kept
+                   or sum(len(kept.tokens) for kept in staying) + len(tokens) > self.budget):
                 weight = (lambda kept: 1) if len(staying) + 1 > self.max_kept else (lambda kept: len(kept.tokens))
                 victim = evictee(staying + [newcomer], lambda kept: owner(kept.scope), weight)
                 if victim is newcomer:

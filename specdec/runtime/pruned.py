@@ -30,7 +30,8 @@ from specdec.runtime import base
 from specdec.runtime.vocab import tokenizer_fingerprint
 
 MAP_FILE = "vocab_map.json"
-GGUF_KEYS = ("specdec.vocab_map.target_ids", "specdec.vocab_map.target_fingerprint", "specdec.vocab_map.target_vocab_size")
+GGUF_KEYS = ("specdec.vocab_map.target_ids", "specdec.vocab_map.target_fingerprint",
+             "specdec.vocab_map.target_vocab_size")
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,8 @@ class VocabMap:
 
     def check(self) -> None:
         ids = np.asarray(self.target_ids)
-        if len(ids) == 0 or len(set(self.target_ids)) != len(ids) or ids.min() < 0 or ids.max() >= self.target_vocab_size:
+        if (len(ids) == 0 or len(set(self.target_ids)) != len(ids) or ids.min() < 0
+                or ids.max() >= self.target_vocab_size):
             raise SpecDecError("a vocabulary map must list distinct target ids within the target's vocabulary")
 
     def to_draft(self) -> np.ndarray:
@@ -92,7 +94,8 @@ def _gguf_map(path: Path) -> VocabMap | None:
             ids_key, fingerprint_key, size_key = (library.gguf_find_key(gguf, key.encode()) for key in GGUF_KEYS)
             if ids_key < 0:
                 return None
-            if min(fingerprint_key, size_key) < 0 or library.gguf_get_arr_type(gguf, ids_key) not in (GGUF_INT32, GGUF_UINT32):
+            if (min(fingerprint_key, size_key) < 0
+                    or library.gguf_get_arr_type(gguf, ids_key) not in (GGUF_INT32, GGUF_UINT32)):
                 raise SpecDecError(f"{path}: its specdec.vocab_map metadata is incomplete")
             count = library.gguf_get_arr_n(gguf, ids_key)
             ids = np.ctypeslib.as_array((ctypes.c_int32 * count).from_address(library.gguf_get_arr_data(gguf, ids_key)))
@@ -109,16 +112,19 @@ class PrunedVocab:
     def __init__(self, draft: base.CausalLM, vocab_map: VocabMap, target_tokenizer):
         vocab_map.check()
         if vocab_map.draft_vocab_size != draft.vocab_size:
-            raise SpecDecError(f"{draft.path}: its vocabulary map covers {vocab_map.draft_vocab_size} draft tokens, the model has {draft.vocab_size}")
+            raise SpecDecError(f"{draft.path}: its vocabulary map covers {vocab_map.draft_vocab_size} draft tokens, "
+                               f"the model has {draft.vocab_size}")
         fingerprint = tokenizer_fingerprint(target_tokenizer, spaces_as_written=True)
         if vocab_map.target_fingerprint != fingerprint or vocab_map.target_vocab_size != len(target_tokenizer):
             raise SpecDecError(f"the draft {draft.path} was distilled for another tokenizer than the target's "
                                f"(fingerprint {vocab_map.target_fingerprint} vs {fingerprint})")
         self.inner, self.vocab_map = draft, vocab_map
         self.tokenizer, self.vocab_size = target_tokenizer, vocab_map.target_vocab_size
-        self.stop_token_ids = frozenset(int(vocab_map.target_ids[i]) for i in draft.stop_token_ids if i < vocab_map.unknown)
+        self.stop_token_ids = frozenset(int(vocab_map.target_ids[i]) for i in draft.stop_token_ids
+                                        if i < vocab_map.unknown)
         self._to_draft = torch.from_numpy(vocab_map.to_draft())
-        self.columns = torch.tensor(vocab_map.target_ids, dtype=torch.long)  # [columns]: the target id of each logit's column
+        # [columns]: the target id of each logit's column
+        self.columns = torch.tensor(vocab_map.target_ids, dtype=torch.long)
 
     device_logits = False  # logits come back on the CPU, one column per predicted token (`columns`)
     peer_kind = None  # specdec's own vocabulary map: no other library's loop takes it

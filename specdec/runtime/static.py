@@ -36,7 +36,8 @@ from specdec.runtime.hf import HFModel, HFSequence, as_float, longrope_switch, n
 BUCKETS = (1, 4, 16, 64)  # new entries per compiled forward; verify trees and chains pad up to these
 BATCHES = (1, 2, 4, 8, 16, 32)  # rows per compiled forward; a server's batch pads up to these
 DEFAULT_CONTEXT = 4096  # cells per row unless asked: every step attends over the whole row
-KEPT_ROWS = 4  # finished sequences a prefix cache keeps here: each holds a whole row (512 MB for an 8B model at 4096 cells)
+# finished sequences a prefix cache keeps here: each holds a whole row (512 MB for an 8B model at 4096 cells)
+KEPT_ROWS = 4
 # graphs: each shape captured by hand as a CUDA graph (`_Graphs`; on the CPU the same buffers, replayed
 # eagerly); inductor: torch.compile's generated kernels, CUDA graphs on a GPU ("reduce-overhead");
 # aot_eager: traced by torch.compile, run eagerly (tests); static: the pool alone, nothing compiled
@@ -49,7 +50,8 @@ class StaticHFModel(HFModel):
     device_logits = True
     spare_sequences = KEPT_ROWS
 
-    def __init__(self, model, tokenizer, path: str = "", context: int | None = None, backend: str = "graphs", rows: int = 2):
+    def __init__(self, model, tokenizer, path: str = "", context: int | None = None, backend: str = "graphs",
+                 rows: int = 2):
         super().__init__(model, tokenizer, path)
         if backend not in COMPILE_BACKENDS:
             raise SpecDecError(f"unknown compile backend {backend!r}; choose one of {', '.join(COMPILE_BACKENDS)}")
@@ -83,7 +85,8 @@ class StaticHFModel(HFModel):
         try:
             for batch in rows:
                 for bucket in (b for b in tokens if b <= self.capacity):
-                    for _ in range(3):  # Inductor's graph trees record on the second or third call (hand capture: the first)
+                    # Inductor's graph trees record on the second or third call (hand capture: the first)
+                    for _ in range(3):
                         self.forward_batch([base.Feed(s, [0] * bucket) for s in sequences[:batch]])
                         for sequence in sequences[:batch]:
                             sequence.truncate(0)
@@ -171,7 +174,8 @@ class StaticHFModel(HFModel):
 
     def _forward_logits(self, tokens, positions, mask, cache, states: bool = False):
         """The logits [rows, tokens, vocab]; with states, (logits, the states [rows, tokens, hidden])."""
-        out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
+        out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                         use_cache=True)
         return (out.logits, self.taken_states()) if states else out.logits
 
     def _to_first_rows(self, sequences: list[StaticSequence]) -> None:
@@ -240,7 +244,8 @@ class StaticSequence(HFSequence):
 
     def cache_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         n, row = self.cache_len, self.row
-        return [(keys[row : row + 1, :, :n], values[row : row + 1, :, :n]) for keys, values in zip(self.owner.pool.keys, self.owner.pool.values)]
+        return [(keys[row : row + 1, :, :n], values[row : row + 1, :, :n])
+                for keys, values in zip(self.owner.pool.keys, self.owner.pool.values)]
 
 
 class _Step:
@@ -259,7 +264,8 @@ class _Step:
             positions.append(row_positions + [0] * pad)
             slots.append(list(range(start, start + n)) + [scratch] * pad)
             ancestry = sequence.attends(all_parents, start, n)
-            if ancestry is not None:  # cells below `trunk` are seen whole: cut it where some new entry's path leaves the chain earlier
+            # cells below `trunk` are seen whole: cut it where some new entry's path leaves the chain earlier
+            if ancestry is not None:
                 hidden = (~ancestry[:, :trunk].all(dim=0)).nonzero()
                 trunk = int(hidden[0]) if len(hidden) else trunk
             trunks.append(trunk)
@@ -288,7 +294,8 @@ class _Step:
         cells = owner.pool.cell_index  # width and bucket are at most the cells
         allowed = (cells[None, None, :] < self.trunks[:, None, None]).expand(rows, bucket, -1).clone()
         columns = (self.trunks[:, None, None] + cells[:width]).clamp(max=owner.capacity)
-        allowed.scatter_(2, columns.expand(rows, bucket, width), self.tree)  # beyond a row's span: False, on cells it never sees
+        # beyond a row's span: False, on cells it never sees
+        allowed.scatter_(2, columns.expand(rows, bucket, width), self.tree)
         padding = cells[:bucket][None, :] >= self.counts[:, None]
         allowed = torch.where(padding[:, :, None], (cells == owner.capacity)[None, None, :], allowed)
         return owner.layer_masks(allowed, owner.pool.positions[:rows], self.positions)  # windows by cells' positions
@@ -306,8 +313,10 @@ class _Pool:
 
     def grow(self, rows: int) -> None:
         old = (self.keys, self.values, self.positions) if self.rows else None
-        self.keys = [torch.zeros(rows, k[1], self.cells, k[3], dtype=dtype, device=self.device) for k, _, dtype in self.layout]
-        self.values = [torch.zeros(rows, v[1], self.cells, v[3], dtype=dtype, device=self.device) for _, v, dtype in self.layout]
+        self.keys = [torch.zeros(rows, k[1], self.cells, k[3], dtype=dtype, device=self.device)
+                     for k, _, dtype in self.layout]
+        self.values = [torch.zeros(rows, v[1], self.cells, v[3], dtype=dtype, device=self.device)
+                       for _, v, dtype in self.layout]
         self.positions = torch.zeros(rows, self.cells, dtype=torch.long, device=self.device)
         if old is not None:
             for new, previous in zip((*self.keys, *self.values, self.positions), (*old[0], *old[1], old[2])):
@@ -387,7 +396,8 @@ class _Graphs:
                 output = self.forward(*buffers[:3], cache, states)
         except RuntimeError as error:
             torch.cuda.current_stream().wait_stream(side)
-            print(f"specdec: a forward of shape {tuple(tokens.shape)} runs without a CUDA graph: {' '.join(str(error).split())[:200]}",
+            print(f"specdec: a forward of shape {tuple(tokens.shape)} runs without a CUDA graph: "
+                  f"{' '.join(str(error).split())[:200]}",
                   file=sys.stderr)
             return None, buffers, None
         return graph, buffers, output
@@ -443,13 +453,15 @@ class SlotCache(Cache):
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
         super().__init__(layers=[SlotLayer(k, v) for k, v in zip(keys, values)])
         self.slots: torch.Tensor | None = None
-        self.row_index = torch.arange(keys[0].shape[0], device=keys[0].device)[:, None]  # [rows, 1] beside slots [rows, n]
+        # [rows, 1] beside slots [rows, n]
+        self.row_index = torch.arange(keys[0].shape[0], device=keys[0].device)[:, None]
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [rows, heads, n, head dim], written at cells slots[r, j] of row r
         in place (an index_put_: Inductor keeps it in place, where a scatter_ copied the whole pool)."""
         layer = self.layers[layer_idx]
-        layer.keys[self.row_index, :, self.slots] = key_states.transpose(1, 2).to(layer.keys.dtype)  # indexed: [rows, n, heads, dim]
+        # indexed: [rows, n, heads, dim]
+        layer.keys[self.row_index, :, self.slots] = key_states.transpose(1, 2).to(layer.keys.dtype)
         layer.values[self.row_index, :, self.slots] = value_states.transpose(1, 2).to(layer.values.dtype)
         return layer.keys, layer.values
 
@@ -486,7 +498,8 @@ def static_refusal(config) -> str | None:
         return f"its masks are not exact ({tree})"
     if longrope_switch(config) is not None:
         return "longrope recomputes the whole cache when the context passes its switch"
-    if config.model_type in ("mamba", "mamba2", "jamba", "falcon_mamba", "zamba", "bamba", "recurrent_gemma", "lfm2", "qwen3_next"):
+    if config.model_type in ("mamba", "mamba2", "jamba", "falcon_mamba", "zamba", "bamba", "recurrent_gemma", "lfm2",
+                             "qwen3_next"):
         return "its layers keep recurrent state, not keys and values"
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder"

@@ -45,13 +45,15 @@ def build_service(config: ServeConfig) -> Service:
     decoder = build_decoder(replace(config.decoder, slots=slots))
     check_sequence_ids(decoder, batch)
     name = config.model_name or os.path.basename(os.path.normpath(decoder.target.path))
-    return Service(decoder, name, max_queue=config.max_queue, max_batch=batch, depth="measure" if config.batch_depth == "measured" else None)
+    return Service(decoder, name, max_queue=config.max_queue, max_batch=batch,
+                   depth="measure" if config.batch_depth == "measured" else None)
 
 
 def build_app(config: ServeConfig, service: Service) -> FastAPI:
     """The routes over `service`, secured as `config` says."""
-    return routes(service, api_keys=config.api_keys, allowed_origins=config.allowed_origins, keys_share_caches=config.keys_share_caches,
-                  public_metrics=config.public_metrics, allowed_hosts=["127.0.0.1", "localhost", "::1"] if config.loopback else None)
+    return routes(service, api_keys=config.api_keys, allowed_origins=config.allowed_origins,
+                  keys_share_caches=config.keys_share_caches, public_metrics=config.public_metrics,
+                  allowed_hosts=["127.0.0.1", "localhost", "::1"] if config.loopback else None)
 
 
 def check_sequence_ids(decoder: SpeculativeDecoder, batch: int) -> None:
