@@ -13,12 +13,12 @@ from specdec.api import GenerationResult, SpeculativeDecoder, Stream, load
 from specdec.drafters import AutoDrafter, Drafter, History, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
 from specdec.errors import SpecDecError
 from specdec.runtime import CausalLM, load_model
-from specdec.types import GenerationStats, SamplingParams
+from specdec.types import GenerationStats, Limits, SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = [
     "load", "load_model", "SpeculativeDecoder", "GenerationResult", "GenerationStats", "Stream",
-    "SamplingParams", "SpecDecError", "CausalLM",
+    "SamplingParams", "Limits", "SpecDecError", "CausalLM",
     "AutoDrafter", "Drafter", "History", "ModelDrafter", "NgramDrafter", "PromptLookupDrafter", "TreeShape",
 ]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from specdec import profiling
 from specdec.build import build_decoder
-from specdec.cli.arguments import add_model_arguments, add_sampling_arguments, decoder_config
+from specdec.cli.arguments import add_model_arguments, add_sampling_arguments, decoder_config, sampling_params
 from specdec.errors import SpecDecError
-from specdec.types import Limits, SamplingParams
+from specdec.types import Limits
 
 
 def add_parsers(commands) -> None:
@@ -59,7 +59,7 @@ def run_generate(args) -> None:
             prediction = Path(args.prediction).expanduser().read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as error:
             raise SpecDecError(f"cannot read the prediction file {args.prediction}: {error}") from None
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    sampling = sampling_params(args, seed=args.seed)
     limits = Limits(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
     decoder = build_decoder(decoder_config(args, prefix_cache=0))
     stream = decoder.stream(args.prompt, sampling, limits, prediction=prediction or None)

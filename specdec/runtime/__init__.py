@@ -6,9 +6,9 @@ import os
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from specdec.errors import SpecDecError
-from specdec.runtime.base import CachedSequence, CausalLM, require_trees
 from specdec.config import BACKENDS, COMPILE_CHOICES, OUTPUT_LAYERS, RuntimeConfig
+from specdec.errors import SpecDecError, check_integer
+from specdec.runtime.base import CachedSequence, CausalLM, require_trees
 from specdec.runtime.vocab import check_same_vocabulary, tokenizer_fingerprint
 
 __all__ = ["CausalLM", "CachedSequence", "RuntimeConfig", "BACKENDS", "OUTPUT_LAYERS", "COMPILE_CHOICES", "Placement",
@@ -64,9 +64,8 @@ def load_model(path: str | os.PathLike, config: RuntimeConfig | None = None, *, 
     at load reserves cells for them where kept prefixes can share its cache (llama.cpp, unless batch
     invariant). prefix_cells (llama.cpp): KV cells reserved beyond those, as asked."""
     config = replace(config or RuntimeConfig(), **options)
-    for name, value in (("prefix tokens", prefix_tokens), ("prefix cells", prefix_cells)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise SpecDecError(f"{name} must be a number >= 0, got {value!r}")
+    check_integer(prefix_tokens, "prefix tokens", minimum=0)
+    check_integer(prefix_cells, "prefix cells", minimum=0)
     return _BACKENDS[choose_backend(path, config.backend)].load(path, config, slots, prefix_tokens, prefix_cells)
 
 

@@ -21,7 +21,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
-from specdec.errors import SpecDecError
+from specdec.errors import SpecDecError, check_integer
 from specdec.runtime.base import CachedSequence, CausalLM
 from specdec.scopes import Scope, evictee, owner
 from specdec.stops import common_prefix
@@ -53,8 +53,7 @@ class PrefixCache:
     (`spare_cells`), so kept prefixes never crowd out a running generation."""
 
     def __init__(self, model: CausalLM, budget: int, min_shared: int = MIN_SHARED):
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise SpecDecError(f"a prefix cache's budget must be a number of tokens >= 0, got {budget!r}")
+        check_integer(budget, "a prefix cache's budget (tokens)", minimum=0)
         spare = model.spare_cells
         self.model, self.budget, self.min_shared = (model, budget if spare is None else min(budget, spare),
                                                     max(1, min_shared))
