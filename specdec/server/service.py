@@ -47,8 +47,8 @@ def batch_depth(decoder: SpeculativeDecoder) -> BatchDepth | None:
 
 
 class Service:
-    """Continuous batching over one decoder, started at construction: the cost profile is read
-    (or measured) first, so no request waits for it.
+    """Continuous batching over one decoder (which read its cost profile when it was made, so no
+    request waits for it), started at construction.
 
     depth, for a decoder with a fixed gamma: "measure" caps each step's draft depth by the batch
     size from measured forward costs (`batch_depth`), None: always the decoder's gamma. (The
