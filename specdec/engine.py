@@ -164,9 +164,8 @@ class Engine:
 
     def close(self, state: DecodeState, failed: bool = False) -> None:
         """Give the slots back (llama.cpp's cells are shared by all sequences) and, unless the
-        generation failed, keep the target's committed text where there is a prefix cache, tell
-        the chain sources what the generation committed and let its policy hand on what it learnt;
-        safe to repeat."""
+        generation failed, keep the target's committed text where there is a prefix cache and tell
+        the chain sources what the generation committed; safe to repeat."""
         sequence, slot = state.sequence, state.draft_slot
         state.sequence = state.draft_slot = None
         try:
@@ -180,8 +179,6 @@ class Engine:
                     sequence.release()
                 for chain in state.chains if not failed else ():
                     chain.end(state.context)
-                if not failed:
-                    state.gamma_policy.finish()
         finally:
             if slot is not None:
                 self.drafter.close(slot)

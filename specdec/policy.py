@@ -63,6 +63,7 @@ class DraftPolicy(Protocol):
         ...
 
 
+@runtime_checkable
 class NodePolicy(Protocol):
     """What a drafter shaped node by node (`AutoDrafter`) asks of the policy in `DraftRequest.policy`
     (`CostAwarePolicy`): a budget for this iteration's nodes, each source's chance of acceptance,

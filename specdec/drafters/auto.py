@@ -98,7 +98,7 @@ class AutoDrafter:
     def _grow(self, request: DraftRequest):
         """One row's draft, as a generator of its draft-model forwards (see `forward_together`)."""
         policy = request.policy
-        if policy is None:
+        if not isinstance(policy, NodePolicy):
             raise ValueError("the auto drafter is shaped node by node by a policy (`NodePolicy`: gamma 'auto')")
         budget, nodes = policy.budget(), DraftTree(self.model.columns if self.model is not None else VocabColumns())
         depth = min(request.max_tokens, self.max_lookup)

@@ -261,8 +261,9 @@ class Batcher:
 
     def _retire(self, job: Job, told: Unavailable | type[Done] | None) -> None:
         """The job leaves the batch; its slots go back, and what its policy learnt goes to the
-        next requests (`Engine.close`). told: what the client is told (Done: its result; None: it left)."""
+        next requests (`DraftPolicy.finish`). told: what the client is told (Done: its result; None: it left)."""
         self.engine.close(job.generation.state)
+        job.generation.state.gamma_policy.finish()
         self.running.remove(job)
         if job in self.prefilling:
             self.prefilling.remove(job)

@@ -47,8 +47,9 @@ def batch_depth(decoder: SpeculativeDecoder) -> BatchDepth | None:
 
 
 class Service:
-    """Continuous batching over one decoder (which read its cost profile when it was made, so no
-    request waits for it), started at construction.
+    """Continuous batching over one decoder, started at construction, its cost profile read first
+    so that no request waits for it. Acceptance is carried across requests where the decoder was
+    made to share it (`share_acceptance`, as a server's builder makes it).
 
     depth, for a decoder with a fixed gamma: "measure" caps each step's draft depth by the batch
     size from measured forward costs (`batch_depth`), None: always the decoder's gamma. (The
@@ -59,6 +60,7 @@ class Service:
         self.decoder, self.model_name, self.stall_seconds = decoder, model_name, stall_seconds
         self.created = int(time.time())
         self.metrics = Metrics()
+        decoder.prepare()  # a decoder made with prepare=False reads its profile now, not in a request
         self.batcher = Batcher(decoder, max_batch, max_queue, self.metrics,
                                batch_depth(decoder) if depth == "measure" else depth)
 
