@@ -40,15 +40,16 @@ def continuation_ids(tokenizer, anchor: list[int], text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def check_text(text: str, what: str) -> None:
+def check_text(text: str, what: str, param: str | None = None) -> None:
     """Refuse text no tokenizer can take: a lone UTF-16 surrogate (JSON's "\\ud800", or a byte that
-    was not UTF-8, which Python keeps in a command line's text as one of U+DC80..U+DCFF)."""
+    was not UTF-8, which Python keeps in a command line's text as one of U+DC80..U+DCFF). param:
+    the request field the error names."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
         bad = ord(text[error.start])
         if 0xDC80 <= bad <= 0xDCFF:
             raise SpecDecError(f"the {what} is not valid UTF-8: byte 0x{bad - 0xDC00:02x} "
-                               f"at character {error.start}") from None
+                               f"at character {error.start}", param=param) from None
         raise SpecDecError(f"the {what} is not valid Unicode text: a lone surrogate U+{bad:04X} "
-                           f"at character {error.start}") from None
+                           f"at character {error.start}", param=param) from None

@@ -9,6 +9,7 @@ import torch
 
 from specdec import tree
 from specdec.errors import SpecDecError, check_integer
+from specdec.text import check_text
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class Limits:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise SpecDecError("stop strings must be non-empty strings", param="stop")
+        for s in stop:  # a stop string that no text can hold would never match
+            check_text(s, "stop string", param="stop")
         object.__setattr__(self, "stop", stop)
         if self.logprobs is not None:
             check_integer(self.logprobs, "logprobs", minimum=0, maximum=20)

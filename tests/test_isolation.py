@@ -28,7 +28,7 @@ from specdec.scopes import KeyScope, PerScope, evictee
 from specdec.server import create_app
 from specdec.verify import verify_tree_coupled
 from test_prefix import fed
-from test_server import MODEL, LiveServer, sse_events
+from test_server import CHAT_TEMPLATE, MODEL, LiveServer, sse_events
 
 SURROGATE = "\ud800"
 
@@ -62,6 +62,7 @@ def test_a_bad_prediction_is_a_400_beside_good_streams_that_finish_exactly(model
     """The probe's reproducer: a lone surrogate in the prediction, streamed (with usage) and not,
     with max_tokens 48 and 1, while four greedy streams run; the streams equal offline decoding."""
     decoder = specdec.load(model_dirs["llama"], draft=model_dirs["llama-near"], device="cpu")
+    decoder.tokenizer.chat_template = CHAT_TEMPLATE
     live = LiveServer(create_app(decoder, MODEL))
     prompts = ["hi ej", "ab", "ej ej hi", "b a"]
     bad = {"model": MODEL, "prompt": "ab cd", "max_tokens": 48, "temperature": 0,
@@ -79,6 +80,14 @@ def test_a_bad_prediction_is_a_400_beside_good_streams_that_finish_exactly(model
         chat = httpx.post(live.url + "/v1/chat/completions", headers={"content-type": "application/json"}, timeout=30,
                           content=json.dumps({"model": MODEL, "messages": [{"role": "user", "content": f"hi{SURROGATE}"}]}))
         assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages" and "surrogate" in chat.text
+        for stop in (f"a{SURROGATE}", ["x", SURROGATE]):  # a stop string no text can hold is refused like the rest
+            for path, body in (("completions", {"prompt": "ab"}), ("chat/completions", {"messages": [{"role": "user",
+                                                                                                  "content": "hi"}]})):
+                for streamed in (False, True):
+                    reply = httpx.post(f"{live.url}/v1/{path}", headers={"content-type": "application/json"}, timeout=30,
+                                       content=json.dumps({"model": MODEL, **body, "stop": stop, "stream": streamed}))
+                    error = reply.json()["error"]
+                    assert reply.status_code == 400 and error["param"] == "stop" and "surrogate" in error["message"]
         for prompt, events in zip(prompts, streams):
             assert events[0] == 200 and events[-1] == "[DONE]"
             assert text_of(events) == auto.generate(prompt, max_new_tokens=40, temperature=0).text
@@ -308,6 +317,9 @@ def test_bad_text_and_tenants_are_clean_errors_in_the_library(auto):
     with pytest.raises(SpecDecError, match="surrogate") as raised:
         auto.request("ab", max_new_tokens=2, prediction=f"cd{SURROGATE}")
     assert raised.value.param == "prediction"
+    with pytest.raises(SpecDecError, match="stop string is not valid Unicode") as raised:
+        auto.request("ab", max_new_tokens=2, stop=["x", f"cd{SURROGATE}"])
+    assert raised.value.param == "stop"
     with pytest.raises(SpecDecError, match="tenant must be hashable"):
         auto.request("ab", tenant=["a"])
     with pytest.raises(SpecDecError, match="scope must be hashable"):
