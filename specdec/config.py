@@ -215,8 +215,9 @@ class ServeConfig:
 
     max_batch: generations that run together (None: `DEFAULT_BATCH` by the device, `batch`).
     batch_depth: "measured" (a numeric gamma's depth is capped per step for the batch size) or
-    "fixed". api_keys: each a tenant (none: one tenant). replicas / max_replicas: Ray Serve
-    replicas (None: one process, no Ray).
+    "fixed". api_keys: each a tenant (none: one tenant). metrics_key: the operator's key for
+    /metrics (None: with API keys set, /metrics answers no one, unless public_metrics).
+    replicas / max_replicas: Ray Serve replicas (None: one process, no Ray).
     """
 
     decoder: DecoderConfig = field(default_factory=lambda: DecoderConfig(**SERVER_DECODER))
@@ -229,6 +230,7 @@ class ServeConfig:
     shutdown_timeout: float = 10.0
     api_keys: tuple[str, ...] = ()
     keys_share_caches: bool = False
+    metrics_key: str | None = None
     public_metrics: bool = False
     allowed_origins: tuple[str, ...] = ()
     max_connections: int = 256
@@ -247,9 +249,14 @@ class ServeConfig:
             raise SpecDecError("--max-replicas autoscales Ray Serve replicas: give --replicas too")
         if self.max_replicas is not None and self.max_replicas < self.replicas:
             raise SpecDecError("--max-replicas must be at least --replicas")
-        if any(not (key.isascii() and key.isprintable()) or " " in key or not key for key in self.api_keys):
+        keys = self.api_keys + (() if self.metrics_key is None else (self.metrics_key,))
+        if any(not (key.isascii() and key.isprintable()) or " " in key or not key for key in keys):
             raise SpecDecError("an API key must be printable ASCII without spaces "
                                "(it is sent as `Authorization: Bearer KEY`)")
+        if self.metrics_key is not None and self.metrics_key in self.api_keys:
+            raise SpecDecError("the metrics key must not be a tenant's API key: it shows every tenant's activity")
+        if self.metrics_key is not None and self.public_metrics:
+            raise SpecDecError("--public-metrics opens /metrics to anyone: give it or --metrics-key, not both")
 
     @property
     def loopback(self) -> bool:
@@ -414,7 +421,7 @@ SERVE_OPTIONS: dict[str, Option] = {
     "shutdown_timeout": Option(parse_number, "on SIGTERM/SIGINT, how long running generations may finish before they "
                                              f"end with an error (default {ServeConfig.shutdown_timeout:g})",
                                metavar="SECONDS"),
-    "api_key": Option(parse_words, "require `Authorization: Bearer KEY` on /v1 routes and /metrics; repeat for several "
+    "api_key": Option(parse_words, "require `Authorization: Bearer KEY` on /v1 routes; repeat for several "
                                    "tenants, each with caches and histories of its own "
                                    "(also $SPECDEC_API_KEY; default: none, one tenant)", metavar="KEY", repeat=True),
     "api_key_file": Option(_text, "API keys, one per line (# comments and blank lines ignored), as --api-key",
@@ -423,7 +430,10 @@ SERVE_OPTIONS: dict[str, Option] = {
                                             "history of any key's requests (faster where tenants send the same "
                                             "prompts, but cached_tokens and timing then tell one key what another "
                                             "sent)"),
-    "public_metrics": Option(parse_flag, "/metrics needs no API key"),
+    "metrics_key": Option(_text, "the operator's key for /metrics (`Authorization: Bearer KEY`; also "
+                                 "$SPECDEC_METRICS_KEY): its counters are server-wide, so with API keys set no "
+                                 "tenant's key opens it", metavar="KEY"),
+    "public_metrics": Option(parse_flag, "/metrics needs no key (its counters tell anyone every tenant's activity)"),
     "allowed_origins": Option(parse_words, "browser origins allowed by CORS, e.g. http://localhost:3000 "
                                            "(default: none)", metavar="ORIGIN"),
     "chat_template": Option(_text, "a Jinja chat template for models without one (or to replace theirs)",
@@ -506,7 +516,8 @@ def decoder_config(options: Options, **defaults) -> DecoderConfig:
 
 def serve_config(mapping: Mapping[str, object]) -> ServeConfig:
     """`specdec serve`'s options (argv parsed, or Ray Serve's builder arguments) as a ServeConfig:
-    API keys gathered (--api-key, --api-key-file, $SPECDEC_API_KEY) and the chat template read and
+    API keys gathered (--api-key, --api-key-file, $SPECDEC_API_KEY; --metrics-key,
+    $SPECDEC_METRICS_KEY) and the chat template read and
     checked, so what cannot work fails here, before any model loads."""
     options = Options(mapping)
     given = options.take(SERVE_OPTIONS)
@@ -520,7 +531,8 @@ def serve_config(mapping: Mapping[str, object]) -> ServeConfig:
     decoder = decoder_config(options, **server)
     options.finish()
     keys = api_keys(given.pop("api_key", ()), given.pop("api_key_file", None))
-    return ServeConfig(decoder=decoder, api_keys=keys, **given)
+    metrics_key = given.pop("metrics_key", None) or os.environ.get("SPECDEC_METRICS_KEY") or None
+    return ServeConfig(decoder=decoder, api_keys=keys, metrics_key=metrics_key, **given)
 
 
 def api_keys(keys: tuple[str, ...], key_file: str | None) -> tuple[str, ...]:

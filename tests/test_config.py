@@ -32,6 +32,7 @@ def test_every_runtime_field_is_an_option_and_every_option_a_flag_of_serve():
 
 def test_options_left_out_take_the_dataclass_defaults(monkeypatch):
     monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+    monkeypatch.delenv("SPECDEC_METRICS_KEY", raising=False)
     parsed = serve_config(config_options(build_parser().parse_args(["serve"])))
     assert parsed == ServeConfig(), "the CLI's defaults are the dataclasses' own"
     assert parsed.decoder.prefix_cache == config.SERVER_PREFIX_TOKENS and parsed.decoder.drafter == DrafterSpec("auto")
@@ -39,6 +40,19 @@ def test_options_left_out_take_the_dataclass_defaults(monkeypatch):
     from_argv = serve_config(config_options(build_parser().parse_args(argv)))
     from_builder = serve_config({"threads": "2", "gamma": "3", "draft": "d", "max_batch": 8, "share_history": "true"})
     assert from_argv == from_builder and from_argv.decoder.drafter == DrafterSpec("model", draft="d")
+
+
+def test_the_metrics_key_is_the_operators_alone(monkeypatch):
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+    monkeypatch.setenv("SPECDEC_METRICS_KEY", "op")
+    assert serve_config({"api_key": ["a"]}).metrics_key == "op"
+    assert serve_config({"api_key": ["a"], "metrics_key": "given"}).metrics_key == "given", "the flag over the variable"
+    with pytest.raises(SpecDecError, match="must not be a tenant's API key"):
+        serve_config({"api_key": ["a", "op"]})
+    with pytest.raises(SpecDecError, match="not both"):
+        serve_config({"public_metrics": True})
+    with pytest.raises(SpecDecError, match="printable ASCII"):
+        ServeConfig(metrics_key="with space")
 
 
 def test_the_batch_has_one_rule():

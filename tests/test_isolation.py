@@ -225,7 +225,7 @@ def test_the_cached_prefix_oracle_fails_across_keys_and_salts(model_dirs):
         guess, _ = recover_pin(live.url, alice, salt="s")
         assert guess == PIN, "within one scope the oracle works, so the checks above could have failed"
         unauthorized = httpx.get(live.url + "/metrics")
-        assert unauthorized.status_code == 401 and httpx.get(live.url + "/metrics", headers=alice).status_code == 200
+        assert unauthorized.status_code == 401 and httpx.get(live.url + "/metrics", headers=alice).status_code == 403
     finally:
         live.stop()
 

@@ -217,8 +217,32 @@ def test_api_key_cors_and_host_checks(decoder):
             assert raw_status(live.port, f"GET /health HTTP/1.1\r\nHost: {host}\r\n") == 200, host
         assert raw_status(live.port, "GET /health HTTP/1.0\r\n") == 200, "HTTP/1.0 needs no Host"
         assert raw_status(live.port, f"GET http://evil.example/v1/models HTTP/1.1\r\nHost: 127.0.0.1:{live.port}\r\n") == 404
-        assert httpx.get(live.url + "/metrics").status_code == 401, "/metrics is behind the key"
-        assert httpx.get(live.url + "/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert httpx.get(live.url + "/metrics").status_code == 401, "/metrics is behind a key"
+        tenant = httpx.get(live.url + "/metrics", headers={"Authorization": "Bearer s3cret"})
+        assert tenant.status_code == 403 and "--metrics-key" in tenant.json()["error"]["message"], "not a tenant's key"
+    finally:
+        live.stop()
+
+
+@pytest.mark.parametrize("keys, options, opened_by", [
+    (["a", "b"], {"metrics_key": "op"}, "op"),  # the operator's key, and no tenant's
+    (["a", "b"], {}, None),  # keys and no metrics key: no one
+    (["a", "b"], {"public_metrics": True}, ""),  # anyone
+    ([], {}, ""),  # one tenant: nothing to hide from anyone
+    ([], {"metrics_key": "op"}, "op"),
+])
+def test_server_wide_metrics_are_the_operators(decoder, keys, options, opened_by):
+    live = LiveServer(create_app(decoder, MODEL, depth=None, api_keys=keys, **options))
+    try:
+        for given in ("", "a", "b", "op", "wrong"):
+            reply = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {given}"} if given else {})
+            if opened_by == "" or given == opened_by:  # "": open to anyone
+                assert reply.status_code == 200 and "specdec_generated_tokens_total" in reply.text, (given, reply.text)
+            else:
+                assert reply.status_code == (403 if given in keys else 401), (given, reply.status_code)
+                assert reply.json()["error"]["message"].startswith("/metrics counts every tenant's requests")
+        if options.get("metrics_key") and keys:  # the operator's key opens nothing else
+            assert httpx.get(live.url + "/v1/models", headers={"Authorization": "Bearer op"}).status_code == 401
     finally:
         live.stop()
 

@@ -21,8 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdec.api import Generation, SpeculativeDecoder
 from specdec.policy import BatchDepth
 from specdec.server.batch import Delta, Done, Failed, Job, QueueFull, Refused, ShuttingDown, Unavailable
-from specdec.server.openai import (ERROR_RESPONSES, BadRequest, ChatRequest, CompletionRequest, Reply, SamplingFields,
-                                   chat_prompt, error_response)
+from specdec.server.openai import (ERROR_RESPONSES, BadRequest, ChatRequest, CompletionRequest, ErrorBody, Reply,
+                                   SamplingFields, chat_prompt, error_response)
 from specdec.server.service import Health, Service
 
 MAX_BODY_BYTES = 1 << 20
@@ -37,6 +37,9 @@ STREAM_OR_JSON = {200: {"description": "The whole reply as JSON, or with `stream
                                        "then `data: [DONE]`",
                         "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 REFUSED_STATUS = {QueueFull: 429, ShuttingDown: 503}  # the batch's refusals, as HTTP (both with Retry-After)
+METRICS_RESPONSES = {401: {"model": ErrorBody, "description": "The operator's key (--metrics-key) is missing"},
+                     403: {"model": ErrorBody, "description": "A tenant's API key: server-wide counters are the "
+                                                              "operator's"}}
 HEALTH_RESPONSES = {503: {"description": "The server is shutting down, or its batch is not making progress: "
                                          "send no more requests here"}}
 
@@ -49,12 +52,15 @@ def create_app(decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16
 
 def routes(service: Service, max_body_bytes: int = MAX_BODY_BYTES, api_keys: Sequence[str] = (),
            allowed_origins: Sequence[str] = (), allowed_hosts: Sequence[str] | None = None, body_timeout: float = 30.0,
-           keys_share_caches: bool = False, public_metrics: bool = False) -> FastAPI:
+           keys_share_caches: bool = False, metrics_key: str | None = None,
+           public_metrics: bool = False) -> FastAPI:
     """The OpenAI routes, /health and /metrics over a service.
 
-    api_keys: /v1 routes (and /metrics, unless `public_metrics`) need `Authorization: Bearer <key>`
-    with one of them; each key is a tenant, with a scope of its own for kept caches, histories and
-    learnt acceptance (`specdec.scopes`), unless `keys_share_caches`. No keys: one tenant.
+    api_keys: /v1 routes need `Authorization: Bearer <key>` with one of them; each key is a tenant,
+    with a scope of its own for kept caches, histories and learnt acceptance (`specdec.scopes`),
+    unless `keys_share_caches`. No keys: one tenant. /metrics counts every tenant's requests, so it
+    answers only `metrics_key` (the operator's), or anyone with `public_metrics`, or anyone on a
+    server of one tenant (no keys of either kind); a tenant's key gets 403 there.
     allowed_origins: browser origins allowed by CORS. allowed_hosts: accepted Host header names
     (None: any). body_timeout: seconds a request body may take to arrive."""
     app = FastAPI(title="specdec", description="OpenAI-compatible lossless speculative decoding", version="1")
@@ -69,7 +75,8 @@ def routes(service: Service, max_body_bytes: int = MAX_BODY_BYTES, api_keys: Seq
     endpoints = Endpoints(service)
     app.add_api_route("/health", endpoints.health, methods=["GET"], responses=HEALTH_RESPONSES)
     app.add_api_route("/health", endpoints.health, methods=["HEAD"], include_in_schema=False)
-    app.add_api_route("/metrics", endpoints.prometheus, methods=["GET"], response_class=PlainTextResponse)
+    app.add_api_route("/metrics", endpoints.prometheus, methods=["GET"], response_class=PlainTextResponse,
+                      responses=METRICS_RESPONSES)
     app.add_api_route("/v1/models", endpoints.models, methods=["GET"], responses={401: ERROR_RESPONSES[401]})
     app.add_api_route("/v1/completions", endpoints.completions, methods=["POST"],
                       responses={**STREAM_OR_JSON, **ERROR_RESPONSES})
@@ -78,7 +85,7 @@ def routes(service: Service, max_body_bytes: int = MAX_BODY_BYTES, api_keys: Seq
     app.openapi = lambda: schema_without_422(app)
     app.add_middleware(BodyDeadline, timeout=body_timeout)
     # outermost: it counts what the client is sent, a BodyDeadline 408 included
-    admission = Admission(max_body_bytes, api_keys, allowed_hosts, keys_share_caches, public_metrics)
+    admission = Admission(max_body_bytes, api_keys, allowed_hosts, keys_share_caches, metrics_key, public_metrics)
     app.add_middleware(Guard, refusal=admission.refusal,
                        count=lambda path, status: service.metrics.requests.labels(path, str(status)).inc())
     return app
@@ -129,14 +136,18 @@ def schema_without_422(app: FastAPI) -> dict:
 
 
 class Admission:
-    """What a request must pass before any route sees it: an allowed Host header, an API key on
-    the guarded paths, and a Content-Length within `max_body_bytes` (see `routes` for the rest)."""
+    """What a request must pass before any route sees it: an allowed Host header, the right key on
+    the guarded paths (a tenant's on /v1, the operator's on /metrics), and a Content-Length within
+    `max_body_bytes` (see `routes` for the rest)."""
 
     def __init__(self, max_body_bytes: int, api_keys: Sequence[str], allowed_hosts: Sequence[str] | None,
-                 keys_share_caches: bool, public_metrics: bool):
+                 keys_share_caches: bool, metrics_key: str | None = None, public_metrics: bool = False):
         self.max_body_bytes, self.allowed_hosts = max_body_bytes, allowed_hosts
-        self.keys_share_caches, self.public_metrics = keys_share_caches, public_metrics
-        self.expected = [f"Bearer {key}".encode() for key in api_keys]
+        self.keys_share_caches = keys_share_caches
+        self.expected = [bearer(key) for key in api_keys]
+        self.metrics_key = bearer(metrics_key) if metrics_key is not None else None
+        # one tenant (no keys of either kind) has no one to hide its counters from
+        self.open_metrics = public_metrics or (not api_keys and metrics_key is None)
 
     def key_index(self, given: str) -> int | None:
         """Which key the Authorization header holds (compared with every key, in constant time each)."""
@@ -149,13 +160,15 @@ class Admission:
         if self.allowed_hosts is not None and not host_allowed(request, self.allowed_hosts):
             return error_response(f"the Host header {request.headers.get('host')!r} is not one this server answers to",
                                   400)
-        path = request.url.path
-        guarded = path.startswith("/v1/") or (path == "/metrics" and not self.public_metrics)
-        if self.expected and guarded and request.method != "OPTIONS":
-            key = self.key_index(request.headers.get("authorization", ""))
+        path, given = request.url.path, request.headers.get("authorization", "")
+        if path == "/metrics" and not self.open_metrics:
+            refused = self.metrics_refusal(given)
+            if refused is not None:
+                return refused
+        if self.expected and path.startswith("/v1/") and request.method != "OPTIONS":
+            key = self.key_index(given)
             if key is None:
-                return error_response("a valid API key is needed: Authorization: Bearer <key>", 401, "invalid_api_key",
-                                      headers={"WWW-Authenticate": "Bearer"})
+                return no_key("a valid API key is needed: Authorization: Bearer <key>")
             request.scope.setdefault("state", {})[KEY_STATE] = None if self.keys_share_caches else key
         length = request.headers.get("content-length")
         if request.method == "POST" and length is None:  # a chunked body could be any size
@@ -163,6 +176,26 @@ class Admission:
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             return error_response(f"the request body is larger than {self.max_body_bytes} bytes", 413)
         return None
+
+    def metrics_refusal(self, given: str) -> JSONResponse | None:
+        """/metrics' counters are server-wide: only the operator's key opens them, never a tenant's."""
+        if self.metrics_key is not None and hmac.compare_digest(given.encode(), self.metrics_key):
+            return None
+        why = ("/metrics counts every tenant's requests: it needs the operator's key (--metrics-key)"
+               if self.metrics_key is not None else
+               "/metrics counts every tenant's requests: the server was started without --metrics-key "
+               "or --public-metrics")
+        if self.key_index(given) is not None:
+            return error_response(why, 403, "forbidden")
+        return no_key(why)
+
+
+def bearer(key: str) -> bytes:
+    return f"Bearer {key}".encode()
+
+
+def no_key(message: str) -> JSONResponse:
+    return error_response(message, 401, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 # ---------------------------------------------------------------------------- endpoints

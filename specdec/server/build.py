@@ -52,7 +52,8 @@ def build_service(config: ServeConfig) -> Service:
 def build_app(config: ServeConfig, service: Service) -> FastAPI:
     """The routes over `service`, secured as `config` says."""
     return routes(service, api_keys=config.api_keys, allowed_origins=config.allowed_origins,
-                  keys_share_caches=config.keys_share_caches, public_metrics=config.public_metrics,
+                  keys_share_caches=config.keys_share_caches, metrics_key=config.metrics_key,
+                  public_metrics=config.public_metrics,
                   allowed_hosts=["127.0.0.1", "localhost", "::1"] if config.loopback else None)
 
 
