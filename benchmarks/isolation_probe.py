@@ -3,6 +3,7 @@ reproducers, against `specdec serve` on the demo pair (llama.cpp, 1 thread):
 
     python benchmarks/isolation_probe.py                  # prints a Markdown table, writes benchmarks/isolation/results.json
     python benchmarks/isolation_probe.py --predictions    # only 6. below (benchmarks/isolation/predictions.json)
+    python benchmarks/isolation_probe.py --keys           # only 7. below (benchmarks/isolation/keys.json)
 
 1. light alone: a short greedy request (8 tokens), 5 times; its latency is the yardstick.
 2. heavy stops: four stop strings of 200,000 characters (~800 kB) with max_tokens 8, and three light
@@ -18,14 +19,21 @@ reproducers, against `specdec serve` on the demo pair (llama.cpp, 1 thread):
    run, first without a prediction (what sharing the batch costs), then each with a 900,000-character
    prediction (" x" * 450000) and usage counted (the probe: 0.13 s alone, 35 s beside them at worst);
    and the slowest of the 12.
+7. long texts across keys (issue 39; `--keys` runs only this, the server with API keys A and B): key
+   B's 16-token greedy request with a 21,000-character prediction (code) alone (median of 5), then
+   again and again while key A's 24 requests with 900,000-character predictions (random letters,
+   spaces and newlines) are in flight, and the slowest of A's (the probe: 0.2-0.4 s alone, 6.9 s
+   beside them; A's finished one by one out to 75 s).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import statistics
+import string
 import subprocess
 import sys
 import time
@@ -45,9 +53,10 @@ def metric(url: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in lines if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
-def timed_post(url: str, body: dict) -> float:
+def timed_post(url: str, body: dict, key: str | None = None) -> float:
     started = time.perf_counter()
-    response = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
     response.raise_for_status()
     return time.perf_counter() - started
 
@@ -141,11 +150,33 @@ def predictions(url: str) -> dict:
     return figures
 
 
+def across_keys(url: str) -> dict:
+    code = (Path(__file__).parents[1] / "specdec" / "decoder.py").read_text()
+    legit = {**SIXTEEN, "prediction": {"type": "content", "content": (code * 2)[:21_000]}}
+    rng = random.Random(1)
+    hostile = {**SIXTEEN, "prediction": {"type": "content", "content": "".join(
+        rng.choice(string.ascii_letters + " \n") for _ in range(900_000))}}
+    timed_post(url, legit, "B")  # warm
+    figures = {"B alone, s (median of 5)": statistics.median(timed_post(url, legit, "B") for _ in range(5))}
+    with ThreadPoolExecutor(24) as pool:
+        attack = [pool.submit(timed_post, url, hostile, "A") for _ in range(24)]
+        time.sleep(1.0)
+        times = []
+        while not all(f.done() for f in attack):
+            times.append(timed_post(url, legit, "B"))
+        figures[f"B beside A's 24, s (median of {len(times)})"] = statistics.median(times)
+        figures[f"B beside A's 24, s (slowest of {len(times)})"] = max(times)
+        figures["A's 24: the slowest, s"] = max(f.result() for f in attack)
+    return figures
+
+
 def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--port", str(port), "--model-name", "m", "--threads", "1"],
-                              stderr=subprocess.DEVNULL)
+    mode = next((m for m in ("predictions", "keys") if f"--{m}" in sys.argv), None)
+    keys = ["--api-key", "A", "B"] if mode == "keys" else []
+    server = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--port", str(port), "--model-name", "m",
+                               "--threads", "1", *keys], stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 300
         while True:
@@ -157,14 +188,14 @@ def main() -> None:
             if server.poll() is not None or time.time() > deadline:
                 raise SystemExit("specdec serve did not come up")
             time.sleep(0.2)
-        figures = predictions(url) if "--predictions" in sys.argv else probe(url, port)
+        figures = {"predictions": predictions, "keys": across_keys}[mode](url) if mode else probe(url, port)
     finally:
         server.terminate()
         server.wait(30)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     record = {"cpu": cpu, "load_after": os.getloadavg()[0], **figures}
     OUT.mkdir(exist_ok=True)
-    (OUT / ("predictions.json" if "--predictions" in sys.argv else "results.json")).write_text(json.dumps(record, indent=1))
+    (OUT / f"{mode or 'results'}.json").write_text(json.dumps(record, indent=1))
     print(f"| probe ({cpu}, load {record['load_after']:.2f}) | value |\n| --- | --- |")
     for name, value in figures.items():
         print(f"| {name} | {'> 120' if value == float('inf') else f'{value:.3g}'} |")

@@ -449,8 +449,10 @@ SERVE_OPTIONS: dict[str, Option] = {
     "prefix_cache_tokens": Option(parse_integer, "finished requests keep up to N tokens of their caches, and a new "
                                                  "request starts from the longest prefix it shares with them: a "
                                                  "conversation's next turn or a shared system prompt is not computed "
-                                                 f"again (default {SERVER_PREFIX_TOKENS:,}; on llama.cpp that many KV "
-                                                 "cells more; 0 = off)", metavar="N"),
+                                                 f"again (default {SERVER_PREFIX_TOKENS:,}; on llama.cpp kept in KV "
+                                                 "cells the batch leaves free, given back when it needs them, and "
+                                                 "cells added only for what the batch's cannot hold; 0 = off)",
+                           metavar="N"),
     "replicas": Option(parse_positive, "run N replicas as a Ray Serve application on a local Ray instance "
                                        "(pip install -e \".[ray]\"); each loads the models and takes --threads cores "
                                        "of its own (default: the cores / N)", metavar="N"),

@@ -76,9 +76,10 @@ class SpeculativeDecoder:
     prefix_cache: finished generations' caches kept (a `PrefixCache`, or its budget in tokens, for
     the cache every decoder on this target shares; 0 or None: none), so a request starts from the
     longest prefix it shares with them: a conversation's next turn does not compute the earlier
-    ones again. On llama.cpp it needs KV cells beyond the slots' (`load_model(prefix_tokens=...)`;
-    `load` reserves them). Off on a batch-invariant target (as trees are: both would put KV cells
-    out of position order).
+    ones again. On llama.cpp kept prefixes take KV cells the slots leave free and give them back
+    when a decode needs them; `load_model(prefix_tokens=...)` (which `load` passes) adds cells only
+    for what the slots cannot hold. Off on a batch-invariant target (as trees are: both would put
+    KV cells out of position order).
     share_acceptance: a server's: what each scope's earlier generations learnt of each source's
     acceptance starts its new ones (the default drafter's policy). prepare: read or measure the
     forward costs now (False: call `prepare()` before the first request).

@@ -86,24 +86,40 @@ def test_the_cache_keeps_finished_sequences_within_its_budget(load64, model_dirs
         PrefixCache(model, budget=-1)
 
 
-def test_llama_cpp_keeps_prefixes_only_in_cells_spared_for_them(gguf_models):
-    none_spared = specdec.load_model(gguf_models["gguf-f32"], threads=1)
-    assert PrefixCache(none_spared, budget=4096).budget == 0
-    assert specdec.SpeculativeDecoder(none_spared, prefix_cache=4096).prefixes is None
-    spared = specdec.load_model(gguf_models["gguf-f32"], threads=1, prefix_cells=300)
-    assert spared.cells == spared.max_length + 300 and PrefixCache(spared, budget=4096).budget == 300
+def test_llama_cpp_keeps_prefixes_in_free_cells_and_sheds_them_when_a_decode_needs_them(gguf_models):
+    """No cells are added for kept prefixes the slots can hold (llama.cpp makes every cell resident
+    at load); a decode that finds the cells full sheds kept prefixes first, and computes what a
+    fresh model does."""
+    model = specdec.load_model(gguf_models["gguf-f32"], threads=1)
+    assert model.cells == model.max_length and PrefixCache(model, budget=4096).budget == model.cells
+    cache = PrefixCache(model, budget=4096, min_shared=4)
+    kept = [(5 * i + 1) % 16 for i in range(model.max_length - 8)]
+    cache.put(fed(model, kept), kept)
+    assert cache.tokens == len(kept)
+    other = [(3 * i + 2) % 16 for i in range(40)]
+    running = fed(model, other[:-4])
+    logits = running.forward(other[-4:])  # needs cells only the kept prefix held
+    assert cache.tokens == 0, "the kept prefix gave its cells back"
+    fresh = specdec.load_model(gguf_models["gguf-f32"], threads=1)
+    assert torch.allclose(logits, fed(fresh, other[:-4]).forward(other[-4:]), atol=1e-4, rtol=0)
+    with pytest.raises(SpecDecError, match="is full"):  # running sequences alone: nothing to shed
+        fed(model, [1] * (model.max_length - 20))
+    running.release()
+    more = specdec.load_model(gguf_models["gguf-f32"], threads=1, slots=2, prefix_tokens=model.max_length * 3)
+    assert more.cells == model.max_length * 3, "cells added only for what the two slots cannot hold"
 
 
-def test_decoders_on_one_model_share_its_spared_cells(gguf_models):
-    """Six decoders with a cache each once filled the spared cells and failed (`specdec bench` does
-    that): decoders asking by budget share the model's one cache, whatever its users."""
+def test_decoders_on_one_model_share_its_cells(gguf_models):
+    """Decoders asking for a cache by budget share the model's one cache (`specdec bench` makes
+    six), so their kept prefixes together stay within one budget of the model's cells."""
     spared = specdec.load_model(gguf_models["gguf-f32"], threads=1, prefix_cells=160)
     decoders = [specdec.SpeculativeDecoder(spared, prefix_cache=4096) for _ in range(4)]
-    assert all(decoder.prefixes is decoders[0].prefixes for decoder in decoders) and decoders[0].prefixes.budget == 160
+    assert all(decoder.prefixes is decoders[0].prefixes for decoder in decoders)
+    assert decoders[0].prefixes.budget == spared.cells == spared.max_length + 160
     for i in range(8):
         for decoder in decoders:
             decoder.generate([(7 * i + j) % spared.vocab_size for j in range(50)], max_new_tokens=10, temperature=0)
-            assert decoder.prefixes.tokens <= 160
+            assert decoder.prefixes.tokens <= spared.cells
     assert specdec.SpeculativeDecoder(spared, prefix_cache=PrefixCache(spared, 100)).prefixes is not decoders[0].prefixes
 
 
@@ -148,6 +164,26 @@ def test_a_conversation_from_kept_prefixes_on_llama_cpp(gguf_models):
     with_reuse, without = conversation(reused, turns, 40), conversation(fresh, turns, 40)
     assert [r.tokens for r in with_reuse] == [r.tokens for r in without]
     assert with_reuse[0].stats.cached_tokens == 0 and all(r.stats.cached_tokens >= MIN_SHARED for r in with_reuse[1:])
+
+
+def test_two_conversations_that_share_the_cells_keep_the_greedy_text_on_llama_cpp(gguf_models, monkeypatch):
+    """Two conversations in turns on one slot: each turn's kept prefix takes cells the other's next
+    turn needs, so turns shed kept prefixes; every reply equals a decoder's without a cache."""
+    shed = []
+    monkeypatch.setattr(PrefixCache, "shed", lambda self, shed_=PrefixCache.shed: shed.append(1) or shed_(self))
+    reused = specdec.load(gguf_models["gguf-f16"], draft=gguf_models["gguf-draft-f16"], threads=1, context=256,
+                          prefix_cache=256)  # no cell added: kept prefixes live in the slot's
+    fresh = specdec.load(gguf_models["gguf-f16"], draft=gguf_models["gguf-draft-f16"], threads=1, context=256,
+                         prefix_cache=0)
+    assert reused.target.cells == 256
+    length = reused.target.max_length * 3 // 5  # two such prompts do not fit in the slot's cells together
+    prompts = [[(7 * i + k) % 50 + 3 for i in range(length)] for k in (1, 2)]
+    for turn in range(3):
+        for prompt in prompts:
+            with_reuse, without = (decoder.generate(prompt + [9] * turn, max_new_tokens=8, temperature=0)
+                                   for decoder in (reused, fresh))
+            assert with_reuse.tokens == without.tokens
+    assert reused.prefixes.tokens <= reused.target.cells and len(shed) >= 4, len(shed)
 
 
 def test_sampled_output_from_a_kept_prefix_follows_the_target(model_dirs):
@@ -208,4 +244,4 @@ def test_serve_prefix_cache_flag_is_checked(model_dirs, capsys):
 
 def test_load_without_a_prefix_cache_on_llama_cpp():
     decoder = specdec.load(None, threads=1, prefix_cache=None)
-    assert decoder.prefixes is None and decoder.target.spare_cells == 0
+    assert decoder.prefixes is None and decoder.target.cells == decoder.target.max_length, "no cell added"

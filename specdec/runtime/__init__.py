@@ -61,8 +61,9 @@ def load_model(path: str | os.PathLike, config: RuntimeConfig | None = None, *, 
     context must fit at once (llama.cpp sizes its shared KV cache by it, the static pool its rows;
     growing transformers caches need no size). prefix_tokens: tokens a prefix cache will keep
     between generations (`specdec.runtime.prefix.PrefixCache`); a runtime whose KV cells are fixed
-    at load reserves cells for them where kept prefixes can share its cache (llama.cpp, unless batch
-    invariant). prefix_cells (llama.cpp): KV cells reserved beyond those, as asked."""
+    at load (llama.cpp, unless batch invariant) keeps them in cells its slots leave free, and adds
+    cells only for the part the slots cannot hold. prefix_cells (llama.cpp): KV cells added beyond
+    those, as asked."""
     config = replace(config or RuntimeConfig(), **options)
     check_integer(prefix_tokens, "prefix tokens", minimum=0)
     check_integer(prefix_cells, "prefix cells", minimum=0)
@@ -78,11 +79,11 @@ def _load_gguf(path, config: RuntimeConfig, slots: int, prefix_tokens: int, pref
         raise SpecDecError("compile applies to transformers checkpoints; llama.cpp runs its own graphs")
     from specdec.runtime.llamacpp import LlamaCppModel
 
-    # kept prefixes live in KV cells of their own, but not when batch invariant (cells out of position order)
-    prefix_cells += 0 if config.batch_invariant else prefix_tokens
     tokenizer = _load_tokenizer(config.tokenizer) if config.tokenizer is not None else None
     return LlamaCppModel(path, threads=config.threads, gpu_layers=config.gpu_layers or 0, context=config.context,
-                         tokenizer=tokenizer, slots=slots, prefix_cells=prefix_cells, output_layer=config.output_layer,
+                         tokenizer=tokenizer, slots=slots, output_layer=config.output_layer,
+                         # no kept prefixes when batch invariant (their cells would be out of position order)
+                         prefix_tokens=0 if config.batch_invariant else prefix_tokens, prefix_cells=prefix_cells,
                          batch_invariant=config.batch_invariant)
 
 

@@ -29,6 +29,7 @@ from specdec.errors import SpecDecError
 from specdec.runtime import base, cpu_head
 from specdec.config import OUTPUT_LAYERS
 from specdec.runtime.entries import SequenceEntries
+from specdec.runtime.prefix import make_room
 from specdec.runtime.llama_lib import (GGUFTokenizer, Weights, bindings, buffer_text, check_gguf_file, clear_log,
                                        last_log, untiled_matmuls)
 
@@ -54,8 +55,8 @@ class LlamaCppModel(base.CheckedTrees):
     times_ops = True  # `runtime.op_times` splits a forward's time by kind of op
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, gpu_layers: int = 0,
-                 context: int | None = None, tokenizer=None, slots: int = 1, prefix_cells: int = 0,
-                 output_layer: str = "auto", batch_invariant: bool = False):
+                 context: int | None = None, tokenizer=None, slots: int = 1, prefix_tokens: int = 0,
+                 prefix_cells: int = 0, output_layer: str = "auto", batch_invariant: bool = False):
         if output_layer not in OUTPUT_LAYERS:
             raise SpecDecError(f"unknown output layer {output_layer!r}; choose one of {', '.join(OUTPUT_LAYERS)}")
         self.llama_cpp = lib = bindings()
@@ -77,11 +78,15 @@ class LlamaCppModel(base.CheckedTrees):
                                f"{len(self.tokenizer)}")
         trained = lib.llama_model_n_ctx_train(self._model)
         self.max_length = min(context or DEFAULT_CONTEXT, trained) if trained > 0 else (context or DEFAULT_CONTEXT)
-        self.spare_cells = prefix_cells  # for kept prefixes (PrefixCache), beyond the slots'
         self.on_gpu = bool(gpu_layers)
         self.compile_seconds: dict[tuple[int, int], float] = {}  # nothing compiled
-        # KV cells: `slots` sequences of max_length entries fit at once
-        self.cells = self.max_length * slots + prefix_cells
+        # KV cells: `slots` sequences of max_length entries fit at once. Kept prefixes (PrefixCache)
+        # take cells no running sequence holds and give them back when a decode needs them
+        # (`prefix.make_room`), so cells beyond the slots' are added only for the part of the prefix
+        # budget the slots cannot hold: llama.cpp clears every cell at load, so each one is resident
+        slot_cells = self.max_length * slots
+        self.cells = slot_cells + max(0, prefix_tokens - slot_cells) + prefix_cells
+        self.spare_cells = self.cells
         self.weight_bytes = lib.llama_model_size(self._model)
         self.parameters = lib.llama_model_n_params(self._model)
         description = buffer_text(lambda buf, size: lib.llama_model_desc(self._model, buf, size))
@@ -296,6 +301,13 @@ class LlamaCppModel(base.CheckedTrees):
             feed.sequence.states = rows
         return list(torch.split(logits, counts))
 
+    def _decode_one(self, batch) -> int:
+        """llama_decode's status for the filled batch (its eval callback readied first)."""
+        clear_log()
+        if self._capture is not None:
+            self._capture.begin(copy=self._use_head or self._keep_states, stop=self._use_head)
+        return self.llama_cpp.llama_decode(self._context, batch)
+
     def decode(self, tokens: list[int], positions: list[int], ids: list[list[int]],
                outputs: list[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One llama_decode per BATCH tokens; returns the logits [n, vocab] of the tokens flagged in
@@ -310,10 +322,11 @@ class LlamaCppModel(base.CheckedTrees):
                 for k, seq_id in enumerate(ids[i]):
                     batch.seq_id[j][k] = seq_id
                 batch.logits[j] = outputs[i]
-            clear_log()
-            if self._capture is not None:
-                self._capture.begin(copy=self._use_head or self._keep_states, stop=self._use_head)
-            status = lib.llama_decode(self._context, batch)
+            status = self._decode_one(batch)
+            # a full cache: kept prefixes give back their cells (n_ubatch = n_batch, so the failed
+            # call placed nothing), until the decode fits or none is left
+            while status == 1 and make_room(self):
+                status = self._decode_one(batch)
             if status != 0:
                 full = (f" (the KV cache of {self.cells} cells, shared by this model's open sequences, is full)"
                         if status == 1 else "")

@@ -31,6 +31,14 @@ MAX_KEPT = 16  # sequences kept at most (on llama.cpp each holds a sequence id, 
 # each model's shared cache (`PrefixCache.of`), both held weakly: an entry lives while its model
 # and some decoder's cache do (a kept sequence holds its model, so the model outlives its cache)
 _SHARED: weakref.WeakKeyDictionary[CausalLM, weakref.ref[PrefixCache]] = weakref.WeakKeyDictionary()
+# every cache of each model, held weakly: a runtime whose cells are full asks them for room (`make_room`)
+_CACHES: weakref.WeakKeyDictionary[CausalLM, weakref.WeakSet[PrefixCache]] = weakref.WeakKeyDictionary()
+
+
+def make_room(model: CausalLM) -> bool:
+    """Shed one sequence kept by a cache of `model` (see `PrefixCache.shed`): a runtime whose fixed
+    cells are full calls it before it fails a decode. False when none is kept."""
+    return any(cache.shed() for cache in list(_CACHES.get(model, ())))
 
 
 @dataclass
@@ -49,8 +57,9 @@ class PrefixCache:
     Invariant: every kept sequence's cache holds exactly its `tokens`, as a chain (committed text),
     the kept tokens add up to at most `budget` and the kept sequences to at most MAX_KEPT (fewer on a
     model that says `spare_sequences`). On
-    llama.cpp the budget is also capped by the KV cells the model spares beyond its slots
-    (`spare_cells`), so kept prefixes never crowd out a running generation."""
+    llama.cpp the budget is also capped by the model's KV cells (`spare_cells`): kept prefixes take
+    cells no running generation holds, and one is shed (`shed`) whenever a decode finds the cells
+    full, so they never crowd out a running generation."""
 
     def __init__(self, model: CausalLM, budget: int, min_shared: int = MIN_SHARED):
         check_integer(budget, "a prefix cache's budget (tokens)", minimum=0)
@@ -62,12 +71,13 @@ class PrefixCache:
         self._kept: list[_Kept] = []  # least recently used first
         self._lock = threading.RLock()
         self.reused_tokens = 0  # prompt tokens served from kept sequences, since the start
+        _CACHES.setdefault(model, weakref.WeakSet()).add(self)
 
     @classmethod
     def of(cls, model: CausalLM, budget: int) -> PrefixCache:
         """The model's own cache, shared by every decoder that asks for one by budget: on llama.cpp
-        their kept prefixes all live in the cells the model spares, so they must share one budget
-        (the largest asked for). Six decoders with a cache each filled those cells and then failed.
+        their kept prefixes all live in the model's cells, so they share one budget (the largest
+        asked for) rather than each keeping its own up to the cells.
         It is held weakly (its kept sequences hold the model): it lives as long as a decoder does."""
         reference = _SHARED.get(model)
         cache = reference() if reference is not None else None
@@ -145,6 +155,15 @@ class PrefixCache:
                 gone.append(victim)
             for kept in gone:
                 self._drop(kept)
+            return True
+
+    def shed(self) -> bool:
+        """Drop one kept sequence, giving back the cells it holds alone (the owner keeping the most
+        tokens loses its least recently used, as when the budget is full). False when none is kept."""
+        with self._lock:
+            if not self._kept:
+                return False
+            self._drop(evictee(self._kept, lambda kept: owner(kept.scope), lambda kept: len(kept.tokens)))
             return True
 
     def clear(self) -> None:

@@ -6,7 +6,6 @@ import asyncio
 import hmac
 import json
 import re
-from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from fastapi import FastAPI, Request
@@ -21,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdec.api import Generation, SpeculativeDecoder
 from specdec.policy import BatchDepth
 from specdec.server.batch import Delta, Done, Failed, Job, QueueFull, Refused, ShuttingDown, Unavailable
+from specdec.server.lanes import FairLanes
 from specdec.server.openai import (ERROR_RESPONSES, BadRequest, ChatRequest, CompletionRequest, ErrorBody, Reply,
                                    SamplingFields, chat_prompt, error_response)
 from specdec.server.service import Health, Service
@@ -28,8 +28,9 @@ from specdec.server.service import Health, Service
 MAX_BODY_BYTES = 1 << 20
 LONG_PROMPT_CHARS = 20_000  # tokenized on a thread of its own, not on the event loop
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-# where `Admission` leaves an accepted request's API key (its index; None: no scope of its own)
-KEY_STATE = "specdec_api_key"
+# where `Admission` leaves an accepted request's API key: for its scope (the key's index; None: no
+# scope of its own), and for its turns (the index, or None without keys: one lane for all)
+KEY_STATE, CLIENT_STATE = "specdec_api_key", "specdec_client"
 # host[:port], nothing else
 HOST_HEADER = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9.-]+))(?::[0-9]{1,5})?")
 STREAM_OR_JSON = {200: {"description": "The whole reply as JSON, or with `stream: true` server-sent events: "
@@ -169,7 +170,8 @@ class Admission:
             key = self.key_index(given)
             if key is None:
                 return no_key("a valid API key is needed: Authorization: Bearer <key>")
-            request.scope.setdefault("state", {})[KEY_STATE] = None if self.keys_share_caches else key
+            state = request.scope.setdefault("state", {})
+            state[KEY_STATE], state[CLIENT_STATE] = None if self.keys_share_caches else key, key
         length = request.headers.get("content-length")
         if request.method == "POST" and length is None:  # a chunked body could be any size
             return error_response("a request body needs a Content-Length header", 411)
@@ -207,9 +209,7 @@ class Endpoints:
 
     def __init__(self, service: Service):
         self.service = service
-        # long texts are tokenized one at a time: however many arrive at once, they take one core, and
-        # the batch keeps the others (twelve 900 kB predictions tokenized side by side slowed every stream)
-        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenize")
+        self.long_texts = FairLanes(limit=service.max_queue)  # each key's in turn, a few threads at most
 
     async def health(self) -> JSONResponse:
         health = self.service.health()
@@ -248,18 +248,18 @@ class Endpoints:
                                param: str) -> Generation:
         """Check everything before the request may wait for the model; a full queue is refused
         before the prompt is tokenized. Long texts (a prompt, a prediction) are tokenized off the
-        event loop, one request at a time; short ones inline (a thread hop costs more than they do)."""
+        event loop, each API key's in turn (`FairLanes`); short ones inline (a thread hop costs more
+        than they do)."""
         service = self.service
         if body.model != service.model_name:
             raise BadRequest(f"the model {body.model!r} does not exist; this server has {service.model_name!r}", 404,
                              "model_not_found", "model")
         body.refuse_unsupported()
         service.check_room()
-        key = request.scope.get("state", {}).get(KEY_STATE)
-        check = lambda: service.generation(body, encode, param, key)
+        state = request.scope.get("state", {})
+        check = lambda: service.generation(body, encode, param, state.get(KEY_STATE))
         size += len(body.predicted_text() or "")
-        return (await asyncio.get_running_loop().run_in_executor(self.tokenizing, check) if size > LONG_PROMPT_CHARS
-                else check())
+        return await self.long_texts.run(state.get(CLIENT_STATE), check) if size > LONG_PROMPT_CHARS else check()
 
     async def _serve(self, request: Request, body: SamplingFields, generation: Generation, reply: Reply):
         """The generation's reply: a stream of events, or the whole reply once it has finished."""

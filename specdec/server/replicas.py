@@ -18,9 +18,12 @@ call the service's liveness (`Service.health`).
 Shutting down (`specdec serve --replicas`, on SIGTERM or Ctrl-C): the ingress drains first
 (`Ingress.drain`): new requests get 503, those in flight have `--shutdown-timeout` seconds to
 finish, then a stream still running ends with an error event and `[DONE]`, a reply not begun with
-a 503; only then does Ray stop. Under `serve run`/`serve deploy`, Ray's own graceful shutdown waits
-up to `--shutdown-timeout` for requests in flight (`graceful_shutdown_timeout_s`) and then stops
-the replicas, cutting what still runs.
+a 503; only then does Ray stop. The ingress answers everything, `/health` included, with 503 until
+the command's own signal handlers are in place (`Ingress.open`, see `run_local`): from the first
+200 on, a SIGTERM drains; before it, it stops what was starting and exits cleanly. Under
+`serve run`/`serve deploy`, Ray's own graceful shutdown waits up to `--shutdown-timeout` for
+requests in flight (`graceful_shutdown_timeout_s`) and then stops the replicas, cutting what still
+runs.
 
 Started with `serve run specdec.server.replicas:build target=... replicas=2 threads=1` (an app
 builder: the arguments are `specdec serve`'s long options), a Serve config file (deploy/serve.yaml),
@@ -121,10 +124,12 @@ class Ingress:
     reply. Resubmits to another replica when one dies before the client saw any of its reply.
     `drain` shuts it down gracefully."""
 
-    def __init__(self, replicas, max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT):
+    def __init__(self, replicas, max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT,
+                 opened: bool = True):
         # one streaming handle for every request: each handle has a router of its own, with its own memory
         self.replicas = replicas.options(stream=True)
         self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
+        self.opened = opened  # until then every request gets 503: who started it cannot drain it yet
         self.draining = False  # new requests get 503
         self.out_of_time = asyncio.Event()  # the drain's time is up: requests in flight are ended
         self.in_flight = 0
@@ -145,8 +150,9 @@ class Ingress:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
             return await _lifespan(receive, send)
-        if self.draining:
-            return await error_response("the server is shutting down", 503)(scope, receive, send)
+        if self.draining or not self.opened:
+            why = "the server is shutting down" if self.draining else "the server is starting"
+            return await error_response(why, 503, headers={"Retry-After": "1"})(scope, receive, send)
         self.in_flight += 1
         try:
             await self._serve(scope, receive, send)
@@ -332,10 +338,11 @@ def replica_threads(config: ServeConfig) -> int:
                                                  // (config.max_replicas or config.replicas or 1))
 
 
-def application(config: ServeConfig) -> serve.Application:
+def application(config: ServeConfig, opened: bool = True) -> serve.Application:
     """The ingress bound to the replicas `config` describes. Each replica gets --threads cores
     (default: the machine's cores / replicas); the cost profile is measured here, once, before any
-    replica starts (replicas timing themselves at once would spoil each other's figures)."""
+    replica starts (replicas timing themselves at once would spoil each other's figures).
+    opened False: the ingress answers 503 until its `open` is called."""
     replicas, threads = config.replicas or 1, replica_threads(config)
     # the batch each replica runs, decided here once: Ray's max_ongoing_requests must be the same
     config = replace(config, decoder=with_runtime(config.decoder, threads=threads), max_batch=max_batch(config))
@@ -358,7 +365,7 @@ def application(config: ServeConfig) -> serve.Application:
                                                      + config.max_batch * (config.max_replicas or replicas) + 1),
                                graceful_shutdown_timeout_s=config.shutdown_timeout + 5,
                                ray_actor_options={"num_cpus": 0})
-    return ingress.bind(replica.bind(config))
+    return ingress.bind(replica.bind(config), opened)
 
 
 @serve.ingress()
@@ -366,50 +373,96 @@ class IngressHost:
     """Serve's ingress deployment around Ingress (`serve.ingress` wants a class without __call__;
     the ASGI app it serves is built in the replica, after the constructor)."""
 
-    def __init__(self, replicas):
-        self.ingress = Ingress(replicas)
+    def __init__(self, replicas, opened: bool = True):
+        self.ingress = Ingress(replicas, opened=opened)
 
     def __serve_build_asgi_app__(self):
         return self.ingress
+
+    def open(self) -> None:
+        self.ingress.opened = True
 
     async def drain(self, timeout: float) -> int:
         return await self.ingress.drain(timeout)
 
 
 # ---------------------------------------------------------------------------- specdec serve --replicas
+class NotServing(BaseException):
+    """A signal came before the ingress was opened: what was starting stops (a BaseException, as
+    KeyboardInterrupt is, so that no `except Exception` on the way swallows it)."""
+
+
+class Signals:
+    """SIGTERM and SIGINT for `run_local`. Before the ingress is opened a signal raises NotServing
+    (nothing was served: whatever is starting unwinds); once it is open, the first asks for a drain
+    (`requested`), a second raises KeyboardInterrupt (stop now). `install` again after `ray.init`,
+    which puts in its own (one that exits, then a fatal-signal handler that aborts the process)."""
+
+    def __init__(self):
+        self.requested = threading.Event()
+        self.serving = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, *_):
+        if self.requested.is_set():
+            raise KeyboardInterrupt
+        self.requested.set()
+        if not self.serving:
+            raise NotServing
+
+
 def run_local(config: ServeConfig) -> None:
     """`specdec serve --replicas N`: a local Ray instance (no dashboard: its jobs API runs arbitrary
     code), the app on --host:--port; runs until SIGTERM or Ctrl-C, then drains (`Ingress.drain`,
-    up to --shutdown-timeout); a second signal stops at once."""
+    up to --shutdown-timeout); a second signal stops at once. The ingress opens (its first 200) only
+    once this process's handlers are in place: a signal at any moment after that drains."""
     import ray
+    import ray._private.ray_constants as ray_constants
 
-    app = application(config)
-    threads = replica_threads(config)
-    ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, dashboard_host="127.0.0.1",
-             _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
-    serve.start(http_options={"host": config.host, "port": config.port}, logging_config={"log_level": "WARNING"})
-    serve.run(app, name="specdec", route_prefix="/")
-    print(f"specdec: serving on http://{config.host}:{config.port}/v1 with {config.replicas} Ray Serve replica(s) of "
-          f"{threads} thread(s)" + (f", up to {config.max_replicas}" if config.max_replicas else ""), file=sys.stderr)
-    stop = threading.Event()
-
-    def on_signal(*_):
-        if stop.is_set():
-            raise KeyboardInterrupt  # a second signal: stop now
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    signals = Signals()
+    signals.install()
+    # Ray's failure-signal handler would abort this process on SIGTERM while ray.init runs; Ray's
+    # own Python handler then exits instead (SystemExit), which unwinds as NotServing does
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     try:
-        while not stop.wait(1):
-            pass
-        ended = (serve.get_app_handle("specdec").drain.remote(config.shutdown_timeout)
-                 .result(timeout_s=config.shutdown_timeout + 30))
-        print(f"specdec: drained; {ended} request(s) still running at the deadline were ended", file=sys.stderr)
+        app = application(config, opened=False)
+        ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, dashboard_host="127.0.0.1",
+                 _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
+        signals.install()
+        serve.start(http_options={"host": config.host, "port": config.port}, logging_config={"log_level": "WARNING"})
+        serve.run(app, name="specdec", route_prefix="/")
+        signals.serving = True  # from here a signal drains: the ingress may answer
+        serve.get_app_handle("specdec").open.remote().result(timeout_s=60)
+        print(f"specdec: serving on http://{config.host}:{config.port}/v1 with {config.replicas} Ray Serve replica(s) "
+              f"of {replica_threads(config)} thread(s)" + (f", up to {config.max_replicas}" if config.max_replicas
+                                                           else ""), file=sys.stderr)
+        serve_until_signalled(signals, config.shutdown_timeout)
+    except NotServing:
+        print("specdec: stopped before serving", file=sys.stderr)
+    except SystemExit as exit:
+        if exit.code != signal.SIGTERM:  # Ray's handler while ray.init ran: sys.exit(signal number)
+            raise
+        print("specdec: stopped before serving", file=sys.stderr)
     except KeyboardInterrupt:
+        pass
+    finally:
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+
+
+def serve_until_signalled(signals: Signals, shutdown_timeout: float) -> None:
+    """Wait for a signal, then drain the ingress (see `Ingress.drain`)."""
+    while not signals.requested.wait(1):
+        pass
+    try:
+        ended = (serve.get_app_handle("specdec").drain.remote(shutdown_timeout)
+                 .result(timeout_s=shutdown_timeout + 30))
+        print(f"specdec: drained; {ended} request(s) still running at the deadline were ended", file=sys.stderr)
+    except KeyboardInterrupt:  # a second signal: stop now
         pass
     except Exception as error:  # the drain itself failed or hung: stop anyway
         print(f"specdec: the drain did not finish ({type(error).__name__}); stopping", file=sys.stderr)
-    finally:
-        serve.shutdown()
-        ray.shutdown()

@@ -58,6 +58,7 @@ class Service:
     def __init__(self, decoder: SpeculativeDecoder, model_name: str, max_queue: int = 16, max_batch: int = 16,
                  depth: BatchDepth | None | str = "measure", stall_seconds: float = STALL_SECONDS):
         self.decoder, self.model_name, self.stall_seconds = decoder, model_name, stall_seconds
+        self.max_queue = max_queue  # requests that may wait, and long texts that may wait to be tokenized
         self.created = int(time.time())
         self.metrics = Metrics()
         decoder.prepare()  # a decoder made with prepare=False reads its profile now, not in a request
