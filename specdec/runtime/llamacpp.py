@@ -80,13 +80,14 @@ class LlamaCppModel(base.CheckedTrees):
         self.max_length = min(context or DEFAULT_CONTEXT, trained) if trained > 0 else (context or DEFAULT_CONTEXT)
         self.on_gpu = bool(gpu_layers)
         self.compile_seconds: dict[tuple[int, int], float] = {}  # nothing compiled
-        # KV cells: `slots` sequences of max_length entries fit at once. Kept prefixes (PrefixCache)
-        # take cells no running sequence holds and give them back when a decode needs them
-        # (`prefix.make_room`), so cells beyond the slots' are added only for the part of the prefix
-        # budget the slots cannot hold: llama.cpp clears every cell at load, so each one is resident
+        # KV cells: `slots` sequences of max_length entries fit at once. The prefix cache it is loaded
+        # for (prefix_tokens) keeps its prefixes in cells no running sequence holds and gives them
+        # back when a decode needs them (`prefix.make_room`), so cells beyond the slots' are added
+        # only for the part of its budget the slots cannot hold: llama.cpp clears every cell at load,
+        # so each one is resident. Loaded for none, a cache keeps prefixes only in prefix_cells.
         slot_cells = self.max_length * slots
         self.cells = slot_cells + max(0, prefix_tokens - slot_cells) + prefix_cells
-        self.spare_cells = self.cells
+        self.spare_cells = self.cells if prefix_tokens else prefix_cells
         self.weight_bytes = lib.llama_model_size(self._model)
         self.parameters = lib.llama_model_n_params(self._model)
         description = buffer_text(lambda buf, size: lib.llama_model_desc(self._model, buf, size))
