@@ -4,9 +4,12 @@ texts cannot hold another key's off, and what waits is bounded (429)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import statistics
 import string
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,10 +21,9 @@ import pytest
 import specdec
 import specdec.decoder
 
-from specdec.server import create_app
 from specdec.server.batch import QueueFull
 from specdec.server.lanes import FairLanes
-from test_server import LiveServer
+from test_server import free_port, wait_until_up
 
 
 def blocked(log: list, name: str, gate: threading.Event):
@@ -96,39 +98,53 @@ def test_what_waits_is_bounded_per_key_and_in_all_and_a_cancelled_wait_never_run
 
 
 @pytest.fixture(scope="module")
-def demo_server():
-    decoder = specdec.load(threads=1)  # the demo pair on llama.cpp, as the probe ran it
-    live = LiveServer(create_app(decoder, "target.gguf", max_queue=64, api_keys=["A", "B"]))  # as `specdec serve`
-    yield live
-    live.stop()
+def demo_server(tmp_path_factory):
+    """`specdec serve` as the probe ran it: the demo pair on llama.cpp, one thread, keys A and B, a
+    process of its own (in this one, the clients' threads would share the server's interpreter)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("lanes") / "serve.log"
+    process = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--threads", "1", "--port", str(port),
+                                "--api-key", "A", "B"], stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(process, url, 300)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(30)
 
 
-def completion(url: str, key: str, prediction: str) -> float:
-    """Seconds a 16-token greedy completion with this prediction takes, end to end."""
+def completion(url: str, key: str, body: bytes) -> float:
+    """Seconds a completion takes, end to end (the body JSON-encoded once, before the clock starts)."""
     started = time.perf_counter()
-    reply = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=300,
-                       json={"model": "target.gguf", "prompt": "def f(x):", "max_tokens": 16, "temperature": 0,
-                             "prediction": {"type": "content", "content": prediction}})
+    reply = httpx.post(url + "/v1/completions", content=body, timeout=300,
+                       headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     assert reply.status_code == 200, reply.text
     return time.perf_counter() - started
+
+
+def predicting(prediction: str) -> bytes:
+    """A 16-token greedy completion's body, with this prediction."""
+    return json.dumps({"model": "target.gguf", "prompt": "def f(x):", "max_tokens": 16, "temperature": 0,
+                       "prediction": {"type": "content", "content": prediction}}).encode()
 
 
 def test_a_keys_long_prediction_is_not_held_hostage_by_another_keys_24(demo_server):
     """The probe: 24 predictions of 900 kB in flight from key A made key B's request with a
     21,000-character prediction wait 6.9 s (0.2-0.4 s alone). Now B's stays within twice its time
-    alone (the median of five each way, in one run; 0.11 s alone, 0.18 s beside the 24 on a quiet
-    2-core EPYC, where it took the 24's whole 5 s before `FairLanes`)."""
-    url = demo_server.url
+    alone (the median of five each way, in one run; on a 2-core EPYC 0.08 s alone, 0.13-0.14 s beside
+    the 24, where it took 1.8-2.0 s before `FairLanes`: benchmarks/isolation_probe.py --keys)."""
+    url = demo_server
     code = Path(specdec.decoder.__file__).read_text()  # some code, as an edit's prediction would be
-    legit = (code * (21_000 // len(code) + 1))[:21_000]
+    legit = predicting((code * (21_000 // len(code) + 1))[:21_000])
     rng = random.Random(1)
-    hostile = "".join(rng.choice(string.ascii_letters + " \n") for _ in range(900_000))
+    hostile = predicting("".join(rng.choice(string.ascii_letters + " \n") for _ in range(900_000)))
     completion(url, "B", legit)  # warm
     alone = statistics.median(completion(url, "B", legit) for _ in range(5))
-    with ThreadPoolExecutor(27) as pool:
+    with ThreadPoolExecutor(24) as pool:
         attack = [pool.submit(completion, url, "A", hostile) for _ in range(24)]
         time.sleep(1.0)  # the 24 are in: one tokenizing, the rest waiting in A's lane
-        under_attack = statistics.median(pool.submit(completion, url, "B", legit).result() for _ in range(5))
+        under_attack = statistics.median(completion(url, "B", legit) for _ in range(5))
         attack_on = not any(f.done() for f in attack[-4:])
         for f in attack:
             f.result()

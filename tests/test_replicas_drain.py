@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from test_server import wait_until_up
+from test_server import free_port, wait_until_up
 
 pytestmark = pytest.mark.ray
 pytest.importorskip("ray.serve")
@@ -28,12 +27,6 @@ def events_of(url: str, body: dict, headers: dict) -> list[str]:
                       timeout=120) as reply:
         assert reply.status_code == 200
         return [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(port: int, log, replicas: int = 1) -> subprocess.Popen:

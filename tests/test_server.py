@@ -20,13 +20,18 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 MODEL = "tiny"
 
 
+def free_port() -> int:
+    """A port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class LiveServer:
     """The app under `specdec serve`'s own uvicorn settings (deadlines, connection cap), in a thread."""
 
     def __init__(self, app, **options):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.server = Server(config(app, "127.0.0.1", self.port, **options), shutdown_timeout=options.get("shutdown_timeout", 10.0))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
