@@ -32,7 +32,8 @@ from specdec.drafters import History, TreeShape
 from specdec.errors import SpecDecError
 from specdec.katz import KatzTrigram
 from specdec.runtime import CausalLM, RuntimeConfig, takes_device
-from specdec.types import GenerationStats, Limits, SamplingParams
+from specdec.types import GenerationStats
+from specdec.params import Limits, SamplingParams
 
 # every run prefills its whole prompt, as the peers' do: no strategy starts from another's kept prefix
 Decoder = functools.partial(SpeculativeDecoder, prefix_cache=None)
