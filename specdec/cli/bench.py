@@ -73,6 +73,8 @@ def run_bench_command(args) -> None:
     paths = write_report(data, args.out)
     print(markdown(data))
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    if data["interrupted"]:
+        print("specdec bench: interrupted: the report covers the prompts every strategy finished", file=sys.stderr)
     if data["load"]["warning"]:
         print(f"specdec bench: warning: {data['load']['warning']}", file=sys.stderr)
 
