@@ -24,7 +24,7 @@ from specdec.drafters.base import DraftRequest
 from specdec.engine import _checked
 from specdec.runtime.pruned import PrunedVocab, VocabMap
 from specdec.runtime.vocab import tokenizer_fingerprint
-from specdec.types import SamplingParams
+from specdec.params import SamplingParams
 from specdec.verify import verify_tree
 
 TARGET_VOCAB, DRAFT_VOCAB = 262_144, 8192

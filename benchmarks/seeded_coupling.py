@@ -22,7 +22,7 @@ import torch
 import specdec
 from specdec.bench.suites import suite_tasks
 from specdec.sampling import probs_from_logits
-from specdec.types import SamplingParams
+from specdec.params import SamplingParams
 
 
 def main() -> None:

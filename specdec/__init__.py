@@ -9,16 +9,32 @@
         print(delta, end="", flush=True)
 """
 
-from specdec.api import GenerationResult, SpeculativeDecoder, Stream, load
-from specdec.drafters import AutoDrafter, Drafter, History, ModelDrafter, NgramDrafter, PromptLookupDrafter, TreeShape
-from specdec.errors import SpecDecError
-from specdec.runtime import CausalLM, load_model
-from specdec.types import GenerationStats, Limits, SamplingParams
+from importlib import import_module
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "load", "load_model", "SpeculativeDecoder", "GenerationResult", "GenerationStats", "Stream",
-    "SamplingParams", "Limits", "SpecDecError", "CausalLM",
-    "AutoDrafter", "Drafter", "History", "ModelDrafter", "NgramDrafter", "PromptLookupDrafter", "TreeShape",
-]
+# what `import specdec` offers, and the module each comes from: imported on first use (PEP 562), so
+# that the command line (`specdec.cli`) answers --help or a bad value before torch is imported
+_EXPORTS = {
+    "specdec.api": ["load", "SpeculativeDecoder", "GenerationResult", "Stream"],
+    "specdec.runtime": ["load_model", "CausalLM"],
+    "specdec.types": ["GenerationStats"],
+    "specdec.params": ["SamplingParams", "Limits"],
+    "specdec.errors": ["SpecDecError"],
+    "specdec.drafters": ["AutoDrafter", "Drafter", "History", "ModelDrafter", "NgramDrafter", "PromptLookupDrafter",
+                         "TreeShape"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = list(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'specdec' has no attribute {name!r}")
+    value = getattr(import_module(_MODULE_OF[name]), name)
+    globals()[name] = value  # the next lookup finds it here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

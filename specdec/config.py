@@ -11,6 +11,7 @@ here. This is the bottom layer: it imports nothing of specdec's but its errors.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping
@@ -268,7 +269,138 @@ class ServeConfig:
         return self.max_batch or DEFAULT_BATCH["gpu" if on_gpu else "cpu"]
 
 
+# ---------------------------------------------------------------------------------- training
+
+
+@dataclass
+class TrainConfig:
+    files: list[str]
+    output: str
+    tokenizer: str | None = None  # reuse this tokenizer directory instead of training one
+    vocab_size: int = 8192  # for a newly trained tokenizer
+    hidden_size: int = 512
+    layers: int = 8
+    heads: int = 8
+    kv_heads: int | None = None  # default: heads
+    intermediate_size: int | None = None  # default: about 8/3 * hidden, a multiple of 64
+    context: int = 1024  # max_position_embeddings of the model
+    seq_len: int = 256  # training window
+    batch_size: int = 16
+    steps: int = 1000
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    holdout: float = 0.02  # fraction of files held out
+    eval_every: int = 100
+    eval_batches: int = 8
+    save_every: int = 100
+    seed: int = 0
+    device: str = "cpu"
+    bf16: bool = False  # autocast matmuls to bfloat16 (weights and optimizer stay float32)
+    save_dtype: str = "float32"  # dtype of the final model.safetensors ("float16" for a small demo pair)
+    progress: bool = True
+
+    def check(self) -> None:
+        if not self.files:
+            raise SpecDecError("no training files given")
+        for name in ("hidden_size", "layers", "heads", "seq_len", "batch_size", "steps", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise SpecDecError(f"{name.replace('_', '-')} must be >= 1")
+        if self.hidden_size % self.heads:
+            raise SpecDecError(f"hidden size {self.hidden_size} is not divisible by {self.heads} heads")
+        if self.seq_len > self.context:
+            raise SpecDecError(f"seq-len {self.seq_len} exceeds the model context {self.context}")
+        if not 0 < self.holdout < 1:
+            raise SpecDecError("holdout must be a fraction in (0, 1)")
+        if self.save_dtype not in ("float32", "float16", "bfloat16"):
+            raise SpecDecError("save-dtype must be float32, float16 or bfloat16")
+
+
+@dataclass
+class DistillConfig:
+    target: str
+    output: str
+    files: list[str] = field(default_factory=list)  # default: the standard library (less the suites' files)
+    backend: str = "auto"
+    threads: int | None = None
+    device: str = "cpu"  # where the draft trains (and a checkpoint target runs)
+    corpus_tokens: int = 2_000_000
+    prompts: int = 2048  # corpus windows of prompt_tokens the target continues by new_tokens
+    short_prompts: int = 768  # and windows of 8-48 tokens at line starts, continued to the same length
+    prompt_tokens: int = 96
+    new_tokens: int = 96
+    temperature: float = 0.7  # for the sampled half of the continuations
+    soft_top: int = 8  # soft labels kept per continuation token
+    generate_batch: int = 16  # continuations decoded side by side
+    draft_vocab: int = 8192
+    hidden_size: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 1
+    intermediate_size: int = 768
+    context: int = 4096  # the draft's positions; a longer prompt is left undrafted
+    batch_size: int = 16
+    steps: int = 1600
+    lr: float = 2e-3
+    warmup: int = 100
+    weight_decay: float = 0.05
+    holdout: float = 0.04  # fraction of the continuations held out for the agreement figure
+    eval_every: int = 250
+    save_every: int = 250
+    seed: int = 0
+    bf16: bool = False  # autocast the draft's matmuls to bfloat16 while training (weights stay float32)
+    gguf: bool = True  # also write DIR/draft.gguf
+    head: bool = False  # train a draft head on the target's states (specdec.head) instead of a draft model
+    progress: bool = True
+
+    def check(self) -> None:
+        if self.short_prompts < 0:
+            raise SpecDecError("short-prompts must be >= 0")
+        for name in ("corpus_tokens", "prompts", "prompt_tokens", "new_tokens", "soft_top", "generate_batch",
+                     "draft_vocab", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size", "batch_size",
+                     "steps", "eval_every", "save_every"):
+            if getattr(self, name) < 1:
+                raise SpecDecError(f"{name.replace('_', '-')} must be >= 1")
+        if self.hidden_size % self.heads or self.heads % self.kv_heads or (self.hidden_size // self.heads) % 2:
+            raise SpecDecError(f"hidden size {self.hidden_size} must split into {self.heads} heads of even width, "
+                               f"and the heads into {self.kv_heads} kv heads")
+        if not 0 < self.holdout < 0.5:
+            raise SpecDecError("holdout must be a fraction in (0, 0.5)")
+        if (self.prompts + self.short_prompts) * self.holdout < 1:
+            raise SpecDecError(f"--holdout {self.holdout} of {self.prompts + self.short_prompts} prompts "
+                               f"(--prompts {self.prompts}, --short-prompts {self.short_prompts}) holds none out: "
+                               f"raise --holdout to at least {1 / (self.prompts + self.short_prompts):.3g}, or "
+                               "give more prompts")
+        if self.temperature <= 0:
+            raise SpecDecError("temperature (of the sampled continuations) must be > 0")
+
+
 # ---------------------------------------------------------------------------------- checks
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as the Hugging Face hub names a model
+
+
+def missing_model(path: str | os.PathLike, what: str = "model") -> SpecDecError:
+    """The error for a model path that is not there; what looks like a hub id is told how to fetch it."""
+    text = str(path)
+    if HUB_ID.fullmatch(text):
+        local = "models/" + text.split("/")[1]
+        return SpecDecError(f"{text} is not a local file or directory. It looks like a Hugging Face hub id: specdec "
+                            f"reads local files only and never downloads. Fetch it first (`huggingface-cli download "
+                            f"{text} --local-dir {local}`), then pass {local}")
+    return SpecDecError(f"{what} not found: {text}")
+
+
+def check_model_paths(config: DecoderConfig) -> None:
+    """The target, draft and n-gram paths a configuration names exist (checked before anything loads)."""
+    spec = config.drafter
+    for path, what in ((config.target, "model"), (spec.draft, "model"), (spec.ngram, "n-gram model file")):
+        if path is not None and not Path(path).expanduser().exists():
+            raise missing_model(path, what)
+
 
 
 def check_gamma(gamma) -> None:
@@ -436,8 +568,6 @@ SERVE_OPTIONS: dict[str, Option] = {
     "public_metrics": Option(parse_flag, "/metrics needs no key (its counters tell anyone every tenant's activity)"),
     "allowed_origins": Option(parse_words, "browser origins allowed by CORS, e.g. http://localhost:3000 "
                                            "(default: none)", metavar="ORIGIN"),
-    "chat_template": Option(_text, "a Jinja chat template for models without one (or to replace theirs)",
-                            metavar="FILE"),
     "max_connections": Option(parse_positive, "open connections at most; more get 503 "
                                               f"(default {ServeConfig.max_connections})"),
     "history_tokens": Option(parse_integer, "the default drafter also drafts from earlier requests' prompts and "
@@ -458,6 +588,14 @@ SERVE_OPTIONS: dict[str, Option] = {
                                        "of its own (default: the cores / N)", metavar="N"),
     "max_replicas": Option(parse_positive, "with --replicas: autoscale between --replicas and N replicas on ongoing "
                                            "requests", metavar="N"),
+}
+
+# how a conversation becomes a prompt (`specdec serve`'s chat route, `specdec generate --chat`); the demo
+# pair's template is read by the front ends that read options (a benchmark of the pair sends its text prompts)
+DEMO_CHAT_TEMPLATE = str(Path(__file__).parent / "demo_pair" / "chat_template.jinja")
+CHAT_OPTIONS: dict[str, Option] = {
+    "chat_template": Option(_text, "a Jinja chat template for models without one (or to replace theirs)",
+                            metavar="FILE"),
 }
 
 
@@ -512,6 +650,11 @@ def decoder_config(options: Options, **defaults) -> DecoderConfig:
                               staged=given.get("staged", False), gamma=gamma, plain=given.get("plain", False),
                               inner_gamma=given.get("inner_gamma", INNER_GAMMA),
                               ngram_stochastic=not given.get("ngram_top1", False))
+    template = options.take(CHAT_OPTIONS).get("chat_template")
+    if template is None and target is None:  # the demo pair: its own (its checkpoints carry none)
+        template = DEMO_CHAT_TEMPLATE
+    if template is not None:
+        defaults["chat_template"] = read_template(template)
     return DecoderConfig(target=target, drafter=spec, runtime=runtime, gamma=gamma,
                          explore=not given.get("no_explore", False), **defaults)
 
@@ -528,8 +671,6 @@ def serve_config(mapping: Mapping[str, object]) -> ServeConfig:
         raise SpecDecError("--prefix-cache-tokens must be >= 0")
     server = {**SERVER_DECODER, "prefix_cache": prefix_tokens}
     server.update((name, given.pop(name)) for name in ("history_tokens", "share_history") if name in given)
-    if "chat_template" in given:
-        server["chat_template"] = read_template(given.pop("chat_template"))
     decoder = decoder_config(options, **server)
     options.finish()
     keys = api_keys(given.pop("api_key", ()), given.pop("api_key_file", None))

@@ -18,6 +18,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
+CONTENDED = 0.15  # a profile whose forwards waited this share of their time for a core measured other work too
+
+
 @dataclass
 class Profile:
     target: dict[int, float]  # k -> seconds
@@ -27,6 +30,13 @@ class Profile:
     rounds: int = 0
     load: float | None = None  # 1-minute load average when measured
     measured: str = ""
+    # share of the timed forwards' time this process's threads waited for a core (other work ran)
+    contention: float = 0.0
+
+    @property
+    def trusted(self) -> bool:
+        """Measured on cores of its own: foreign work slowed it by less than CONTENDED."""
+        return self.contention < CONTENDED
 
     def verify(self, k: float) -> float:
         """t_target(k), interpolated."""

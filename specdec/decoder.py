@@ -22,7 +22,8 @@ from specdec.sampling import RandomStreams
 from specdec.scopes import PerScope, Scope, check_scope, owner
 from specdec.stops import StopStrings
 from specdec.text import check_text, continuation_decoder
-from specdec.types import GenerationStats, Limits, SamplingParams, request_options
+from specdec.types import GenerationStats
+from specdec.params import Limits, SamplingParams, request_options
 
 
 @dataclass
@@ -131,10 +132,13 @@ class SpeculativeDecoder:
         decides with, if it needs them: done when the decoder is made, so no request waits for it."""
         if not self.uses_profile or self._profile is not None:
             return
-        if not profiling.cache_path(self.target, self.draft_model).is_file():
-            print("specdec: timing the models' forwards for the auto policy (once per model and machine; "
-                  "`specdec profile` shows them)", file=sys.stderr)
-        self.profile()
+        why = profiling.why_measure(self.target, self.draft_model)
+        if why is not None:
+            print("specdec: timing the models' forwards for the auto policy (once per model and machine"
+                  + (", again: the last were measured beside other work" if why != "none kept" else "")
+                  + "; `specdec profile` shows them)", file=sys.stderr)
+        if not self.profile().trusted:
+            print(distrust(self.profile()), file=sys.stderr)
 
     def profile(self) -> costs.LiveCosts:
         """The models' forward costs on this machine: cached on disk, measured on first use, then
@@ -268,6 +272,23 @@ class SpeculativeDecoder:
                                "leaving no room to generate")
         return ids
 
+    def chat_ids(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids of a conversation (`{"role", "content"}` dicts) rendered by the tokenizer's chat
+        template with the assistant's turn opened, checked as `prompt_ids` checks a prompt."""
+        for message in messages:
+            check_text(message["content"], "messages' content", param="messages")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise SpecDecError("this model's tokenizer has no chat template: give one (`--chat-template FILE`, or "
+                               "set `decoder.tokenizer.chat_template`), or send the prompt as text (/v1/completions)",
+                               param="messages")
+        try:
+            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        except Exception as error:  # a template may reject a conversation (e.g. roles out of order)
+            raise SpecDecError(f"the chat template rejected these messages: {error}", param="messages") from None
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return self.prompt_ids(list(ids))
+
     @property
     def stop_token_ids(self) -> frozenset[int]:
         return self.target.stop_token_ids
@@ -289,6 +310,13 @@ class SpeculativeDecoder:
         finally:
             steps.close()  # gives the slots back
             self._busy = False
+
+
+def distrust(profile: costs.Profile) -> str:
+    """What a profile measured beside other work is worth, for the user."""
+    return (f"specdec: the forward costs were measured while other work ran on this machine (their forwards waited "
+            f"{profile.contention:.0%} of the time for a core): decoding corrects them as it goes, and they are "
+            "measured again once the machine is quiet")
 
 
 class Generation:

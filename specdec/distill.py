@@ -35,68 +35,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from specdec.config import DistillConfig
 from specdec.errors import SpecDecError
 from specdec.runtime.base import Feed
 from specdec.runtime.pruned import VocabMap
 from specdec.runtime.vocab import tokenizer_fingerprint
 from specdec.sampling import probs_from_logits, sample
-from specdec.types import SamplingParams
-
-
-@dataclass
-class DistillConfig:
-    target: str
-    output: str
-    files: list[str] = field(default_factory=list)  # default: the standard library (less the suites' files)
-    backend: str = "auto"
-    threads: int | None = None
-    device: str = "cpu"  # where the draft trains (and a checkpoint target runs)
-    corpus_tokens: int = 2_000_000
-    prompts: int = 2048  # corpus windows of prompt_tokens the target continues by new_tokens
-    short_prompts: int = 768  # and windows of 8-48 tokens at line starts, continued to the same length
-    prompt_tokens: int = 96
-    new_tokens: int = 96
-    temperature: float = 0.7  # for the sampled half of the continuations
-    soft_top: int = 8  # soft labels kept per continuation token
-    generate_batch: int = 16  # continuations decoded side by side
-    draft_vocab: int = 8192
-    hidden_size: int = 256
-    layers: int = 4
-    heads: int = 4
-    kv_heads: int = 1
-    intermediate_size: int = 768
-    context: int = 4096  # the draft's positions; a longer prompt is left undrafted
-    batch_size: int = 16
-    steps: int = 1600
-    lr: float = 2e-3
-    warmup: int = 100
-    weight_decay: float = 0.05
-    holdout: float = 0.04  # fraction of the continuations held out for the agreement figure
-    eval_every: int = 250
-    save_every: int = 250
-    seed: int = 0
-    bf16: bool = False  # autocast the draft's matmuls to bfloat16 while training (weights stay float32)
-    gguf: bool = True  # also write DIR/draft.gguf
-    head: bool = False  # train a draft head on the target's states (specdec.head) instead of a draft model
-    progress: bool = True
-
-    def check(self) -> None:
-        if self.short_prompts < 0:
-            raise SpecDecError("short-prompts must be >= 0")
-        for name in ("corpus_tokens", "prompts", "prompt_tokens", "new_tokens", "soft_top", "generate_batch",
-                     "draft_vocab", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size", "batch_size",
-                     "steps", "eval_every", "save_every"):
-            if getattr(self, name) < 1:
-                raise SpecDecError(f"{name.replace('_', '-')} must be >= 1")
-        if self.hidden_size % self.heads or self.heads % self.kv_heads or (self.hidden_size // self.heads) % 2:
-            raise SpecDecError(f"hidden size {self.hidden_size} must split into {self.heads} heads of even width, "
-                               f"and the heads into {self.kv_heads} kv heads")
-        if not 0 < self.holdout < 0.5:
-            raise SpecDecError("holdout must be a fraction in (0, 0.5)")
-        if (self.prompts + self.short_prompts) * self.holdout < 1:
-            raise SpecDecError(f"{self.prompts + self.short_prompts} prompts hold none out at holdout {self.holdout}")
-        if self.temperature <= 0:
-            raise SpecDecError("temperature (of the sampled continuations) must be > 0")
+from specdec.params import SamplingParams
 
 
 # ---------------------------------------------------------------------------------------- stages
@@ -468,7 +413,8 @@ def fit(model, config: DistillConfig, checkpoint: Path, report: Report, descript
     training rows (`loss_of(rows)` -> the batch's loss), bf16 autocast if asked, `evaluate()` (a
     dict of held-out figures) into the report every eval_every steps, a checkpoint every
     save_every steps from which the same call resumes. Returns the training state."""
-    from specdec.train import TrainConfig, TrainState, learning_rate, load_checkpoint, save_checkpoint
+    from specdec.config import TrainConfig
+    from specdec.train import TrainState, learning_rate, load_checkpoint, save_checkpoint
 
     schedule = TrainConfig(files=[], output="", steps=config.steps, lr=config.lr, warmup=config.warmup)
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -503,12 +449,21 @@ def fit(model, config: DistillConfig, checkpoint: Path, report: Report, descript
             model.train()
             report.history.append({"step": state.step, "train_loss": round(running, 4), **figures})
             state.history = report.history
-            bar.write(f"step {state.step}: loss {running:.3f}, held-out "
-                      + ", ".join(f"{k} {v}" for k, v in figures.items()))
+            bar.write(f"step {state.step}: loss {running:.3f}, held-out {readable(figures)}")
         if state.step % config.save_every == 0 or state.step == config.steps:
             save_checkpoint(checkpoint, model, optimizer, state, schedule)
     bar.close()
     return state
+
+
+def readable(figures: dict) -> str:
+    """Held-out figures for a progress line: names in words, numbers to 3 places, a list by depth as a/b/c."""
+    def value(v) -> str:
+        if isinstance(v, (list, tuple)):
+            return "/".join(f"{x:.3f}" for x in v)
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    return ", ".join(f"{k.removeprefix('heldout_').replace('_', ' ')} {value(v)}" for k, v in figures.items())
 
 
 def write_outputs(config: DistillConfig, model, vocab_map: VocabMap, pieces: list[str], corpus,

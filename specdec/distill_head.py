@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec.distill import DistillConfig, Generations, Report, fit, prepare, soft_loss, split_rows, target_embeddings
+from specdec.config import DistillConfig
+from specdec.distill import Generations, Report, fit, prepare, soft_loss, split_rows, target_embeddings
 from specdec.errors import SpecDecError
 from specdec.runtime.head import HeadNet, HeadShape, save_head
 from specdec.runtime.pruned import VocabMap

@@ -16,7 +16,8 @@ from specdec.runtime import CachedSequence, CausalLM
 from specdec.runtime.base import Feed
 from specdec.runtime.prefix import PrefixCache
 from specdec.sampling import RandomStreams, StepNoise, probs_from_logits
-from specdec.types import Draft, GenerationStats, SamplingParams
+from specdec.types import Draft, GenerationStats
+from specdec.params import SamplingParams
 from specdec.verify import verify_tree, verify_tree_coupled, verify_tree_greedy
 
 # prompt tokens per prefill forward, on every path (a server feeds one such chunk per job and round

@@ -49,7 +49,7 @@ from tqdm import tqdm
 
 from specdec.decoder import SpeculativeDecoder
 from specdec.errors import SpecDecError, check_integer
-from specdec.types import Limits, SamplingParams
+from specdec.params import Limits, SamplingParams
 
 MIN_CELL = 10  # pooled count below which a continuation joins the "other" cell
 PERMUTATIONS_PER_REJECTION = 20  # B ~ 20 / level: the threshold is the ~20th largest of B null TVs

@@ -26,10 +26,12 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from specdec.costs import Profile
 from specdec.drafters.base import DraftRequest
@@ -39,27 +41,33 @@ from specdec.policy import FixedGamma
 from specdec.runtime import CausalLM
 from specdec.runtime.base import synchronize
 from specdec.sampling import RandomStreams
-from specdec.types import SamplingParams
+from specdec.params import SamplingParams
 
 PREFIX = 256  # tokens cached before a timed forward (at most a quarter of the model's context)
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 DRAFT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 STABLE = 0.05
 MIN_ROUNDS, MAX_ROUNDS = 3, 12
-# bump when what is measured changes: old cache files are then ignored (3: CUDA attention off cuDNN, static slots)
-FORMAT = 3
+BUDGET, DRAFT_BUDGET = 8.0, 3.0  # seconds of rounds, after MIN_ROUNDS, before a curve stops being refined
+QUIET_LOAD = 0.5  # a 1-minute load average below this: nothing else runs, a profile can be measured again
+# bump when what is measured changes: old cache files are then ignored (3: CUDA attention off cuDNN, static slots;
+# 4: time budgets, contention recorded)
+FORMAT = 4
 
 
 
-def measure_curve(model: CausalLM, sizes=SIZES, max_rounds: int = MAX_ROUNDS) -> tuple[dict[int, float], int]:
+def measure_curve(model: CausalLM, sizes=SIZES, max_rounds: int = MAX_ROUNDS, budget: float = BUDGET,
+                  name: str = "target") -> tuple[dict[int, float], int, float]:
     """Seconds of one forward of k new tokens after prefix_length cached ones, each after an
     untimed one of its size, for each k that fits the context (see the module docstring for the
-    noise handling). Returns (curve, rounds taken)."""
+    noise handling; after MIN_ROUNDS, rounds also stop once `budget` seconds have gone). Returns
+    (curve, rounds taken, the share of the timed forwards' time its threads waited for a core)."""
     prefix = prefix_length(model)
     sizes = tuple(k for k in sizes if prefix + k <= model.max_length) or (1,)
     times: dict[int, list[float]] = {k: [] for k in sizes}
     sequence = model.sequence()
-    previous, rounds = None, 0
+    previous, rounds, waits, started_all = None, 0, CoreWaits(), time.perf_counter()
+    bar = tqdm(total=max_rounds, desc=f"timing the {name}'s forwards", unit="round", leave=False, file=sys.stderr)
     try:
         sequence.forward([i % model.vocab_size for i in range(prefix)], last=1)
         while rounds < max_rounds:
@@ -68,17 +76,21 @@ def measure_curve(model: CausalLM, sizes=SIZES, max_rounds: int = MAX_ROUNDS) ->
                 tokens = [(7 * i + 3) % model.vocab_size for i in range(k)]
                 forward_as_decoding(model, sequence, tokens)  # untimed: llama.cpp builds its graph for this size
                 sequence.truncate(prefix)
-                started = time.perf_counter()
-                forward_as_decoding(model, sequence, tokens)
-                times[k].append(time.perf_counter() - started)
+                with waits:
+                    started = time.perf_counter()
+                    forward_as_decoding(model, sequence, tokens)
+                    times[k].append(time.perf_counter() - started)
                 sequence.truncate(prefix)
+            bar.update(1)
             curve = _monotone({k: _low_quartile(t) for k, t in times.items()})
-            if rounds >= MIN_ROUNDS and previous is not None and _agree(previous, curve):
+            if rounds >= MIN_ROUNDS and ((previous is not None and _agree(previous, curve))
+                                         or time.perf_counter() - started_all > budget):
                 break
             previous = curve
     finally:
+        bar.close()
         sequence.release()
-    return curve, rounds
+    return curve, rounds, 0.0 if model.on_gpu else waits.share
 
 
 def forward_as_decoding(model: CausalLM, sequence, tokens: list[int]) -> None:
@@ -97,14 +109,50 @@ def prefix_length(model: CausalLM) -> int:
 
 def measure(target: CausalLM, draft: CausalLM | None = None, max_rounds: int = MAX_ROUNDS) -> Profile:
     """A fresh profile of a target and an optional draft model (see the module docstring)."""
-    target_curve, rounds = measure_curve(target, max_rounds=max_rounds)
-    profile = Profile(target_curve, rounds=rounds, load=load_average(), measured=time.strftime("%Y-%m-%d %H:%M:%S"))
+    target_curve, rounds, contention = measure_curve(target, max_rounds=max_rounds)
+    profile = Profile(target_curve, rounds=rounds, load=load_average(), measured=time.strftime("%Y-%m-%d %H:%M:%S"),
+                      contention=round(contention, 3))
     profile.step_overhead = max(0.0, _plain_step(target) - profile.verify(1))
     if draft is not None:
-        profile.draft, draft_rounds = measure_curve(draft, DRAFT_SIZES, max_rounds)
+        profile.draft, draft_rounds, draft_contention = measure_curve(draft, DRAFT_SIZES, max_rounds,
+                                                                      budget=DRAFT_BUDGET, name="draft")
         profile.rounds = max(rounds, draft_rounds)
+        profile.contention = round(max(contention, draft_contention), 3)
         profile.level_overhead = max(0.0, _draft_level(draft) - profile.draft[1])
     return profile
+
+
+class CoreWaits:
+    """How long this process's threads waited for a core, against how long they ran, inside its
+    `with` blocks (Linux's per-thread schedstat; 0 where there is none): other work on the machine
+    shows as waiting, whatever the threads do while they run (llama.cpp's spin at barriers)."""
+
+    def __init__(self):
+        self.ran = self.waited = 0
+
+    def __enter__(self):
+        self._start = _schedstat()
+
+    def __exit__(self, *_):
+        ran, waited = _schedstat()
+        self.ran += ran - self._start[0]
+        self.waited += waited - self._start[1]
+
+    @property
+    def share(self) -> float:
+        return self.waited / (self.ran + self.waited) if self.ran + self.waited else 0.0
+
+
+def _schedstat() -> tuple[int, int]:
+    """Nanoseconds this process's threads have run and waited on a run queue (0, 0 where unknown)."""
+    ran = waited = 0
+    for stat in Path("/proc/self/task").glob("*/schedstat"):
+        try:
+            run, wait, _ = stat.read_text().split()
+        except (OSError, ValueError):
+            continue  # a thread that ended meanwhile
+        ran, waited = ran + int(run), waited + int(wait)
+    return ran, waited
 
 
 def cache_path(target: CausalLM, draft: CausalLM | None = None) -> Path:
@@ -112,14 +160,12 @@ def cache_path(target: CausalLM, draft: CausalLM | None = None) -> Path:
 
 
 def profile(target: CausalLM, draft: CausalLM | None = None, refresh: bool = False) -> Profile:
-    """The cached profile for these models on this machine, measured now if there is none (or `refresh`)."""
-    path = cache_path(target, draft)
-    if not refresh:
-        try:
-            return Profile.from_json(json.loads(path.read_text()))
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # none yet, or unreadable: measure
+    """The cached profile for these models on this machine, measured now if there is none (or
+    `refresh`), or if the one kept was measured beside other work and the machine is quiet now."""
+    if not refresh and why_measure(target, draft) is None:
+        return cached_profile(target, draft)
     measured = measure(target, draft)
+    path = cache_path(target, draft)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(f".{os.getpid()}.tmp")
@@ -128,6 +174,29 @@ def profile(target: CausalLM, draft: CausalLM | None = None, refresh: bool = Fal
     except OSError:
         pass  # a read-only home: the profile is still used, just measured again next time
     return measured
+
+
+def why_measure(target: CausalLM, draft: CausalLM | None = None) -> str | None:
+    """Why `profile` would measure now: "none kept", "measured beside other work" (and the machine is
+    quiet now), or None (it reads the one kept)."""
+    cached = cached_profile(target, draft)
+    if cached is None:
+        return "none kept"
+    return None if cached.trusted or not quiet() else "measured beside other work"
+
+
+def cached_profile(target: CausalLM, draft: CausalLM | None = None) -> Profile | None:
+    """The profile kept for these models on this machine (None: none, or unreadable)."""
+    try:
+        return Profile.from_json(json.loads(cache_path(target, draft).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def quiet() -> bool:
+    """Nothing else has kept the machine busy over the last minute (the 1-minute load average)."""
+    load = load_average()
+    return load is not None and load < QUIET_LOAD
 
 
 def cache_dir() -> Path:

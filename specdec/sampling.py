@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specdec.types import SamplingParams
+from specdec.params import SamplingParams
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

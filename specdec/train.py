@@ -25,55 +25,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from specdec.config import TrainConfig
 from specdec.errors import SpecDecError
 
 EOS_TEXT = "<|endoftext|>"
-
-
-@dataclass
-class TrainConfig:
-    files: list[str]
-    output: str
-    tokenizer: str | None = None  # reuse this tokenizer directory instead of training one
-    vocab_size: int = 8192  # for a newly trained tokenizer
-    hidden_size: int = 512
-    layers: int = 8
-    heads: int = 8
-    kv_heads: int | None = None  # default: heads
-    intermediate_size: int | None = None  # default: about 8/3 * hidden, a multiple of 64
-    context: int = 1024  # max_position_embeddings of the model
-    seq_len: int = 256  # training window
-    batch_size: int = 16
-    steps: int = 1000
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup: int = 100
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    holdout: float = 0.02  # fraction of files held out
-    eval_every: int = 100
-    eval_batches: int = 8
-    save_every: int = 100
-    seed: int = 0
-    device: str = "cpu"
-    bf16: bool = False  # autocast matmuls to bfloat16 (weights and optimizer stay float32)
-    save_dtype: str = "float32"  # dtype of the final model.safetensors ("float16" for a small demo pair)
-    progress: bool = True
-
-    def check(self) -> None:
-        if not self.files:
-            raise SpecDecError("no training files given")
-        for name in ("hidden_size", "layers", "heads", "seq_len", "batch_size", "steps", "vocab_size"):
-            if getattr(self, name) < 1:
-                raise SpecDecError(f"{name.replace('_', '-')} must be >= 1")
-        if self.hidden_size % self.heads:
-            raise SpecDecError(f"hidden size {self.hidden_size} is not divisible by {self.heads} heads")
-        if self.seq_len > self.context:
-            raise SpecDecError(f"seq-len {self.seq_len} exceeds the model context {self.context}")
-        if not 0 < self.holdout < 1:
-            raise SpecDecError("holdout must be a fraction in (0, 1)")
-        if self.save_dtype not in ("float32", "float16", "bfloat16"):
-            raise SpecDecError("save-dtype must be float32, float16 or bfloat16")
 
 
 @dataclass

@@ -15,7 +15,7 @@ from specdec.engine import Engine
 from specdec.costs import Profile, interpolate
 from specdec.profiling import measure_curve
 from specdec.policy import BatchDepth, expected_tokens
-from specdec.types import SamplingParams
+from specdec.params import SamplingParams
 from test_statistical import LENGTH, PROMPT, SETTINGS, chi_square_pvalue, exact_joint
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7], [1, 6, 1, 8, 0, 3, 3, 9, 8, 8, 7, 1, 6], [5, 5, 5, 5], [9, 2, 6, 5, 3]]

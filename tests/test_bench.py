@@ -143,3 +143,32 @@ def test_the_bench_reads_the_verify_cost_at_the_nearest_measured_size():
     costs = {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}
     sizes = (0.2, 1.4, 2.9, 3.0, 3.1, 6.0, 7.5, 100)
     assert [nearest(costs, k) for k in sizes] == [1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0, 8.0]  # a tie: the smaller
+
+
+def test_an_interrupted_bench_reports_what_finished(model_dirs, tmp_path, capsys, monkeypatch):
+    """Ctrl-C during the third prompt's runs: the report covers the two prompts every strategy finished."""
+    import specdec.bench.runner as runner
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("abcab\nghi\nklmk\nabab\n")
+    seen, real = [], runner.specdec_strategy  # the prompts run, in order (the warm-up's is the first's)
+
+    def counting(*args, **kwargs):
+        strategy = real(*args, **kwargs)
+        run = strategy.run
+
+        def interrupting(prompt_ids, *a, **k):
+            seen.append(tuple(prompt_ids))
+            if len(dict.fromkeys(seen)) == 3 and seen.count(seen[-1]) == 2:  # the third prompt's second strategy
+                raise KeyboardInterrupt
+            return run(prompt_ids, *a, **k)
+        strategy.run = interrupting
+        return strategy
+
+    monkeypatch.setattr(runner, "specdec_strategy", counting)
+    code = main(["bench", "--target", model_dirs["llama"], "--prompts", str(prompts), "--max-new-tokens", "4",
+                 "--gammas", "2", "--trees", "", "--mode", "greedy", "--no-peers", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 0 and "interrupted: the report covers the prompts every strategy finished" in err
+    data = read_bench(tmp_path / "o" / "bench.json")
+    assert data["interrupted"] and {len(r) for r in data["suites"]["prompts"]["runs"]["greedy"].values()} == {2}

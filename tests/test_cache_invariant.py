@@ -11,7 +11,7 @@ from conftest import CHEAP_VERIFY
 from specdec.engine import DecodeState, Engine
 from specdec.policy import CostAwareDepth, FixedGamma
 from specdec.sampling import RandomStreams
-from specdec.types import SamplingParams
+from specdec.params import SamplingParams
 
 
 def assert_cache_is_fresh_prefill(sequence, tokens: list[int], reference: specdec.CausalLM):

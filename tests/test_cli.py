@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -44,6 +45,11 @@ def cli_json(capsys, *argv) -> dict:
     lines = out.strip().splitlines()
     assert len(lines) == 1, out  # exactly one JSON object, nothing else on stdout
     return json.loads(lines[0])
+
+
+def with_newline(text: str) -> str:
+    """What generate prints of a text: a newline after it unless it ends in one (the stats line follows)."""
+    return text if text.endswith("\n") else text + "\n"
 
 
 def argparse_exit(capsys, *argv) -> tuple[int, str]:
@@ -167,7 +173,7 @@ def test_generate_streams_text_and_a_stats_line(model_dirs, capsys):
     assert "drafter" not in stats_lines[0]  # plain decoding names no drafter
     # the streamed text is the same as the --json text of the same run
     result = cli_json(capsys, *args)
-    assert out == result["text"] + "\n"
+    assert out == with_newline(result["text"])
     assert len(result["tokens"]) == 8
 
 
@@ -364,8 +370,8 @@ BAD_GENERATE = {
     "negative-max-new-tokens": (["abc", "--target", "{llama}", "--max-new-tokens", "-1"], r"max_new_tokens must be an integer >= 0"),
     "empty-stop": (["abc", "--target", "{llama}", "--stop", ""], r"stop strings must be non-empty"),
     "unknown-dtype": (["abc", "--target", "{llama}", "--dtype", "int8"], r"unknown dtype 'int8'"),
-    "missing-target": (["abc", "--target", "{tmp}/nowhere"], r"model directory not found: .*nowhere"),
-    "missing-draft": (["abc", "--target", "{llama}", "--draft", "{tmp}/nodraft"], r"model directory not found: .*nodraft"),
+    "missing-target": (["abc", "--target", "{tmp}/nowhere"], r"model not found: .*nowhere"),
+    "missing-draft": (["abc", "--target", "{llama}", "--draft", "{tmp}/nodraft"], r"model not found: .*nodraft"),
     "no-config": (["abc", "--target", "{noconfig}"], r"noconfig has no config\.json"),
     "invalid-config": (["abc", "--target", "{badjson}"], r"config\.json is not valid JSON"),
     "pickled-weights": (["abc", "--target", "{pickled}"], r"no \.safetensors weights \(found pytorch_model\.bin: pickled weights are never loaded"),
@@ -456,7 +462,7 @@ def test_python_m_specdec_subprocess(model_dirs, capsys, tmp_path):
     assert ok.returncode == 0, ok_err
     expected = cli_json(capsys, "generate", "abc", "--target", model_dirs["llama"], "--temperature", "0",
                         "--max-new-tokens", "8", "--device", "cpu")
-    assert ok_out == expected["text"] + "\n"
+    assert ok_out == with_newline(expected["text"])
     assert any(line.startswith("[specdec] 8 tokens") for line in ok_err.splitlines()), ok_err
     assert "Traceback" not in ok_err
 
@@ -465,4 +471,58 @@ def test_python_m_specdec_subprocess(model_dirs, capsys, tmp_path):
     assert "Traceback" not in bad_err
     lines = bad_err.strip().splitlines()
     assert len(lines) == 1, bad_err
-    assert re.fullmatch(r"specdec: error: model directory not found: .*missing-model", lines[0])
+    assert re.fullmatch(r"specdec: error: model not found: .*missing-model", lines[0])
+
+
+ANSWERED_AT_ONCE = """
+import contextlib, io, json, socket, sys
+from specdec.cli import main
+
+listening = socket.create_server(("127.0.0.1", 0))
+cases = [["--help"], ["--version"], ["generate", "x", "--temprature", "1"], ["generate", "x", "--temperature", "-1"],
+         ["generate", "x", "--top-p", "2"], ["generate"], ["generate", "x", "--target", "Qwen/Qwen2.5-0.5B-Instruct"],
+         ["serve", "--port", str(listening.getsockname()[1])], ["serve", "--target", "Qwen/Qwen2.5-0.5B-Instruct"],
+         ["verify", "--temperature", "-2"], ["train", "--help"]]
+answers = []
+for argv in cases:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exit:
+            code = exit.code
+    answers.append([code, out.getvalue() + err.getvalue()])
+print(json.dumps({"answers": answers, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_the_cli_answers_before_it_imports_torch(tmp_path):
+    """Help, the version, a misspelt flag, bad values, a missing prompt, a hub id, a port in use: a
+    fresh interpreter answers each without importing torch (it took 5-55 s behind the imports)."""
+    env = dict(os.environ, PYTHONPATH=str(Path(specdec.__file__).resolve().parents[1]))
+    run = subprocess.run([sys.executable, "-c", ANSWERED_AT_ONCE], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=120)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    (help_, version, misspelt, temperature, top_p, no_prompt, hub, port, serve_hub, verify, train_help) = report["answers"]
+    assert help_[0] == 0 and "generate" in help_[1] and version == [0, f"specdec {specdec.__version__}\n"]
+    assert misspelt[0] == 2 and "unrecognized arguments: --temprature" in misspelt[1]
+    assert temperature == [1, "specdec: error: temperature must be >= 0, got -1.0\n"]
+    assert top_p[0] == 1 and "top_p must be in (0, 1]" in top_p[1] and verify[0] == 1
+    assert no_prompt[0] == 1 and "--prompt-file" in no_prompt[1]
+    for answer in (hub, serve_hub):
+        assert answer[0] == 1 and "never downloads" in answer[1] and "huggingface-cli download" in answer[1]
+    assert port[0] == 1 and "cannot listen on 127.0.0.1" in port[1] and "serving" not in port[1]
+    assert train_help[0] == 0 and "--holdout" in train_help[1]
+    assert not report["torch"], "torch was imported before the answers"
+
+
+def test_the_prompt_from_stdin_or_a_file(model_dirs, tmp_path, capsys, monkeypatch):
+    args = ["--target", model_dirs["llama"], "--plain", "--temperature", "0", "--max-new-tokens", "4", "--device", "cpu"]
+    expected = cli_json(capsys, "generate", "abc", *args)["tokens"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("abc"))
+    assert cli_json(capsys, "generate", "-", *args)["tokens"] == expected
+    (tmp_path / "prompt.txt").write_text("abc", encoding="utf-8")
+    assert cli_json(capsys, "generate", "--prompt-file", tmp_path / "prompt.txt", *args)["tokens"] == expected
+    code, out, err = cli(capsys, "generate", "abc", "--prompt-file", tmp_path / "prompt.txt", *args)
+    assert code == 1 and "one of them" in err

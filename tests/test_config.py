@@ -5,7 +5,7 @@ drafter flags means."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 
@@ -34,7 +34,9 @@ def test_options_left_out_take_the_dataclass_defaults(monkeypatch):
     monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
     monkeypatch.delenv("SPECDEC_METRICS_KEY", raising=False)
     parsed = serve_config(config_options(build_parser().parse_args(["serve"])))
-    assert parsed == ServeConfig(), "the CLI's defaults are the dataclasses' own"
+    demo_template = config.read_template(config.DEMO_CHAT_TEMPLATE)  # no target: the demo pair, with its template
+    assert parsed == replace(ServeConfig(), decoder=replace(ServeConfig().decoder, chat_template=demo_template)), \
+        "the CLI's defaults are the dataclasses' own"
     assert parsed.decoder.prefix_cache == config.SERVER_PREFIX_TOKENS and parsed.decoder.drafter == DrafterSpec("auto")
     argv = ["serve", "--threads", "2", "--gamma", "3", "--draft", "d", "--max-batch", "8", "--share-history"]
     from_argv = serve_config(config_options(build_parser().parse_args(argv)))

@@ -16,7 +16,7 @@ import pytest
 import specdec
 from specdec import ModelDrafter, PromptLookupDrafter, SpeculativeDecoder, TreeShape
 from specdec.runtime import cpu_head
-from specdec.types import SamplingParams
+from specdec.params import SamplingParams
 from test_llamacpp import ALPHA, PROMPTS, REPEATING, SAMPLES, chi_square, pruned_joint
 
 kernels = pytest.importorskip("specdec.runtime._cpu_head", reason="specdec's compiled output layer is not built")

@@ -148,6 +148,48 @@ def test_the_default_demo_runs_on_llama_cpp_and_agrees_with_transformers(demo):
         assert ours.stats.acceptance_rate > 0.2
 
 
+CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "a function that adds two numbers"}]
+
+
+def test_the_demo_pair_chats_out_of_the_box(demo, capsys):
+    """Its chat template (a code model's: the messages as docstrings) comes with it: `generate --chat`
+    and `--system` send a conversation through it, on either backend."""
+    from specdec.cli import main
+    from specdec.config import DEMO_CHAT_TEMPLATE
+
+    demo.tokenizer.chat_template = open(DEMO_CHAT_TEMPLATE).read()
+    ids = demo.chat_ids(CHAT)
+    assert demo.tokenizer.decode(ids) == '"""You write Python."""\n\n"""a function that adds two numbers"""\n\n'
+    expected = demo.generate(ids, max_new_tokens=8, temperature=0).tokens
+    for backend in ("transformers", "llamacpp"):
+        argv = ["generate", CHAT[1]["content"], "--system", CHAT[0]["content"], "--temperature", "0",
+                "--max-new-tokens", "8", "--backend", backend, "--threads", "1", "--json"]
+        assert main(argv) == 0
+        assert json.loads(capsys.readouterr().out)["tokens"] == expected, backend
+
+
+def test_the_openai_client_chats_with_the_demo_server():
+    """`specdec serve` with no arguments answers the openai client's chat.completions (it got a 400)."""
+    import openai
+
+    from specdec.config import serve_config
+    from specdec.server.build import build_app, build_service
+    from test_server import LiveServer
+
+    config = serve_config({"threads": 1, "max_batch": 2})
+    service = build_service(config)
+    live = LiveServer(build_app(config, service))
+    try:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="none")
+        reply = client.chat.completions.create(model="target.gguf", messages=CHAT, max_tokens=8, temperature=0)
+        alone = specdec.load(threads=1)  # a decoder of its own: the server's is its batch thread's
+        alone.tokenizer.chat_template = config.decoder.chat_template
+        assert reply.choices[0].message.content == alone.generate(alone.chat_ids(CHAT), max_new_tokens=8,
+                                                                  temperature=0).text
+    finally:
+        live.stop()
+
+
 def test_a_gguf_file_runs_on_transformers_too(gguf_models, capsys):
     """`--backend transformers` with a .gguf file: transformers dequantizes it (here the demo draft in
     float32, so exactly its checkpoint's weights): the same tokens as the checkpoint, from the API and the CLI."""
@@ -162,4 +204,21 @@ def test_a_gguf_file_runs_on_transformers_too(gguf_models, capsys):
                  "--plain", "--max-new-tokens", "24", "--temperature", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == want.tokens
     assert main(["generate", "x", "--target", "missing.gguf", "--backend", "transformers"]) == 1
-    assert "GGUF file not found" in capsys.readouterr().err
+    assert "model not found" in capsys.readouterr().err
+
+
+def test_specdec_demo_shows_both_decoders_side_by_side(capsys):
+    """The first run: an edit (greedy) and a new function (sampled with a seed), plain and specdec;
+    a text that is not plain decoding's says where it left it, and why that can happen."""
+    from specdec.cli import main
+
+    assert main(["demo", "--max-new-tokens", "16", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "tok/s" not in line and "---" not in line]
+    assert [row.split(" | ")[0] for row in rows] == ["| edit a function (the answer copies the prompt), greedy",
+                                                     "| write a new function (nothing to copy), sampled at T 0.8"]
+    for row in rows:
+        plain, specdec, speedup, per_forward, same = row.strip(" |").split(" | ")[1:]
+        assert float(plain) > 0 and float(specdec) > 0 and float(per_forward) >= 1, row
+        assert same == "yes" or (same.startswith("no: from token") and "numerics move with the batch shape" in out)
+    assert main(["demo", "--max-new-tokens", "4"]) == 1 and "at least 8" in capsys.readouterr().err

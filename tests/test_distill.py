@@ -23,14 +23,15 @@ from transformers import AutoModelForCausalLM
 
 import specdec
 from specdec import AutoDrafter, ModelDrafter, PromptLookupDrafter, SpeculativeDecoder, TreeShape
-from specdec.distill import DistillConfig, Generations, distill, draft_pieces, soft_loss
+from specdec.config import DistillConfig
+from specdec.distill import Generations, distill, draft_pieces, soft_loss
 from specdec.export import save_draft
 from specdec.runtime import load_draft
 from specdec.runtime.base import Feed
 from specdec.runtime.pruned import PrunedVocab, VocabMap
 from specdec.runtime.vocab import tokenizer_fingerprint
 from specdec.sampling import probs_from_logits
-from specdec.types import SamplingParams
+from specdec.params import SamplingParams
 from conftest import reference_greedy
 from test_llamacpp import ALPHA, SAMPLES, chi_square, pruned_joint
 from test_statistical import assert_follows_target

@@ -263,19 +263,19 @@ def test_safetensors_missing_weights_is_refused(model_dirs, tmp_path, keep):
 
 
 def test_missing_directory(tmp_path):
-    with pytest.raises(SpecDecError, match=r"model directory not found: .*nowhere"):
+    with pytest.raises(SpecDecError, match=r"model not found: .*nowhere"):
         specdec.load_model(tmp_path / "nowhere", device="cpu")
-    with pytest.raises(SpecDecError, match=r"model directory not found: .*nowhere"):
+    with pytest.raises(SpecDecError, match=r"model not found: .*nowhere"):
         specdec.load(str(tmp_path / "nowhere"), device="cpu")
 
 
 def test_a_file_is_not_a_checkpoint_directory(model_dirs):
-    with pytest.raises(SpecDecError, match=r"model directory not found"):
+    with pytest.raises(SpecDecError, match=r"model not found"):
         specdec.load_model(Path(model_dirs["llama"]) / "config.json", device="cpu")
 
 
 def test_missing_draft_directory(model_dirs, tmp_path):
-    with pytest.raises(SpecDecError, match=r"model directory not found: .*nodraft"):
+    with pytest.raises(SpecDecError, match=r"model not found: .*nodraft"):
         specdec.load(model_dirs["llama"], draft=str(tmp_path / "nodraft"), device="cpu")
 
 

@@ -36,7 +36,7 @@ import specdec
 import specdec.drafters.model as model_module
 from specdec import AutoDrafter, ModelDrafter, PromptLookupDrafter, SpeculativeDecoder, TreeShape
 from specdec import tree
-from specdec.distill import DistillConfig
+from specdec.config import DistillConfig
 from specdec.distill_head import distill_head, head_inputs
 from specdec.drafters.base import DraftRequest
 from specdec.engine import DecodeState, Engine
@@ -47,7 +47,8 @@ from specdec.runtime.prefix import PrefixCache
 from specdec.runtime.pruned import PrunedVocab, VocabMap
 from specdec.runtime.vocab import tokenizer_fingerprint
 from specdec.sampling import RandomStreams, probs_from_logits
-from specdec.types import Draft, SamplingParams
+from specdec.types import Draft
+from specdec.params import SamplingParams
 from architectures import ARCHITECTURES
 from conftest import reference_greedy
 from reference import path_to

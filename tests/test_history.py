@@ -18,7 +18,7 @@ import specdec
 from specdec.drafters.history import HISTORY_NGRAMS, History
 from specdec.drafters.prompt_lookup import SEPARATOR
 from specdec.errors import SpecDecError
-from specdec.types import SamplingParams
+from specdec.params import SamplingParams
 from test_verify_exact import enumerator  # noqa: F401 (a fixture)
 
 # ---------------------------------------------------------------- the store

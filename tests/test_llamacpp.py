@@ -25,7 +25,8 @@ from specdec.sampling import probs_from_logits
 from specdec.engine import DecodeState, Engine
 from specdec.policy import FixedGamma
 from specdec.sampling import RandomStreams
-from specdec.types import GenerationStats, SamplingParams
+from specdec.types import GenerationStats
+from specdec.params import SamplingParams
 from test_cache_invariant import record_sequences
 
 PROMPTS = ["def fibonacci(n):", "import os\n\ndef list_files(path):", "class Stack:\n    def __init__(self):\n"]

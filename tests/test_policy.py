@@ -4,6 +4,10 @@ greedy equality, what the policy chooses and why, the cost profile and its cache
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -15,7 +19,7 @@ from specdec import costs, profiling
 from specdec.drafters import AutoDrafter, ModelDrafter, PromptLookupDrafter
 from specdec.drafters.base import DraftRequest
 from specdec.policy import BatchDepth, Budget, CostAwareDepth, CostAwarePolicy, confidence_bin, expected_tokens
-from specdec.types import SamplingParams
+from specdec.params import SamplingParams
 from test_tree_exact import DRAFTER_PROMPT, PRUNED_COLUMNS, PrunedTableLM, TableLM, proposal_deviation
 from test_verify_exact import Conditional, enumerator  # noqa: F401 (enumerator: a fixture)
 
@@ -238,6 +242,56 @@ def test_profile_is_measured_once_and_cached(model_dirs, tmp_path, monkeypatch):
     assert not calls and again.target == first.target  # from the cache
     other = profiling.cache_key(specdec.load_model(model_dirs["qwen2"], device="cpu"), None)
     assert other != profiling.cache_key(target, draft) != profiling.cache_key(target, None)
+
+
+def test_waiting_for_a_core_is_measured(tmp_path):
+    """Two processes spinning on the one core this test is pinned to: its threads wait for it about
+    two thirds of the time; alone, next to none of it."""
+    def spin(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    core = min(os.sched_getaffinity(0))
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {core})
+    try:
+        alone = profiling.CoreWaits()
+        with alone:
+            spin(0.3)
+        spinners = [subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\n"
+                                      "while True: pass"]) for _ in range(2)]
+        try:
+            time.sleep(0.3)
+            crowded = profiling.CoreWaits()
+            with crowded:
+                spin(0.6)
+        finally:
+            for spinner in spinners:
+                spinner.kill()
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert alone.share < 0.15 and crowded.share > 0.4, (alone.share, crowded.share)
+
+
+def test_a_profile_measured_beside_other_work_is_not_kept_as_truth(model_dirs, tmp_path, monkeypatch, capsys):
+    """Kept, it is used while the machine is busy (decoding corrects it, and the user is told) and
+    measured again once it is quiet."""
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    target = specdec.load_model(model_dirs["llama-draft"], device="cpu")
+    contended = costs.Profile(target={1: 1.0, 8: 2.0}, contention=0.4, step_overhead=0.1)
+    assert not contended.trusted and costs.Profile(target={1: 1.0}, contention=0.05).trusted
+    (tmp_path / f"{profiling.cache_key(target, None)}.json").write_text(json.dumps(contended.to_json()))
+    calls = []
+    monkeypatch.setattr(profiling, "measure", lambda *args, **kw: calls.append(1) or costs.Profile(target={1: 0.5}))
+    monkeypatch.setattr(profiling, "quiet", lambda: False)
+    assert measured_profile(target) == contended and not calls, "busy now: the kept one is used"
+    monkeypatch.setattr(profiling, "profile", measured_profile)  # the suite's stub off
+    specdec.SpeculativeDecoder(target, specdec.AutoDrafter(None, specdec.PromptLookupDrafter()))
+    assert "measured while other work ran" in capsys.readouterr().err and not calls
+    monkeypatch.setattr(profiling, "quiet", lambda: True)
+    assert measured_profile(target).target == {1: 0.5} and calls == [1], "quiet now: measured again"
+    assert measured_profile(target).target == {1: 0.5} and calls == [1], "and kept"
 
 
 def test_a_damaged_cache_file_is_measured_again(model_dirs, tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ import pytest
 import specdec
 from specdec.drafters.prediction import realign
 from specdec.errors import SpecDecError
-from specdec.types import SamplingParams
+from specdec.params import SamplingParams
 from test_verify_exact import enumerator  # noqa: F401 (a fixture)
 
 # ---------------------------------------------------------------- the cursor

@@ -18,7 +18,7 @@ import specdec
 from specdec.errors import SpecDecError
 from specdec.runtime.prefix import PrefixCache
 from specdec.stops import common_prefix
-from specdec.types import SamplingParams
+from specdec.params import SamplingParams
 
 TOKENS = [(7 * i + 3) % 16 for i in range(48)]
 

@@ -6,7 +6,7 @@ import torch
 
 from specdec.drafters.prompt_lookup import lookup_continuation
 from specdec.sampling import RandomStreams, probs_from_logits, sample
-from specdec.types import SamplingParams
+from specdec.params import SamplingParams
 
 LOGITS = torch.log(torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15], dtype=torch.float64))
 

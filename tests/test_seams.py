@@ -17,7 +17,7 @@ from specdec import AutoDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter
 from specdec.config import TreeShape
 from specdec.errors import SpecDecError, check_integer
 from specdec.katz import KatzTrigram
-from specdec.types import Limits, SamplingParams, request_options
+from specdec.params import Limits, SamplingParams, request_options
 
 PACKAGE = Path(specdec.__file__).resolve().parent
 DRAFTER_CLASSES = {"AutoDrafter", "ModelDrafter", "NgramDrafter", "PromptLookupDrafter", "ContextDrafter"}

@@ -20,7 +20,7 @@ import specdec
 import specdec.api
 from specdec.katz import KatzTrigram
 from specdec.sampling import probs_from_logits
-from specdec.types import SamplingParams
+from specdec.params import SamplingParams
 
 ALPHA = 1e-4
 SAMPLES = 4000

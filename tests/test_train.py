@@ -9,7 +9,8 @@ import torch
 
 import specdec
 from specdec.cli import main
-from specdec.train import TrainConfig, train
+from specdec.config import TrainConfig
+from specdec.train import train
 
 TINY = dict(vocab_size=300, hidden_size=32, layers=1, heads=2, context=64, seq_len=16, batch_size=4,
             lr=3e-3, warmup=2, eval_every=5, eval_batches=2, save_every=5, progress=False, holdout=0.1)

@@ -16,7 +16,8 @@ import specdec.verify as verify_module
 from specdec.drafters import ModelDrafter, PromptLookupDrafter, TreeShape
 from specdec.drafters.base import ContextDrafter, DraftRequest
 from specdec.runtime.base import forward_each
-from specdec.types import Draft, SamplingParams
+from specdec.types import Draft
+from specdec.params import SamplingParams
 from specdec.verify import verify_tree, verify_tree_greedy
 from reference import path_to
 from test_verify_exact import CASES, Conditional, completions, enumerator, target_joint  # noqa: F401 (enumerator: a fixture)

@@ -279,7 +279,8 @@ def test_the_engine_checks_a_drafts_columns():
     """A draft's q over columns: as wide as they are, distinct target ids within the vocabulary;
     the verifier refuses a drawn token outside them (it had q = 0: it cannot have been drawn)."""
     from specdec.engine import _checked
-    from specdec.types import Draft, SamplingParams
+    from specdec.params import SamplingParams
+    from specdec.types import Draft
 
     sampling, probs = SamplingParams(1.0), torch.full((2, 3), 1 / 3)
     good = Draft(torch.tensor([7, 2]), probs, columns=torch.tensor([2, 7, 4]))

@@ -13,7 +13,7 @@ import torch
 from specdec.errors import SpecDecError
 from specdec.runtime.base import CausalLM
 from specdec.runtime.pruned import PrunedVocab
-from specdec.types import SamplingParams
+from specdec.params import SamplingParams
 
 PROMPT_LOOKUP_TOKENS = 10  # tokens the peers' prompt lookup proposes per step
 

@@ -160,8 +160,9 @@ def suites_plot(plt, save, data: dict) -> None:
         for offset, (label, chosen) in enumerate((("default", lambda s: s == DEFAULT),
                                                   ("best fixed", lambda s: family[s] in FIXED),
                                                   ("best peer", lambda s: family[s] == "peer"))):
-            values = [max((r["speedup"] or 0 for s, r in data["suites"][n]["summary"][mode].items() if chosen(s)),
-                          default=0) for n in names]
+            # an interrupted run may lack a later suite's mode
+            values = [max((r["speedup"] or 0 for s, r in data["suites"][n]["summary"].get(mode, {}).items()
+                           if chosen(s)), default=0) for n in names]
             ax.bar([i + (offset - 1) * 0.27 for i in range(len(names))], values, width=0.27, label=label)
         ax.axhline(1, color="black", lw=0.8)
         ax.set_xticks(range(len(names)), names)

@@ -32,7 +32,8 @@ from specdec.drafters import History, TreeShape
 from specdec.errors import SpecDecError
 from specdec.katz import KatzTrigram
 from specdec.runtime import CausalLM, RuntimeConfig, takes_device
-from specdec.types import GenerationStats, Limits, SamplingParams
+from specdec.types import GenerationStats
+from specdec.params import Limits, SamplingParams
 
 # every run prefills its whole prompt, as the peers' do: no strategy starts from another's kept prefix
 Decoder = functools.partial(SpeculativeDecoder, prefix_cache=None)
@@ -292,24 +293,32 @@ def run_bench(config: BenchConfig) -> dict:
     runs = {suite: {mode: {s.name: [] for s in strategies} for mode in config.modes} for suite in suites}
     total = len(config.modes) * config.rounds * sum(map(len, suites.values())) * len(strategies)
     bar = tqdm(total=total, desc="bench", unit="run", disable=not config.progress)
-    for mode in config.modes:
-        sampling = sampling_for(mode, config)
-        for strategy in strategies:  # warm-up: every code path once, not recorded
-            strategy.run(next(iter(suites.values()))[0][0][-16:], sampling, config.seed)
-        for round_ in range(config.rounds):
-            for strategy in strategies:
-                if strategy.history is not None:
-                    strategy.history.clear()
-            for suite, prompts in suites.items():
-                for i, (ids, reference) in enumerate(prompts):
-                    for strategy in strategies:
-                        bar.set_postfix_str(f"{mode} · {suite} · {strategy.name}", refresh=False)
-                        runs[suite][mode][strategy.name].append(
-                            strategy.run(ids, sampling, config.seed + i + round_ * len(prompts), reference))
-                        bar.update(1)
-                    monitor.sample()
+    try:
+        for mode in config.modes:
+            sampling = sampling_for(mode, config)
+            for strategy in strategies:  # warm-up: every code path once, not recorded
+                strategy.run(next(iter(suites.values()))[0][0][-16:], sampling, config.seed)
+            for round_ in range(config.rounds):
+                for strategy in strategies:
+                    if strategy.history is not None:
+                        strategy.history.clear()
+                for suite, prompts in suites.items():
+                    for i, (ids, reference) in enumerate(prompts):
+                        for strategy in strategies:
+                            bar.set_postfix_str(f"{mode} · {suite} · {strategy.name}", refresh=False)
+                            runs[suite][mode][strategy.name].append(
+                                strategy.run(ids, sampling, config.seed + i + round_ * len(prompts), reference))
+                            bar.update(1)
+                        monitor.sample()
+        interrupted = False
+    except KeyboardInterrupt:  # Ctrl-C: what finished is reported
+        interrupted = True
+        runs = finished(runs)
     bar.close()
+    if not runs:
+        raise SpecDecError("interrupted before any prompt had run with every strategy: nothing to report")
     return {
+        "interrupted": interrupted,
         "config": {k: v for k, v in asdict(config).items()},
         "machine": machine_description(),
         "models": {"target": model_facts(target), "draft": model_facts(draft) if draft else None},
@@ -321,12 +330,27 @@ def run_bench(config: BenchConfig) -> dict:
                        for s in strategies],
         "suites": {suite: {"prompts": len(suites[suite]), "rounds": config.rounds,
                            "summary": {mode: summarize(by_mode[mode], strategies, target, draft, cost_curves)
-                                       for mode in config.modes},
+                                       for mode in by_mode},
                            "greedy_mismatches": greedy_mismatches(by_mode.get("greedy")),
                            "runs": {mode: {name: [asdict(r) for r in rs] for name, rs in by_name.items()}
                                     for mode, by_name in by_mode.items()}}
                    for suite, by_mode in runs.items()},
     }
+
+
+def finished(runs: dict) -> dict:
+    """Runs by suite, mode and strategy, cut to the prompts every strategy finished (an interrupted
+    run's last prompt ran with some strategies only); suites and modes with none left out."""
+    out = {}
+    for suite, by_mode in runs.items():
+        kept = {}
+        for mode, by_name in by_mode.items():
+            done = min(map(len, by_name.values()), default=0)
+            if done:
+                kept[mode] = {name: results[:done] for name, results in by_name.items()}
+        if kept:
+            out[suite] = kept
+    return out
 
 
 def model_facts(model: CausalLM) -> dict:

@@ -7,14 +7,17 @@ import argparse
 import os
 import sys
 
-from specdec.cli import bench, generate, serve, train, verify
+from specdec.cli import bench, demo, generate, serve, train, verify
+from specdec import __version__
 from specdec.errors import SpecDecError
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for local "
                                                                  "Hugging Face checkpoints and GGUF files.")
+    parser.add_argument("--version", action="version", version=f"specdec {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    demo.add_parser(commands)
     generate.add_parsers(commands)  # generate, ngram build, profile
     bench.add_parser(commands)
     train.add_parser(commands)

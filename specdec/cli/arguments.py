@@ -12,10 +12,11 @@ from typing import Callable
 
 from specdec import config
 from specdec.config import DecoderConfig, Options
-from specdec.types import SamplingParams
+from specdec.params import SamplingParams
 
 GIVEN = argparse.SUPPRESS  # an option left out is absent from the namespace: the configuration's default applies
-CONFIG_OPTIONS = {*config.MODEL_OPTIONS, *config.RUNTIME_OPTIONS, *config.DRAFTER_OPTIONS, *config.SERVE_OPTIONS}
+CONFIG_OPTIONS = {*config.MODEL_OPTIONS, *config.RUNTIME_OPTIONS, *config.DRAFTER_OPTIONS, *config.SERVE_OPTIONS,
+                  *config.CHAT_OPTIONS}
 
 
 def argument_type(parse: Callable) -> Callable:
@@ -40,9 +41,11 @@ def config_options(args: argparse.Namespace) -> dict:
 
 
 def decoder_config(args: argparse.Namespace, **defaults) -> DecoderConfig:
+    """The command's decoder configuration, its model paths checked to exist (before anything loads)."""
     options = Options(config_options(args))
     decoder = config.decoder_config(options, **defaults)
     options.finish()
+    config.check_model_paths(decoder)
     return decoder
 
 
@@ -77,11 +80,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add_runtime_arguments(parser)
 
 
-def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    """How tokens are chosen (`SamplingParams`; `sampling_params` reads them)."""
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+def add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float = 1.0) -> None:
+    """How tokens are chosen (`SamplingParams`; `sampling_params` reads them), by default at `temperature`."""
+    parser.add_argument("--temperature", type=float, default=temperature, help=f"0 = greedy (default {temperature:g})")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
 
 
 def sampling_params(args: argparse.Namespace, **more) -> SamplingParams:

@@ -22,11 +22,11 @@ def add_parser(commands) -> None:
     bench.add_argument("--prompts",
                        help="a prompts file instead of the suites "
                             "(.jsonl with a \"prompt\" field, or one prompt per line)")
-    bench.add_argument("--limit", type=int, help="use the first N prompts of each suite")
+    bench.add_argument("--limit", type=int, help="use the first N prompts of each suite (default: all)")
     bench.add_argument("--rounds", type=int, default=None,
                        help="run every prompt this many times, in interleaved rounds (default 1)")
     bench.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (--quick: 64)")
-    bench.add_argument("--mode", choices=["greedy", "sampled", "both"], default="both")
+    bench.add_argument("--mode", choices=["greedy", "sampled", "both"], default="both", help="default both")
     bench.add_argument("--temperature", type=float, default=0.8, help="sampled mode (default 0.8)")
     bench.add_argument("--top-k", type=int, default=20, help="sampled mode (default 20)")
     bench.add_argument("--gammas", default=None,
@@ -42,7 +42,7 @@ def add_parser(commands) -> None:
     bench.add_argument("--staged-gamma", type=int, default=3, help="depth of the staged strategies (default 3)")
     bench.add_argument("--staged-tree", type=int, default=4, help="nodes of the staged-tree strategies (default 4)")
     bench.add_argument("--no-peers", action="store_true", help="skip Hugging Face generate()")
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--seed", type=int, default=0, help="sampled mode's base seed (default 0)")
     add_runtime_arguments(bench)  # checkpoints run on the CPU unless --device says otherwise
     bench.add_argument("--out", default="bench-out", help="output folder (bench.json, bench.md, *.png)")
     bench.set_defaults(run=run_bench_command)
@@ -73,6 +73,8 @@ def run_bench_command(args) -> None:
     paths = write_report(data, args.out)
     print(markdown(data))
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    if data["interrupted"]:
+        print("specdec bench: interrupted: the report covers the prompts every strategy finished", file=sys.stderr)
     if data["load"]["warning"]:
         print(f"specdec bench: warning: {data['load']['warning']}", file=sys.stderr)
 

@@ -7,26 +7,35 @@ import json
 import sys
 from pathlib import Path
 
-from specdec import profiling
-from specdec.build import build_decoder
-from specdec.cli.arguments import add_model_arguments, add_sampling_arguments, decoder_config, sampling_params
+from specdec.cli.arguments import (add_model_arguments, add_options, add_sampling_arguments, decoder_config,
+                                  sampling_params)
+from specdec.config import CHAT_OPTIONS
 from specdec.errors import SpecDecError
-from specdec.types import Limits
+from specdec.params import Limits
+
+
+GENERATE_TEMPERATURE = 0.7  # a model's own sampling at 1 reads as noise more often than people expect (llama.cpp: 0.8)
 
 
 def add_parsers(commands) -> None:
     gen = commands.add_parser("generate", help="generate text from a prompt",
                               description="Stream a continuation of PROMPT, then a one-line stats summary (on stderr).")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", nargs="?", help="the prompt; - reads it from stdin (or give --prompt-file)")
+    gen.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE")
     add_model_arguments(gen)
-    add_sampling_arguments(gen)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    add_sampling_arguments(gen, temperature=GENERATE_TEMPERATURE)
+    gen.add_argument("--seed", type=int, default=None, help="repeatable sampling (default: fresh randomness)")
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--prediction", metavar="FILE",
                      help="a file holding the text the output is expected to be (e.g. the edited file): "
                           "the default drafter proposes it")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    chat = gen.add_argument_group("a conversation")
+    chat.add_argument("--chat", action="store_true",
+                      help="send the prompt as a user's message, rendered by the model's chat template")
+    chat.add_argument("--system", metavar="TEXT", help="a system message before it (implies --chat)")
+    add_options(chat, CHAT_OPTIONS)
     gen.set_defaults(run=run_generate)
 
     ngram = commands.add_parser("ngram", help="n-gram drafter tools").add_subparsers(dest="ngram_command",
@@ -52,17 +61,37 @@ def add_parsers(commands) -> None:
     prof.set_defaults(run=run_profile)
 
 
+def read_text(path: str, what: str) -> str:
+    try:
+        return Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise SpecDecError(f"cannot read the {what} file {path}: {error}") from None
+
+
+def prompt_of(args) -> str:
+    """The prompt: the argument, stdin for `-`, or --prompt-file (one of them)."""
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise SpecDecError("give a prompt, - to read it from stdin, or --prompt-file FILE (one of them)")
+    if args.prompt_file is not None:
+        return read_text(args.prompt_file, "prompt")
+    if args.prompt == "-":
+        return sys.stdin.read()
+    return args.prompt
+
+
 def run_generate(args) -> None:
-    prediction = None
-    if args.prediction is not None:
-        try:
-            prediction = Path(args.prediction).expanduser().read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
-            raise SpecDecError(f"cannot read the prediction file {args.prediction}: {error}") from None
+    prompt = prompt_of(args)
+    prediction = read_text(args.prediction, "prediction") if args.prediction is not None else None
     sampling = sampling_params(args, seed=args.seed)
     limits = Limits(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
-    decoder = build_decoder(decoder_config(args, prefix_cache=0))
-    stream = decoder.stream(args.prompt, sampling, limits, prediction=prediction or None)
+    config = decoder_config(args, prefix_cache=0)
+    from specdec.build import build_decoder  # torch and the backends: only once the arguments are checked
+
+    decoder = build_decoder(config)
+    if args.chat or args.system is not None:
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        prompt = decoder.chat_ids([*system, {"role": "user", "content": prompt}])
+    stream = decoder.stream(prompt, sampling, limits, prediction=prediction or None)
     if args.json:
         for _ in stream:
             pass
@@ -71,12 +100,18 @@ def run_generate(args) -> None:
     for delta in stream:
         sys.stdout.write(delta)
         sys.stdout.flush()
-    sys.stdout.write("\n")
+    if not stream.result.text.endswith("\n"):  # the stats line starts a line of its own
+        sys.stdout.write("\n")
+        sys.stdout.flush()
     print(format_stats(stream.result.stats, decoder), file=sys.stderr)
 
 
 def run_profile(args) -> None:
-    decoder = build_decoder(decoder_config(args, prefix_cache=0), prepare=False)  # measured here, once
+    config = decoder_config(args, prefix_cache=0)
+    from specdec import profiling
+    from specdec.build import build_decoder
+
+    decoder = build_decoder(config, prepare=False)  # measured here, once
     profile = profiling.profile(decoder.target, decoder.draft_model, refresh=args.refresh)
     if args.json:
         print(json.dumps(profile.to_json()))
@@ -98,6 +133,8 @@ def run_profile(args) -> None:
 def format_profile(profile, decoder, cache) -> str:
     """The cost curves as a table: milliseconds and the ratio to a one-token forward."""
     load = f", load {profile.load:.2f}" if profile.load is not None else ""
+    load += f", {profile.contention:.0%} of the time waiting for a core" + ("" if profile.trusted else
+                                                                          " (beside other work: not trusted)")
     lines = [f"target: {decoder.target.describe()}"
              + (f" · draft: {decoder.draft_model.describe()}" if decoder.draft_model else ""),
              f"measured {profile.measured} in {profile.rounds} rounds{load} · cache: {cache}", "",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 
 from specdec.cli.arguments import add_model_arguments, add_options, config_options
-from specdec.config import SERVE_OPTIONS, serve_config
+from specdec.config import CHAT_OPTIONS, SERVE_OPTIONS, check_model_paths, serve_config
 from specdec.errors import SpecDecError
 
 
@@ -17,11 +19,25 @@ def add_parser(commands) -> None:
                                             "the others wait in a bounded FIFO queue.")
     add_model_arguments(serve)
     add_options(serve, SERVE_OPTIONS)
+    add_options(serve, CHAT_OPTIONS)
     serve.set_defaults(run=run_serve)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port another process listens on, before the models load and anything says "serving"."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as error:
+        why = os.strerror(error.errno) if error.errno else str(error)
+        raise SpecDecError(f"cannot listen on {host}:{port}: {why} (choose another --port, or stop what uses "
+                           "it)") from None
 
 
 def run_serve(args) -> None:
     config = serve_config(config_options(args))
+    check_model_paths(config.decoder)
+    check_port_free(config.host, config.port)
     if config.replicas is not None:
         try:
             from specdec.server.replicas import run_local

@@ -6,7 +6,7 @@ import sys
 
 from specdec.cli.arguments import positive
 from specdec.errors import SpecDecError
-from specdec.runtime import BACKENDS
+from specdec.config import BACKENDS, DistillConfig, TrainConfig
 
 
 def add_parser(commands) -> None:
@@ -24,9 +24,6 @@ def add_parser(commands) -> None:
     tr.add_argument("--tokenizer", help="reuse this tokenizer directory instead of training a byte-level BPE")
     tr.add_argument("--distill-from", metavar="TARGET",
                     help="distil a draft for this target (.gguf file or checkpoint directory)")
-    from specdec.distill import DistillConfig
-    from specdec.train import TrainConfig
-
     shared = ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size", "context", "batch_size", "steps", "lr",
               "warmup", "weight_decay", "holdout", "eval_every", "save_every", "seed")
     trained, distilled = TrainConfig(files=[], output=""), DistillConfig(target="", output="")
@@ -68,8 +65,8 @@ def add_parser(commands) -> None:
 def run_train(args) -> None:
     from dataclasses import fields
 
-    from specdec.distill import DistillConfig, distill
-    from specdec.train import TrainConfig, train
+    from specdec.distill import distill
+    from specdec.train import train
 
     given = {name: value for name, value in vars(args).items() if value is not None}
     if args.distill_from is None:

@@ -11,7 +11,8 @@ from specdec import tree
 from specdec.config import TreeShape
 from specdec.policy import NodePolicy
 from specdec.runtime import CausalLM
-from specdec.types import Draft, SamplingParams
+from specdec.types import Draft
+from specdec.params import SamplingParams
 
 
 @dataclass

@@ -36,7 +36,8 @@ from specdec.runtime import CausalLM, check_same_vocabulary, require_trees
 from specdec.runtime import base as runtime
 from specdec.runtime.base import Feed, forward_together
 from specdec.sampling import probs_from_logits, sample
-from specdec.types import Draft, SamplingParams
+from specdec.types import Draft
+from specdec.params import SamplingParams
 from specdec.verify import verify_chain, verify_greedy
 
 SIBLING_MASS = 0.1  # a sampled node draws another child only while this much of q is not yet drawn

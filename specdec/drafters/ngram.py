@@ -11,7 +11,8 @@ from specdec.errors import SpecDecError
 from specdec.katz import KatzTrigram
 from specdec.runtime import CausalLM, tokenizer_fingerprint
 from specdec.sampling import probs_from_logits, sample
-from specdec.types import Draft, SamplingParams
+from specdec.types import Draft
+from specdec.params import SamplingParams
 
 
 class NgramDrafter(ContextDrafter):

@@ -9,7 +9,8 @@ import torch
 
 from specdec.drafters.base import ContextDrafter, empty_draft
 from specdec.errors import SpecDecError
-from specdec.types import Draft, SamplingParams
+from specdec.types import Draft
+from specdec.params import SamplingParams
 
 
 SEPARATOR = 0xFFFFFFFF  # no token's id: ends a document in a packed corpus (`continuation_in`)

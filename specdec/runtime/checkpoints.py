@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from specdec.config import missing_model
 from specdec.errors import SpecDecError
 from specdec.runtime.cpu_matmul import use_small_batch_matmul
 from specdec.runtime.hf import HFModel
@@ -88,6 +90,26 @@ def _read_checkpoint(path: Path, torch_dtype: torch.dtype, attn_implementation: 
     gguf = path.suffix.lower() == ".gguf"
     source = dict(gguf_file=path.name) if gguf else dict(use_safetensors=True)
     directory = path.parent if gguf else path
+    with no_progress_bars():  # a bar per load of a local file says nothing
+        return _from_pretrained(path, directory, source, gguf, torch_dtype, attn_implementation)
+
+
+@contextmanager
+def no_progress_bars():
+    """transformers' progress bars off, as they were after."""
+    from transformers.utils import logging
+
+    was_on = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            logging.enable_progress_bar()
+
+
+def _from_pretrained(path: Path, directory: Path, source: dict, gguf: bool, torch_dtype: torch.dtype,
+                     attn_implementation: str | None):
     try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False, **source)
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False,
@@ -116,7 +138,7 @@ def _read_checkpoint(path: Path, torch_dtype: torch.dtype, attn_implementation: 
 
 def _check_gguf_file(path: Path) -> None:
     if not path.is_file():
-        raise SpecDecError(f"GGUF file not found: {path}")
+        raise missing_model(path)
     try:
         import gguf  # noqa: F401 (transformers reads GGUF files with it)
     except ImportError:
@@ -126,7 +148,7 @@ def _check_gguf_file(path: Path) -> None:
 
 def _check_checkpoint_dir(path: Path) -> None:
     if not path.is_dir():
-        raise SpecDecError(f"model directory not found: {path}")
+        raise missing_model(path) if not path.exists() else SpecDecError(f"not a directory: {path}")
     if not (path / "config.json").is_file():
         raise SpecDecError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
     try:

@@ -54,6 +54,9 @@ class HFModel(base.CheckedTrees):
 
     def __init__(self, model, tokenizer, path: str = ""):
         self.model = model.eval()
+        # the forward's name for the cache: `cache` since transformers 5.2x (which warns at the old
+        # name on every call), `past_key_values` before
+        self.cache_keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.tokenizer = tokenizer
         self.path = path
         self.vocab_size = len(tokenizer)
@@ -193,7 +196,7 @@ class HFModel(base.CheckedTrees):
                             for i in range(len(next(s for s, *_ in rows if s.cache_len)._cache.layers))]
         out = self.model(input_ids=tokens.to(self.torch_device), position_ids=positions.to(self.torch_device),
                          attention_mask=self.layer_masks(allowed, key_positions, positions),
-                         past_key_values=cache, use_cache=True)
+                         use_cache=True, **{self.cache_keyword: cache})
         states = self.taken_states()  # [batch, new, hidden] or None
         results = []
         for r, ((sequence, row_tokens, row_positions, all_parents), feed) in enumerate(zip(rows, feeds)):
@@ -298,8 +301,8 @@ class HFSequence(SequenceEntries):
             input_ids=torch.tensor([tokens], device=owner.torch_device),
             position_ids=torch.tensor([positions], device=owner.torch_device),
             attention_mask=mask,
-            past_key_values=self._cache,
             use_cache=True,
+            **{owner.cache_keyword: self._cache},
             **keep,
         )
         states = owner.taken_states()  # [1, n, hidden], or [1, last, hidden] with logits_to_keep; None while off

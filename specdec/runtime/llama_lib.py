@@ -10,6 +10,7 @@ import functools
 import os
 from pathlib import Path
 
+from specdec.config import missing_model
 from specdec.errors import SpecDecError
 
 
@@ -64,7 +65,7 @@ def buffer_text(fill, size: int = 256) -> str:
 
 def check_gguf_file(path: Path) -> None:
     if not path.is_file():
-        raise SpecDecError(f"model file not found: {path}")
+        raise missing_model(path)
     with open(path, "rb") as handle:
         magic = handle.read(4)
     if magic != b"GGUF":

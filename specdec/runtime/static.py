@@ -174,8 +174,8 @@ class StaticHFModel(HFModel):
 
     def _forward_logits(self, tokens, positions, mask, cache, states: bool = False):
         """The logits [rows, tokens, vocab]; with states, (logits, the states [rows, tokens, hidden])."""
-        out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                         use_cache=True)
+        out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
+                         **{self.cache_keyword: cache})
         return (out.logits, self.taken_states()) if states else out.logits
 
     def _to_first_rows(self, sequences: list[StaticSequence]) -> None:
@@ -511,7 +511,7 @@ def _cache_layout(model: HFModel) -> list:
     cache = DynamicCache()
     with torch.inference_mode():
         tokens = torch.zeros(1, 1, dtype=torch.long, device=model.torch_device)
-        model.model(input_ids=tokens, past_key_values=cache, use_cache=True)
+        model.model(input_ids=tokens, use_cache=True, **{model.cache_keyword: cache})
     layout = []
     for layer in cache.layers:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)

@@ -17,9 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specdec.api import GenerationResult, SpeculativeDecoder
 from specdec.engine import TokenLogprob
-from specdec.errors import SpecDecError
-from specdec.text import check_text
-from specdec.types import GenerationStats, SamplingParams
+from specdec.params import SamplingParams
+from specdec.types import GenerationStats
 
 
 class BadRequest(Exception):
@@ -231,20 +230,7 @@ class ChatRequest(SamplingFields):
 
 
 def chat_prompt(decoder: SpeculativeDecoder, messages: list[ChatMessage]) -> list[int]:
-    tokenizer = decoder.tokenizer
-    for message in messages:
-        check_text(message.for_template()["content"], "messages' content")
-    if not getattr(tokenizer, "chat_template", None):
-        raise SpecDecError("this model's tokenizer has no chat template; "
-                           "use /v1/completions or start the server with --chat-template FILE")
-    try:
-        ids = tokenizer.apply_chat_template([m.for_template() for m in messages], add_generation_prompt=True,
-                                            tokenize=True)
-    except Exception as error:  # a template may reject a conversation (e.g. roles out of order)
-        raise SpecDecError(f"the chat template rejected these messages: {error}") from None
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return decoder.prompt_ids(list(ids))
+    return decoder.chat_ids([m.for_template() for m in messages])
 
 
 # ---------------------------------------------------------------------------- responses

@@ -14,7 +14,7 @@ from specdec.policy import BatchDepth
 from specdec.scopes import KeyScope
 from specdec.server.batch import Batcher, Job, Metrics
 from specdec.server.openai import BadRequest, CompletionRequest, SamplingFields
-from specdec.types import Limits
+from specdec.params import Limits
 
 STALL_SECONDS = 120.0  # a batch with work that has not finished a round for this long is wedged
 
