@@ -39,7 +39,7 @@ from specdec.bench.peers import peers  # noqa: E402
 from specdec.bench.prompts import humaneval_prompts  # noqa: E402
 from specdec.bench.runner import read_bandwidth  # noqa: E402
 from specdec.katz import KatzTrigram  # noqa: E402
-from specdec.types import SamplingParams  # noqa: E402
+from specdec.params import SamplingParams  # noqa: E402
 
 MODES = {"greedy": SamplingParams(temperature=0.0), "sampled": SamplingParams(temperature=0.8, top_k=20)}
 
