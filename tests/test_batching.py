@@ -116,6 +116,7 @@ SAMPLES = 2400
 ROWS = 4  # samples per batch, beside as many rows of other requests
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 def test_a_sampled_row_in_a_busy_batch_follows_the_target(load64, model_dirs, kind):
     """Rows of the request under test (each its own seed) share every batch with rows of other

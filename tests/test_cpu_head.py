@@ -182,6 +182,7 @@ def test_greedy_speculation_with_it_equals_plain_greedy_for_every_drafter(pair):
 
 
 @needs_head
+@pytest.mark.statistical
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 def test_sampled_speculation_with_it_keeps_the_target_distribution(pair, kind):
     if not pair["trained"]:  # the output layer is the same code for both types; the kernel tests cover Q6_K's arithmetic

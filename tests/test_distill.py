@@ -111,6 +111,7 @@ def hf_pair(model_dirs, tmp_path_factory):
     return target, load_draft(directory, target, device="cpu", dtype="float64"), keep
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("setting", [dict(temperature=1.0), dict(temperature=0.7, top_k=5)], ids=["t1", "t0.7-topk5"])
 def test_sampled_speculation_with_a_pruned_draft_follows_the_target_transformers(hf_pair, setting):
     target, draft, keep = hf_pair
@@ -179,6 +180,7 @@ def test_greedy_speculation_with_a_pruned_gguf_draft_equals_plain_greedy_llamacp
     assert accepted > 0
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 def test_sampled_speculation_with_a_pruned_gguf_draft_keeps_the_target_distribution(gguf_pair, kind):
     target, directory, keep = gguf_pair

@@ -337,6 +337,7 @@ def test_a_slot_after_a_generation_drafts_as_a_fresh_slot_on_its_text(hf_head):
 # ------------------------------------------------------------------------------ transformers
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 @pytest.mark.parametrize("setting", SETTINGS, ids=SETTING_IDS)
 def test_sampled_speculation_with_a_head_follows_the_target_transformers(hf_head, kind, setting):
@@ -448,6 +449,7 @@ def test_greedy_speculation_with_a_head_equals_plain_greedy_llamacpp(gguf_head, 
     assert all(accepted.values()), accepted
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 @pytest.mark.parametrize("setting", SETTINGS, ids=SETTING_IDS)
 def test_sampled_speculation_with_a_head_keeps_the_target_distribution_llamacpp(gguf_head, kind, setting):

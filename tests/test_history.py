@@ -141,6 +141,7 @@ def test_an_iteration_with_the_history_keeps_the_target_distribution(enumerator,
     assert proposal_deviation(enumerator, propose, Conditional(3, seed=41), 3) < 1e-9
 
 
+@pytest.mark.statistical
 def test_sampled_output_with_the_history_follows_the_target(model_dirs):
     """Chi-square on the first 3 tokens, as for every drafter (test_statistical): one decoder
     samples the same prompt again and again, so its history holds earlier samples, right or wrong."""

@@ -161,6 +161,7 @@ def chi_square(counts: Counter, joint: dict[tuple, float], samples: int) -> floa
     return float(chisquare(observed, [e * scale for e in expected]).pvalue)
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("setting", [dict(temperature=1.0), dict(temperature=1.0, top_p=0.8)], ids=["t1", "topp0.8"])
 @pytest.mark.parametrize("kind", ["chain", "tree", "staged", "auto", "auto/keyed"])
 def test_sampled_speculation_keeps_the_target_distribution(gguf, kind, setting):

@@ -77,6 +77,7 @@ def target64(model_dirs):
     return specdec.load_model(model_dirs["llama"], device="cpu", dtype="float64")
 
 
+@pytest.mark.statistical
 def test_sampled_output_with_a_prediction_follows_the_target(target64, model_dirs):
     """Chi-square on the first 3 tokens, as for every drafter (test_statistical), with a prediction
     that is the target's likeliest text: accepted often, rejected often."""

@@ -186,6 +186,7 @@ def test_two_conversations_that_share_the_cells_keep_the_greedy_text_on_llama_cp
     assert reused.prefixes.tokens <= reused.target.cells and len(shed) >= 4, len(shed)
 
 
+@pytest.mark.statistical
 def test_sampled_output_from_a_kept_prefix_follows_the_target(model_dirs):
     """Chi-square on the first 3 tokens (test_statistical): every generation after the first
     starts from the prompt the previous one kept."""

@@ -98,6 +98,7 @@ def drafters(model_dirs):
     }
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("drafter_name", ["draft-model", "ngram", "prompt-lookup", "auto", "auto/drawn"])
 def test_first_tokens_follow_target_joint(target, drafters, drafter_name, setting):
@@ -115,6 +116,7 @@ def assert_follows_target(decoder: specdec.SpeculativeDecoder, sampling: dict, s
     assert pvalue > ALPHA, f"p-value {pvalue:.3g}: speculative output does not follow the target"
 
 
+@pytest.mark.statistical
 def test_chi_square_catches_an_accept_everything_verifier(target, drafters, monkeypatch):
     """The test has power: a verifier that keeps every draft token is rejected."""
     from specdec import engine

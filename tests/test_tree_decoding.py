@@ -84,6 +84,7 @@ def stat_drafters(model_dirs):
     "drafter_name,setting",
     [("tree", "t1"), ("tree", "t0.7-topk5"), ("tree", "topp0.8"), ("tree-top", "t1"), ("staged-tree", "t1"), ("staged-tree", "topp0.8")],
 )
+@pytest.mark.statistical
 def test_tree_output_follows_target_joint(stat_target, stat_drafters, drafter_name, setting):
     """4000 generations of 3 tokens (trees 2 deep): the joint must be the target's (chi-square)."""
     decoder = specdec.SpeculativeDecoder(stat_target, stat_drafters[drafter_name], gamma=2)

@@ -26,7 +26,7 @@ from specdec.server.openai import (ERROR_RESPONSES, BadRequest, ChatRequest, Com
 from specdec.server.service import Health, Service
 
 MAX_BODY_BYTES = 1 << 20
-LONG_PROMPT_CHARS = 20_000  # tokenized on a thread of its own, not on the event loop
+LONG_PROMPT_CHARS = 20_000  # tokenized off the event loop, in its API key's lane (`FairLanes`)
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # where `Admission` leaves an accepted request's API key: for its scope (the key's index; None: no
 # scope of its own), and for its turns (the index, or None without keys: one lane for all)
