@@ -172,5 +172,5 @@ def test_batch_depth_counts_the_draft_model(load64, model_dirs):
     """A draft model as costly as the target never pays at this acceptance; measured costs are positive."""
     costs = {1: 1.0, 8: 1.0, 64: 8.0}
     assert BatchDepth(Profile(costs, dict(costs)), max_gamma=4, models_draft=True, prior=0.5).depth(1) == 0
-    measured, rounds = measure_curve(load64(model_dirs["llama"]), sizes=(1, 4), max_rounds=3)
+    measured, rounds, _ = measure_curve(load64(model_dirs["llama"]), sizes=(1, 4), max_rounds=3)
     assert set(measured) == {1, 4} and all(t > 0 for t in measured.values()) and rounds == 3

@@ -270,7 +270,7 @@ def test_missing_directory(tmp_path):
 
 
 def test_a_file_is_not_a_checkpoint_directory(model_dirs):
-    with pytest.raises(SpecDecError, match=r"model not found"):
+    with pytest.raises(SpecDecError, match=r"config.json is a file, not a checkpoint directory"):
         specdec.load_model(Path(model_dirs["llama"]) / "config.json", device="cpu")
 
 

@@ -252,7 +252,7 @@ def test_the_cost_curve_times_forwards_as_decoding_runs_them(static_llama, monke
     asked = []
     forward = StaticHFModel.forward_batch
     monkeypatch.setattr(StaticHFModel, "forward_batch", lambda self, feeds: asked.extend(f.on_device for f in feeds) or forward(self, feeds))
-    curve, rounds = profiling.measure_curve(static_llama, sizes=(1, 2, 4), max_rounds=1)
+    curve, rounds, _ = profiling.measure_curve(static_llama, sizes=(1, 2, 4), max_rounds=1)
     assert set(curve) == {1, 2, 4} and all(seconds > 0 for seconds in curve.values()) and rounds == 1
     assert asked[0] is False and set(asked[1:]) == {True}  # the prefix's logits come back; the timed ones stay
 

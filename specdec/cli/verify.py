@@ -30,15 +30,12 @@ def add_parser(commands) -> None:
 
 
 def run_verify(args) -> None:
-    sampling = sampling_params(args)  # fails before anything loads
-    config = decoder_config(args, prefix_cache=0)
-    if config.drafter.kind == "plain":
-        raise SpecDecError("verify compares speculative decoding with plain decoding: with --plain there is nothing "
-                           "to compare (drop it)")
-    from specdec.build import build_decoder
     from specdec.losslessness import DEFAULT_PROMPTS, check_lossless, check_settings, failure_summary, format_report
 
     check_settings(args.samples, 1 if args.length is None else args.length, args.alpha, args.seed)
+    sampling = sampling_params(args)  # fails before anything loads
+    config = decoder_config(args, prefix_cache=0)
+    from specdec.build import build_decoder
 
     decoder = build_decoder(config)
     report = check_lossless(decoder, args.prompt or DEFAULT_PROMPTS, samples=args.samples, length=args.length,

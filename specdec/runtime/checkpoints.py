@@ -148,7 +148,8 @@ def _check_gguf_file(path: Path) -> None:
 
 def _check_checkpoint_dir(path: Path) -> None:
     if not path.is_dir():
-        raise missing_model(path) if not path.exists() else SpecDecError(f"not a directory: {path}")
+        raise missing_model(path) if not path.exists() else SpecDecError(
+            f"{path} is a file, not a checkpoint directory (a .gguf file runs on llama.cpp)")
     if not (path / "config.json").is_file():
         raise SpecDecError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
     try:

@@ -65,7 +65,8 @@ def buffer_text(fill, size: int = 256) -> str:
 
 def check_gguf_file(path: Path) -> None:
     if not path.is_file():
-        raise missing_model(path)
+        raise missing_model(path) if not path.exists() else SpecDecError(
+            f"{path} is a directory, not a GGUF file (a checkpoint directory runs on transformers)")
     with open(path, "rb") as handle:
         magic = handle.read(4)
     if magic != b"GGUF":
