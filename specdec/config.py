@@ -394,6 +394,15 @@ def missing_model(path: str | os.PathLike, what: str = "model") -> SpecDecError:
     return SpecDecError(f"{what} not found: {text}")
 
 
+def check_verify_settings(samples, length, alpha, seed) -> None:
+    """`specdec verify`'s (and `check_lossless`'s) own numbers, checked before anything loads."""
+    check_integer(samples, "samples")
+    check_integer(length, "length")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
+        raise SpecDecError(f"alpha must be in (0, 1), got {alpha!r}")
+    check_integer(seed, "seed", minimum=0)
+
+
 def check_model_paths(config: DecoderConfig) -> None:
     """The target, draft and n-gram paths a configuration names exist (checked before anything loads)."""
     spec = config.drafter

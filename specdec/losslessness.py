@@ -48,7 +48,8 @@ import torch
 from tqdm import tqdm
 
 from specdec.decoder import SpeculativeDecoder
-from specdec.errors import SpecDecError, check_integer
+from specdec.config import check_verify_settings
+from specdec.errors import SpecDecError
 from specdec.params import Limits, SamplingParams
 
 MIN_CELL = 10  # pooled count below which a continuation joins the "other" cell
@@ -188,7 +189,7 @@ def check_lossless(
         raise SpecDecError("nothing to verify: the decoder has no drafter, so it already decodes plainly")
     depth = draft_depth(speculative)
     length = depth + 1 if length is None else length
-    check_settings(samples, length, alpha, seed)
+    check_verify_settings(samples, length, alpha, seed)
     if isinstance(prompts, str) or not len(prompts) or any(isinstance(p, int) for p in prompts):
         raise SpecDecError("prompts must be a list of at least one prompt (each a string or a list of token ids)")
     prompt_ids = [speculative.prompt_ids(prompt) for prompt in prompts]  # validates all before sampling
@@ -230,14 +231,6 @@ TYPICAL_AUTO_DEPTH = 4
 def draft_depth(decoder: SpeculativeDecoder) -> int:
     """How deep the decoder drafts: its γ (a tree's depth); for "auto", a typical depth of the policy's."""
     return decoder.gamma if isinstance(decoder.gamma, int) else TYPICAL_AUTO_DEPTH
-
-
-def check_settings(samples, length, alpha, seed) -> None:
-    check_integer(samples, "samples")
-    check_integer(length, "length")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
-        raise SpecDecError(f"alpha must be in (0, 1), got {alpha!r}")
-    check_integer(seed, "seed", minimum=0)
 
 
 def _sample(decoder, ids, runs, first_seed, setting, texts, bar) -> tuple[Counter, tuple[int, int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from specdec.cli.arguments import add_model_arguments, add_sampling_arguments, decoder_config, sampling_params
+from specdec.config import check_verify_settings
 from specdec.errors import SpecDecError
 
 
@@ -30,12 +31,11 @@ def add_parser(commands) -> None:
 
 
 def run_verify(args) -> None:
-    from specdec.losslessness import DEFAULT_PROMPTS, check_lossless, check_settings, failure_summary, format_report
-
-    check_settings(args.samples, 1 if args.length is None else args.length, args.alpha, args.seed)
+    check_verify_settings(args.samples, 1 if args.length is None else args.length, args.alpha, args.seed)
     sampling = sampling_params(args)  # fails before anything loads
     config = decoder_config(args, prefix_cache=0)
     from specdec.build import build_decoder
+    from specdec.losslessness import DEFAULT_PROMPTS, check_lossless, failure_summary, format_report
 
     decoder = build_decoder(config)
     report = check_lossless(decoder, args.prompt or DEFAULT_PROMPTS, samples=args.samples, length=args.length,
