@@ -29,8 +29,13 @@ __all__ = list(_MODULE_OF)
 
 
 def __getattr__(name: str):
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module 'specdec' has no attribute {name!r}")
+    if name not in _MODULE_OF:  # a submodule (`specdec.runtime`), as an eager package would have it
+        try:
+            return import_module(f"specdec.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"specdec.{name}":
+                raise
+            raise AttributeError(f"module 'specdec' has no attribute {name!r}") from None
     value = getattr(import_module(_MODULE_OF[name]), name)
     globals()[name] = value  # the next lookup finds it here
     return value
