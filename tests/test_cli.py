@@ -526,3 +526,14 @@ def test_the_prompt_from_stdin_or_a_file(model_dirs, tmp_path, capsys, monkeypat
     assert cli_json(capsys, "generate", "--prompt-file", tmp_path / "prompt.txt", *args)["tokens"] == expected
     code, out, err = cli(capsys, "generate", "abc", "--prompt-file", tmp_path / "prompt.txt", *args)
     assert code == 1 and "one of them" in err
+
+
+def test_the_package_exports_on_first_use():
+    import importlib
+
+    import specdec.params
+
+    assert specdec.SamplingParams is specdec.params.SamplingParams and "SamplingParams" in dir(specdec)
+    assert specdec.runtime is importlib.import_module("specdec.runtime"), "a submodule, as an attribute"
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        specdec.nothing
