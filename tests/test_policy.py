@@ -252,6 +252,8 @@ def test_waiting_for_a_core_is_measured(tmp_path):
         while time.perf_counter() < end:
             pass
 
+    if profiling._schedstat() == (0, 0):
+        pytest.skip("this kernel keeps no per-thread scheduler statistics (/proc/self/task/*/schedstat)")
     core = min(os.sched_getaffinity(0))
     allowed = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {core})
