@@ -11,14 +11,13 @@ Markdown row.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from serve_load import free_port
+from isolation_probe import specdec_server
 
 PROMPT = (Path(__file__).parents[1] / "specdec" / "decoder.py").read_text()[:3000]
 
@@ -37,21 +36,7 @@ def complete(url: str, prompt: str, max_tokens: int) -> tuple[float, int]:
 
 
 def main() -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--port", str(port), "--model-name", "m",
-                               "--threads", "1", *sys.argv[1:]], stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 300
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                raise SystemExit("specdec serve did not come up")
-            time.sleep(0.2)
+    with specdec_server(*sys.argv[1:]) as (server, url):
         time.sleep(3)
         idle = resident_mb(server.pid)
         for _ in range(2):
@@ -59,9 +44,6 @@ def main() -> None:
         time.sleep(3)
         after = resident_mb(server.pid)
         repeats = [complete(url, PROMPT, 1) for _ in range(3)]
-    finally:
-        server.terminate()
-        server.wait(30)
     times = " / ".join(f"{seconds:.2f}" for seconds, _ in repeats)
     cached = " / ".join(str(tokens) for _, tokens in repeats)
     print("| flags | RSS idle, MB | after 2 requests | 924-token prompt ×3, s | cached tokens |")

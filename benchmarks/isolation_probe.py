@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -170,13 +171,14 @@ def across_keys(url: str) -> dict:
     return figures
 
 
-def main() -> None:
+@contextmanager
+def specdec_server(*flags: str):
+    """`specdec serve` on the demo pair (model id "m", 1 thread, `flags` more) until the block ends:
+    yields (its process, its URL) once /health answers 200."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    mode = next((m for m in ("predictions", "keys") if f"--{m}" in sys.argv), None)
-    keys = ["--api-key", "A", "B"] if mode == "keys" else []
     server = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--port", str(port), "--model-name", "m",
-                               "--threads", "1", *keys], stderr=subprocess.DEVNULL)
+                               "--threads", "1", *flags], stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 300
         while True:
@@ -188,10 +190,17 @@ def main() -> None:
             if server.poll() is not None or time.time() > deadline:
                 raise SystemExit("specdec serve did not come up")
             time.sleep(0.2)
-        figures = {"predictions": predictions, "keys": across_keys}[mode](url) if mode else probe(url, port)
+        yield server, url
     finally:
         server.terminate()
         server.wait(30)
+
+
+def main() -> None:
+    mode = next((m for m in ("predictions", "keys") if f"--{m}" in sys.argv), None)
+    with specdec_server(*(["--api-key", "A", "B"] if mode == "keys" else [])) as (_, url):
+        port = int(url.rsplit(":", 1)[1])
+        figures = {"predictions": predictions, "keys": across_keys}[mode](url) if mode else probe(url, port)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     record = {"cpu": cpu, "load_after": os.getloadavg()[0], **figures}
     OUT.mkdir(exist_ok=True)
