@@ -132,8 +132,9 @@ def predicting(prediction: str) -> bytes:
 def test_a_keys_long_prediction_is_not_held_hostage_by_another_keys_24(demo_server):
     """The probe: 24 predictions of 900 kB in flight from key A made key B's request with a
     21,000-character prediction wait 6.9 s (0.2-0.4 s alone). Now B's stays within twice its time
-    alone (the median of five each way, in one run; on a 2-core EPYC 0.08 s alone, 0.13-0.14 s beside
-    the 24, where it took 1.8-2.0 s before `FairLanes`: benchmarks/isolation_probe.py --keys)."""
+    alone (the median of five each way, in one run; on a 2-core EPYC 0.056 s alone, 0.08-0.09 s beside
+    the 24, where it took 1.8-2.0 s before `FairLanes` and 0.12-0.14 s before the lanes yielded the
+    cores to the batch: benchmarks/isolation_probe.py --keys)."""
     url = demo_server
     code = Path(specdec.decoder.__file__).read_text()  # some code, as an edit's prediction would be
     legit = predicting((code * (21_000 // len(code) + 1))[:21_000])

@@ -12,6 +12,8 @@ per key): more is refused (QueueFull, a 429) before anything is tokenized.
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Hashable, TypeVar
@@ -20,6 +22,16 @@ from specdec.server.batch import QueueFull
 
 T = TypeVar("T")
 WORKERS = 2  # texts tokenized at once: one key's take one thread, another key's the other
+NICENESS = 10  # the lanes' threads yield the cores to the batch's steps and the event loop
+
+
+def _yield_to_the_batch() -> None:
+    """Lower this thread's scheduling priority (Linux: a thread is a task with a niceness of its
+    own), so that tokenizing long texts never slows the steps of the generations already running."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
+    except (AttributeError, OSError):  # no per-thread priorities here: the lanes still bound the threads
+        pass
 
 
 class FairLanes:
@@ -32,7 +44,8 @@ class FairLanes:
     runs on the event loop's thread, so it needs no lock."""
 
     def __init__(self, workers: int = WORKERS, limit: int = 64, per_key: int | None = None):
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="specdec-tokenize")
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="specdec-tokenize",
+                                       initializer=_yield_to_the_batch)
         self.workers, self.limit = workers, limit
         self.per_key = per_key or max(1, limit // 2)
         self.lanes: dict[Hashable, deque] = {}  # keys with work waiting, in the order of their turns
