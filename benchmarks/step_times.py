@@ -1,6 +1,6 @@
 """What each decoding step costs, step by step, on one task: plain decoding, and the default where
 nothing pays but probes: lookup alone (its probes), and the draft model probed on the schedule
-without EXPLORE_SHARE's floor (8, 16, 32, ... iterations). Shows the steps' warm-up after the
+without the probes' credit (8, 16, 32, ... iterations). Shows the steps' warm-up after the
 prefill, what a probe costs, and the slower plain steps after it.
 
     python benchmarks/step_times.py                     # the demo pair (GGUF), the first extract task
@@ -60,7 +60,7 @@ def main() -> None:
     target = specdec.load_model(args.target or demo_gguf("target"), threads=1)
     draft = specdec.load_model(args.draft or demo_gguf("draft"), threads=1)
     ids = target.tokenizer.encode(next(iter(suite_tasks(args.suite))).text)
-    CostAwarePolicy._model_probe_wait = lambda policy: 0.0  # the probes' own schedule: under NEVER_PAYS the floor would forbid them
+    CostAwarePolicy._affords = lambda policy, probe, cost, spend=True: True  # the probes' own schedule: under NEVER_PAYS the credit would forbid them
     decoders = {
         "plain": specdec.SpeculativeDecoder(target),
         "default, lookup only, never pays": frozen(specdec.SpeculativeDecoder(target, AutoDrafter(None, PromptLookupDrafter()), history=None)),

@@ -124,20 +124,27 @@ class LiveCosts(Profile):
 
     def factor(self, k: float) -> float:
         """The observed factor at k (1 before any step was seen)."""
+        return self._factors([k])[0]
+
+    def _factors(self, ks) -> list[float]:
+        """`factor` at each k: the classes' (log mean k, log factor), interpolated in log k."""
         if not self._classes:
-            return 1.0
+            return [1.0] * len(ks)
         points = sorted((math.log(mean_k), log_factor) for _, log_factor, mean_k in self._classes.values())
         xs, ys = [x for x, _ in points], [y for _, y in points]
-        x = min(max(math.log(max(k, 1)), xs[0]), xs[-1])  # beyond the classes seen: the nearest
-        i = bisect.bisect_left(xs, x)
-        if xs[i] == x:
-            return math.exp(ys[i])
-        return math.exp(ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1]))
+        factors = []
+        for k in ks:
+            x = min(max(math.log(max(k, 1)), xs[0]), xs[-1])  # beyond the classes seen: the nearest
+            i = bisect.bisect_left(xs, x)
+            y = ys[i] if xs[i] == x else ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+            factors.append(math.exp(y))
+        return factors
 
     def verify(self, k: float) -> float:
         if self._curve is None:  # the measured sizes' times, reshaped: made again after each `observe`
-            at_one = self.factor(1)
-            self._curve = {size: seconds * self.factor(size) / at_one for size, seconds in self.target.items()}
+            sizes = sorted(self.target)
+            at_one, *factors = self._factors([1, *sizes])
+            self._curve = {size: self.target[size] * f / at_one for size, f in zip(sizes, factors)}
         return interpolate(self._curve, k)
 
 

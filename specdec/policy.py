@@ -38,12 +38,17 @@ PROBE_MODEL_EVERY = 8  # iterations without a draft-model node before the auto d
 PROBE_CHAIN_EVERY = 8
 PROBE_CHAIN_TOKENS = 8  # ... with this many tokens of its chain (fewer if it is shorter)
 PROBE_MAX = 256  # the wait between probes doubles after each probe, up to this (see `Probe`)
-EXPLORE_SHARE = 0.05  # about the most of decoding's time that probes of the draft model may take
+EXPLORE_SHARE = 0.02  # the most of decoding's time that probes may take, every source's together (see `Credit`)
 # chain sources (free to draft, point masses; `drafters.base.ChainSource`): their first token's
 # acceptance, and each next one's given the one before was accepted; a client's prediction is likelier
-# right than a looked-up match, a match in this text likelier than one in earlier requests' history
-CHAIN_PRIORS = {"lookup": (0.5, 0.8), "prediction": (0.7, 0.9), "history": (0.4, 0.8)}
+# right than a looked-up match, a match in this text likelier than one in earlier requests' history.
+# "copy" is lookup where the text before the match repeats the last COPY_MATCH tokens or more: copying
+CHAIN_PRIORS = {"lookup": (0.5, 0.8), "copy": (0.8, 0.9), "prediction": (0.7, 0.9), "history": (0.4, 0.8)}
+COPY_MATCH = 4  # matched tokens that make a looked-up continuation "copy" (`prompt_lookup.lookup_match`)
 CHAIN_MEMORY = 16  # chain sources' estimates follow recent outcomes closely: text starts and stops copying
+SOURCES = ("model", *CHAIN_PRIORS)  # every source the default drafter knows
+QUIET_FOR = 8  # iterations a finding that no source pays stands (nothing drafted meanwhile changes it much)
+NEGLIGIBLE = 0.005  # chain nodes less likely than this to be accepted are left out of that finding
 
 
 class DraftPolicy(Protocol):
@@ -69,7 +74,14 @@ class NodePolicy(Protocol):
     (`CostAwarePolicy`): a budget for this iteration's nodes, each source's chance of acceptance,
     and which sources to probe whatever their estimates say."""
 
-    probe_model: bool  # this iteration drafts at least one model token
+    def probe_model(self, unread: int) -> bool:
+        """This iteration drafts at least one model token, the draft model having `unread` committed
+        tokens to read first."""
+        ...
+
+    def catch_up_cost(self, unread: int) -> float:
+        """Seconds the draft model takes to read `unread` committed tokens, beyond a level's own forward."""
+        ...
 
     def budget(self) -> Budget:
         ...
@@ -201,10 +213,11 @@ class Budget:
     def __post_init__(self):
         self.seconds = (self.profile.verify(self.verify_size) + self.profile.step_overhead) / self.batch
 
-    def added_cost(self, nodes: int) -> float:
-        """Seconds `nodes` more nodes cost this row (every row adding as many: the batch's verify grows B-fold)."""
-        grown = self.profile.verify(self.verify_size + self.batch * nodes) - self.profile.verify(self.verify_size)
-        return max(1e-9 * nodes, grown / self.batch)
+    def added_cost(self, nodes: int, now: float | None = None) -> float:
+        """Seconds `nodes` more nodes cost this row (every row adding as many: the batch's verify grows
+        B-fold); `now`: the verify's cost as it stands, where it was read already."""
+        now = self.profile.verify(self.verify_size) if now is None else now
+        return max(1e-9 * nodes, (self.profile.verify(self.verify_size + self.batch * nodes) - now) / self.batch)
 
     @property
     def level_cost(self) -> float:
@@ -218,28 +231,34 @@ class Budget:
         """Add a node of this value if it pays."""
         return self.take_chain([value]) == 1
 
-    def take_chain(self, values: list[float], at_least: int = 0) -> int:
-        """How many of a chain's next nodes (values in order) to add: the prefix that maximises
-        tokens per second, looking past a step in the cost curve that one node alone would not pay
-        for; at least `at_least` of them (a probe). Adds them and returns the count."""
+    def best_prefix(self, values: list[float]) -> int:
+        """How many of a chain's next nodes (values in order) maximise tokens per second, looking
+        past a step in the cost curve that one node alone would not pay for."""
         gained = [0.0, *accumulate(values)]
+        now = self.profile.verify(self.verify_size)
 
         def rate(count: int) -> float:
-            return (self.tokens + gained[count]) / (self.seconds + (self.added_cost(count) if count else 0.0))
+            return (self.tokens + gained[count]) / (self.seconds + (self.added_cost(count, now) if count else 0.0))
 
-        best = max(max(range(len(values) + 1), key=lambda count: (rate(count), -count)), min(at_least, len(values)))
+        return max(range(len(values) + 1), key=lambda count: (rate(count), -count))
+
+    def take_chain(self, values: list[float], at_least: int = 0) -> int:
+        """Add the `best_prefix` of a chain's next nodes, or at least `at_least` of them (a probe);
+        returns the count."""
+        best = max(self.best_prefix(values), min(at_least, len(values)))
         if best:
-            self.tokens += gained[best]
+            self.tokens += sum(values[:best])
             self.seconds += self.added_cost(best)
             self.verify_size += self.batch * best
         return best
 
-    def take_level(self, expected_value: float, nodes: int) -> bool:
-        """Pay for a draft-model forward that is expected to add this much value in `nodes` nodes."""
-        cost = self.level_cost + self.added_cost(nodes)
+    def take_level(self, expected_value: float, nodes: int, reading: float = 0.0) -> bool:
+        """Pay for a draft-model forward that is expected to add this much value in `nodes` nodes,
+        and `reading` seconds more (this iteration's share of the draft model's catching up)."""
+        cost = self.level_cost + reading + self.added_cost(nodes)
         if not self.pays(expected_value, cost):
             return False
-        self.seconds += self.level_cost
+        self.seconds += self.level_cost + reading
         return True
 
 
@@ -257,13 +276,14 @@ class Probe:
     wait: int = 0
     idle: int = 0  # iterations since the source was last drafted
     due: bool = False
+    not_before: float = 0.0  # idle iterations the probe's own cost asks for (see `CostAwarePolicy.probe_model`)
 
     def __post_init__(self):
         self.wait = self.every
 
-    def start(self, enabled: bool = True, floor: float = 0.0) -> None:
-        """A new iteration begins; `floor`: iterations to wait at least, whatever the schedule says."""
-        self.due = enabled and self.idle >= max(self.wait, floor)
+    def start(self, enabled: bool = True) -> None:
+        """A new iteration begins."""
+        self.due = enabled and self.idle >= max(self.wait, self.not_before)
 
     def observe(self, tried: bool) -> None:
         if tried:
@@ -286,41 +306,108 @@ class CostAwarePolicy:
     long verify is dear and the priors alone would never draft."""
 
     def __init__(self, profile: Profile, max_depth: int = AUTO_MAX_DEPTH, explore: bool = True,
-                 shared: SharedAcceptance | None = None):
+                 shared: SharedAcceptance | None = None, sources: tuple[str, ...] = SOURCES):
+        """sources: the kinds this generation drafts from (the drafter's, the request's chains')."""
         self.profile, self.max_depth, self.explore, self.shared = profile, max_depth, explore, shared
         self.acceptance: dict[tuple, Acceptance] = {}
         self.batch = 1
-        self.probes = {"model": Probe(PROBE_MODEL_EVERY), **{kind: Probe(PROBE_CHAIN_EVERY) for kind in CHAIN_PRIORS}}
+        self.probes = {kind: Probe(PROBE_MODEL_EVERY if kind == "model" else PROBE_CHAIN_EVERY) for kind in sources}
+        self.quiet = 0  # iterations left in which no source pays (`depth`)
+        self.credit = 0.0  # seconds the probes may still take: EXPLORE_SHARE of each iteration accrues
         if shared is not None:
             shared.seed(self)
 
-    @property
-    def probe_model(self) -> bool:
-        """This iteration drafts at least one model token, whatever the estimates say."""
-        return self.probes["model"].due
+    def probe_model(self, unread: int) -> bool:
+        """This iteration drafts at least one model token, whatever the estimates say: the probe is
+        due and the credit pays for what it costs with `unread` committed tokens to read first
+        (`_model_probe_cost`); else it is not due again before the credit would. Asked once per
+        iteration, after `depth`."""
+        probe = self.probes["model"]
+        if probe.due:
+            probe.due = self._affords(probe, self._model_probe_cost(unread))
+        return probe.due
+
+    def catch_up_cost(self, unread: int) -> float:
+        profile = self.profile
+        if not profile.draft or unread <= 1:
+            return 0.0
+        return interpolate(profile.draft, unread) - interpolate(profile.draft, 1)
 
     def probe_tokens(self, kind: str) -> int:
         """Tokens of a chain source's chain this iteration drafts at least (when it has one)."""
-        return PROBE_CHAIN_TOKENS if self.probes[kind].due else 0
+        probe = self.probes.get(kind)
+        if probe is None or not probe.due or not self._affords(probe, self._chain_probe_cost()):
+            return 0
+        return PROBE_CHAIN_TOKENS
 
     def depth(self, batch: int) -> int:
-        """Called once per iteration, before drafting."""
+        """Called once per iteration, before drafting: 0 when no probe is due and no source could
+        pay for a node (then the drafter is not asked: a step that drafts nothing costs what a
+        plain one does), else max_depth and the drafter shapes the draft node by node."""
         self.batch = batch
+        self.credit += self._accrual()
         for kind, probe in self.probes.items():
-            probe.start(kind == "model" or self.explore, self._model_probe_wait() if kind == "model" else 0.0)
-        return self.max_depth
+            probe.start(kind == "model" or self.explore)
+            if probe.due and kind != "model":  # a chain's probe is due only once the credit pays for it
+                probe.due = self._affords(probe, self._chain_probe_cost(), spend=False)
+        if any(probe.due for probe in self.probes.values()):
+            return self.max_depth
+        if self.quiet:
+            self.quiet -= 1
+            return 0
+        if self._some_source_pays():
+            return self.max_depth
+        self.quiet = QUIET_FOR - 1
+        return 0
 
-    def _model_probe_wait(self) -> float:
-        """Iterations between probes of the draft model for them to take about EXPLORE_SHARE of the
-        time: a probe costs the draft model's catching up on the text it has not seen, a level, and
-        one more node in the batch's verify (with live costs, the slowdown after it too). Where a
-        verify is nearly free it costs little and is made often; on llama.cpp's CPU kernels, rarely."""
+    def _some_source_pays(self) -> bool:
+        """Whether a source's first nodes pay from an empty budget, by the estimates alone (as the
+        drafter decides, and before it reads a chain's tokens or the model's distribution: their
+        values are what count). A level of the draft model counts without its catching up."""
+        budget = self.budget()
+        if "model" in self.probes and budget.pays(self.model_rate(), budget.level_cost + budget.added_cost(1)):
+            return True
+        for kind in self.probes.keys() & CHAIN_PRIORS.keys():
+            first, each_next = self.accept_probability((kind, 0)), self.accept_probability((kind, 1))
+            values = [first * each_next ** position for position in range(self.max_depth)]
+            if budget.best_prefix([value for value in values if value >= NEGLIGIBLE]):
+                return True
+        return False
+
+    # ---- the credit: probes of every source together take at most EXPLORE_SHARE of decoding's time.
+    # A probe is made when it is due (`Probe`) and the credit pays for it: where a verify is nearly
+    # free probes cost little and are made on schedule; where it is dear (llama.cpp's CPU kernels,
+    # a verify of 2 at 2.4 steps) rarely, and a short generation may make none.
+
+    def _accrual(self) -> float:
+        """Credit each iteration adds: EXPLORE_SHARE of this row's share of a plain step (as measured:
+        live costs keep its scale)."""
+        profile = self.profile
+        return max(1e-12, EXPLORE_SHARE * (interpolate(profile.target, self.batch) + profile.step_overhead)
+                   / self.batch)
+
+    def _affords(self, probe: Probe, cost: float, spend: bool = True) -> bool:
+        """Whether the credit pays for a probe that costs this much (and, with `spend`, pays);
+        if not, the probe is not due again before the credit would."""
+        if self.credit < cost:
+            probe.not_before = probe.idle + (cost - self.credit) / self._accrual()
+            return False
+        self.credit -= cost if spend else 0.0
+        return True
+
+    def _added_verify(self, nodes: int) -> float:
+        """Seconds `nodes` more nodes in every row add to this row's share of the verify."""
         profile, batch = self.profile, self.batch
-        if not profile.draft:
-            return 0.0
-        catch_up = interpolate(profile.draft, self.probes["model"].idle + 1)
-        cost = catch_up + profile.draft_level(1) + profile.verify(batch + 1) - profile.verify(batch)
-        return cost / (EXPLORE_SHARE * (profile.verify(batch) + profile.step_overhead))
+        return (profile.verify(batch * (nodes + 1)) - profile.verify(batch)) / batch
+
+    def _chain_probe_cost(self) -> float:
+        return self._added_verify(PROBE_CHAIN_TOKENS)
+
+    def _model_probe_cost(self, unread: int) -> float:
+        """The draft model's reading of the `unread` committed tokens it has not seen (a whole
+        prompt, the first time), a level, and one more node in the verify (with live costs, the
+        slowdown after it too)."""
+        return self.catch_up_cost(unread) + self.profile.draft_level(1) / self.batch + self._added_verify(1)
 
     def budget(self) -> Budget:
         return Budget(self.profile, self.batch, self.batch)
@@ -343,6 +430,7 @@ class CostAwarePolicy:
             probe.observe(any(k == kind for node in draft.sources or () for k, _ in node))
         if not len(draft) or draft.sources is None:
             return
+        self.quiet = 0  # the estimates move: whether a source pays is asked again
         for node, accepted in trials(draft.parents, result.path):
             for source in draft.sources[node]:
                 self._acceptance(source).observe(1, accepted)

@@ -30,9 +30,9 @@ import torch
 
 from specdec.config import TREE_WIDTH
 from specdec.drafters.base import DraftRequest, DraftSlot, DraftTree, VocabColumns
-from specdec.drafters.model import ModelDrafter, pick_children
-from specdec.drafters.prompt_lookup import PromptLookupDrafter, lookup_continuation
-from specdec.policy import MAX_DEPTH, Budget, NodePolicy, confidence_bin
+from specdec.drafters.model import CATCH_UP, ModelDrafter, pick_children
+from specdec.drafters.prompt_lookup import PromptLookupDrafter, lookup_match
+from specdec.policy import COPY_MATCH, MAX_DEPTH, Budget, NodePolicy, confidence_bin
 from specdec.sampling import ranked
 from specdec.runtime import CausalLM
 from specdec.runtime.base import forward_together
@@ -56,9 +56,14 @@ class AutoDrafter:
         self.max_lookup, self.max_branches = max_lookup, max_branches
         self.draft_model = model.model if model is not None else None
         self.reads_target_states = model is not None and model.reads_target_states
+        # the draft model reads the committed text only when it drafts (a model that seldom pays
+        # seldom reads); a head reads the target's states as they come, and keeps only the last few
+        self.lazy = model is not None and not self.reads_target_states
         self.trees = True  # False: one chain per iteration, from one source (models that cannot score trees exactly)
         sources = (("draft model", model), ("prompt lookup", lookup))
         self.name = "auto (" + " + ".join(n for n, part in sources if part) + ")"
+        # the policy's names of its own sources (a request's chains add theirs)
+        self.sources = ("model",) * (model is not None) + ("lookup", "copy") * (lookup is not None)
 
     takes_chains = keyed_draws = shaped_by_nodes = True
     tree = None  # shaped per iteration
@@ -79,11 +84,11 @@ class AutoDrafter:
         return self.model.open(prompt) if self.model else DraftSlot()
 
     def prefill(self, slot: DraftSlot, budget: int | None = None) -> bool:
-        return self.model.prefill(slot, budget) if self.model else True
+        return self.model.prefill(slot, budget) if self.model and not self.lazy else True
 
     def accept(self, slot: DraftSlot, tokens: list[int]) -> None:
         if self.model:
-            self.model.accept(slot, tokens)
+            self.model.accept(slot, tokens, catch_up=not self.lazy)
 
     def close(self, slot: DraftSlot) -> None:
         if self.model:
@@ -103,8 +108,9 @@ class AutoDrafter:
         budget, nodes = policy.budget(), DraftTree(self.model.columns if self.model is not None else VocabColumns())
         depth = min(request.max_tokens, self.max_lookup)
         chains = [(source.kind, source.proposal(request.context, depth)) for source in request.chains]
-        if self.lookup is not None:
-            chains.append(("lookup", lookup_continuation(request.context, depth)))
+        if self.lookup is not None:  # a long match is told apart: there the text is being copied
+            chain, matched = lookup_match(request.context, depth, self.lookup.max_ngram, self.lookup.min_ngram)
+            chains.append(("copy" if matched >= COPY_MATCH else "lookup", chain))
         # the likeliest source first: where chains differ, the later ones branch (while branches are left)
         for kind, chain in sorted(chains, key=lambda c: -policy.accept_probability((c[0], 0))):
             self._add_chain(nodes, kind, chain, policy, budget)
@@ -134,13 +140,20 @@ class AutoDrafter:
     def _grow_model(self, nodes: DraftTree, request: DraftRequest, policy: NodePolicy, budget: Budget):
         """The draft model's levels (`ModelDrafter.grow_levels`), while each pays for its forward:
         a level's children are those that pay (`_add_level`), and its best `width` are expanded."""
-        model, context = self.model, request.context
+        model, context, slot = self.model, request.context, request.slot
         depth = min(request.max_tokens, MAX_DEPTH, model.model.verify_room(len(context) - 1))
         room = model.model.max_length - len(context)  # draft cache entries free once the context is in
-        width = self.width if self.trees and request.point_masses and (depth - 1) * self.width <= room else 1
-        probe = policy.probe_model
-        if depth <= 0 or not (budget.take_level(policy.model_rate(), 1) or probe):
+        if depth <= 0:
             return
+        width = self.width if self.trees and request.point_masses and (depth - 1) * self.width <= room else 1
+        unread = len(slot.pending)  # committed tokens the draft model reads before its first level
+        probe = policy.probe_model(unread)
+        # reading them is paid once for the iterations to come: spread over as many as may be left
+        catch_up = policy.catch_up_cost(unread) / max(1, request.max_tokens)
+        if not (budget.take_level(policy.model_rate(), 1, catch_up) or probe):
+            return
+        if unread > CATCH_UP:  # in a forward of its own: a batched forward pads every row to the longest
+            model.prefill(slot)
 
         def children(level: int, frontier: list[int], rows: torch.Tensor) -> list[int]:
             return self._add_level(nodes, frontier, rows, level, width, request, policy, budget,

@@ -154,17 +154,18 @@ class ModelDrafter:
         """The target's state at `position` (see `Drafter`), for a model that reads them (a head)."""
         slot.cache.observe(position, state)
 
-    def accept(self, slot: _Slot, tokens: list[int]) -> None:
+    def accept(self, slot: _Slot, tokens: list[int], catch_up: bool = True) -> None:
         """The branch nodes spelling the committed tokens move next to the committed entries and the
         rest are dropped; a cache entry is never recomputed. The last committed token always stays
-        pending, so the next forward yields the distribution after the whole text."""
+        pending, so the next forward yields the distribution after the whole text. `catch_up`:
+        feed the pending tokens once more than CATCH_UP wait (else the next proposal feeds them)."""
         path = self._follow_branch(slot, tokens[:-1])
         if slot.branch_tokens:
             slot.cache.keep(slot.cached, [slot.cached + node for node in path])
         slot.cached += len(path)
         slot.pending += tokens[len(path):]
         slot.branch_tokens, slot.branch_parents = [], []
-        if len(slot.pending) > CATCH_UP and slot.cached + len(slot.pending) <= self.model.max_length:
+        if catch_up and len(slot.pending) > CATCH_UP and slot.cached + len(slot.pending) <= self.model.max_length:
             # steps without drafting (a big batch) leave committed text unfed; feed it now, so the next
             # proposal's forward stays short (a batched forward pads every row to the longest)
             self.prefill(slot)
