@@ -48,6 +48,9 @@ EXPLORE_SHARE = 0.02  # the most of decoding's time that probes may take, every 
 # it: copies 69-91%, the next ones less often (SAMPLED_PRIORS)
 CHAIN_PRIORS = {"lookup": (0.5, 0.8), "copy": (0.85, 0.95), "prediction": (0.7, 0.9), "history": (0.4, 0.8)}
 SAMPLED_PRIORS = {"lookup": (0.3, 0.7), "copy": (0.7, 0.8), "prediction": (0.7, 0.9), "history": (0.3, 0.7)}
+# a sampled node of the draft model is accepted less often than its confidence says: the demo pair's
+# chains were accepted 0.35-0.53 at T 0.7 where greedy 0.50-0.79 (edit aside), about 0.7 times as often
+SAMPLED_MODEL_PRIOR = 0.7
 COPY_MATCH = 4  # matched tokens that make a looked-up continuation "copy" (`prompt_lookup.lookup_match`)
 CHAIN_MEMORY = 16  # chain sources' estimates follow recent outcomes closely: text starts and stops copying
 SOURCES = ("model", *CHAIN_PRIORS)  # every source the default drafter knows
@@ -315,6 +318,7 @@ class CostAwarePolicy:
         sampled: the generation samples (its chains' priors are SAMPLED_PRIORS)."""
         self.profile, self.max_depth, self.explore, self.shared = profile, max_depth, explore, shared
         self.chain_priors = SAMPLED_PRIORS if sampled else CHAIN_PRIORS
+        self.model_prior = SAMPLED_MODEL_PRIOR if sampled else 1.0  # times a node's confidence
         self.acceptance: dict[tuple, Acceptance] = {}
         self.batch = 1
         self.probes = {kind: Probe(PROBE_MODEL_EVERY if kind == "model" else PROBE_CHAIN_EVERY) for kind in sources}
@@ -354,8 +358,9 @@ class CostAwarePolicy:
         self.credit += self._accrual()
         for kind, probe in self.probes.items():
             probe.start(kind == "model" or self.explore)
-            if probe.due and kind != "model":  # a chain's probe is due only once the credit pays for it
-                probe.due = self._affords(probe, self._chain_probe_cost(), spend=False)
+            if probe.due:  # due only once the credit could pay for it (a model probe's reading is asked later)
+                cost = self._model_probe_cost(0) if kind == "model" else self._chain_probe_cost()
+                probe.due = self._affords(probe, cost, spend=False)
         if any(probe.due for probe in self.probes.values()):
             return self.max_depth
         if self.quiet:
@@ -422,13 +427,13 @@ class CostAwarePolicy:
         kind, index = source
         observed = self._acceptance(source)
         if kind == "model":
-            return observed.rate((index + 0.5) / BINS, weight=4)
+            return observed.rate(self.model_prior * (index + 0.5) / BINS, weight=4)
         return observed.rate(self.chain_priors[kind][min(index, 1)], weight=2)
 
     def model_rate(self) -> float:
         """Acceptance of the draft model's nodes over all confidences: the guess for a level not drafted yet."""
         rates = [a for key, a in self.acceptance.items() if key[0] == "model"]
-        return (sum(a.accepted for a in rates) + 0.6 * 4) / (sum(a.offered for a in rates) + 4)
+        return (sum(a.accepted for a in rates) + self.model_prior * 0.6 * 4) / (sum(a.offered for a in rates) + 4)
 
     def update(self, draft: Draft, result: VerifyResult) -> None:
         """Every node whose parent was reached was a trial of its sources: accepted iff on the path."""

@@ -138,6 +138,42 @@ def test_auto_greedy_equals_reference_with_trees_and_with_chains_only(load64, mo
             assert all(label in ("lookup", "copy", "model", "none") for label in result.stats.drafters)
 
 
+def test_a_draft_model_that_never_drafts_reads_nothing_and_the_drafter_is_not_asked(load64, model_dirs, monkeypatch):
+    """Where no source's estimate can pay (a verify of k tokens costs k steps) and nothing is probed,
+    the default decodes as plain decoding does: the draft model reads neither the prompt nor the
+    text, and no step asks the drafter for a draft."""
+    from conftest import CHEAP_VERIFY  # noqa: F401 (the autouse fixture's; replaced here)
+
+    linear = costs.Profile(target={1: 1.0, 128: 128.0}, draft={1: 0.5, 128: 64.0})
+    monkeypatch.setattr(profiling, "profile", lambda target, draft=None, refresh=False: linear)
+    target = load64(model_dirs["llama"])
+    drafter = AutoDrafter(ModelDrafter(load64(model_dirs["llama-near"])), PromptLookupDrafter())
+    asked = []
+    monkeypatch.setattr(drafter, "propose", lambda requests: asked.append(requests) or [])
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 5  # it repeats: a copy's prior alone would pay where a verify is cheap
+    result = specdec.SpeculativeDecoder(target, drafter, explore=False).generate(prompt, max_new_tokens=24, temperature=0)
+    assert result.tokens == reference_greedy(target, prompt, 24)
+    assert not asked and result.stats.draft_forwards == 0 and set(result.stats.drafters) == {"none"}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_draft_model_reads_a_long_prompt_when_it_first_drafts(load64, model_dirs, temperature):
+    """The draft model is fed nothing before its first level: then it reads the whole prompt (more
+    than CATCH_UP tokens, in a forward of its own) and drafts; greedy output is the target's, and
+    the sampled path runs the same catching up."""
+    from specdec.drafters.model import CATCH_UP
+
+    target = load64(model_dirs["llama"])
+    drafter = AutoDrafter(ModelDrafter(load64(model_dirs["llama-near"])), None)
+    prompt = list(range(1, 14)) * 3
+    assert len(prompt) > CATCH_UP
+    result = specdec.SpeculativeDecoder(target, drafter).generate(prompt, max_new_tokens=24, temperature=temperature,
+                                                                  seed=3)
+    assert result.stats.source_trials.get("model", [0])[0] > 0 and result.stats.draft_forwards > 0
+    if temperature == 0:
+        assert result.tokens == reference_greedy(target, prompt, 24)
+
+
 def test_the_default_is_the_policy(model_dirs):
     decoder = specdec.load(model_dirs["llama"], draft=model_dirs["llama-draft"], device="cpu")
     assert isinstance(decoder.drafter, AutoDrafter) and decoder.gamma == "auto"
