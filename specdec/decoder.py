@@ -153,10 +153,11 @@ class SpeculativeDecoder:
             raise SpecDecError("this decoder was made with prepare=False: call its prepare() before the first request")
         return self._profile
 
-    def policy(self, scope: Scope = None, chains: tuple = (), sampled: bool = False) -> DraftPolicy:
+    def policy(self, scope: Scope = None, chains: tuple = (), sampled: bool = False,
+               keyed: bool = False) -> DraftPolicy:
         """A fresh draft policy for one generation of `scope` (it starts from what that scope's
         earlier generations saw, on a server) that drafts from the drafter's sources and `chains`,
-        and samples or not."""
+        and samples or not, by position (`keyed`) or not."""
         if self.drafter is None:
             return FixedGamma(0)
         if self.shapes_by_nodes:
@@ -164,7 +165,7 @@ class SpeculativeDecoder:
             return CostAwarePolicy(self._costs(), AUTO_MAX_DEPTH if self.gamma == "auto" else self.gamma,
                                    explore=self.explore, shared=shared,
                                    sources=self.drafter.sources + tuple(chain.kind for chain in chains),
-                                   sampled=sampled)
+                                   sampled=sampled, keyed=keyed)
         if self.gamma == "auto":
             self._costs()  # read when made
             return self.depth_policy(CostAwareDepth, MAX_DEPTH)
@@ -230,7 +231,8 @@ class SpeculativeDecoder:
         chains = self._chains(prediction, prompt_ids, tenant, scope)
         keyed_draws = self.drafter is None or self.drafter.keyed_draws
         keyed = sampling.seed is not None and not sampling.greedy and keyed_draws
-        state = DecodeState(prompt_ids, sampling, limits.max_new_tokens, self.policy(scope, chains, not sampling.greedy),
+        policy = self.policy(scope, chains, sampled=not sampling.greedy, keyed=keyed)
+        state = DecodeState(prompt_ids, sampling, limits.max_new_tokens, policy,
                             RandomStreams(sampling.seed, keyed), GenerationStats(prompt_tokens=len(prompt_ids)),
                             self.stop_token_ids, logprobs=limits.logprobs, chains=chains, scope=scope)
         return Generation(state, TextAssembler(self.tokenizer, prompt_ids, list(limits.stop)))

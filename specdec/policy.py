@@ -38,7 +38,7 @@ PROBE_MODEL_EVERY = 8  # iterations without a draft-model node before the auto d
 PROBE_CHAIN_EVERY = 8
 PROBE_CHAIN_TOKENS = 8  # ... with this many tokens of its chain (fewer if it is shorter)
 PROBE_MAX = 256  # the wait between probes doubles after each probe, up to this (see `Probe`)
-EXPLORE_SHARE = 0.02  # the most of decoding's time that probes may take, every source's together (`CostAwarePolicy.credit`)
+EXPLORE_SHARE = 0.02  # the most of decoding's time that all probes together may take (`CostAwarePolicy.credit`)
 # chain sources (free to draft, point masses; `drafters.base.ChainSource`): their first token's
 # acceptance, and each next one's given the one before was accepted; a client's prediction is likelier
 # right than a looked-up match, a match in this text likelier than one in earlier requests' history.
@@ -48,8 +48,9 @@ EXPLORE_SHARE = 0.02  # the most of decoding's time that probes may take, every 
 # it: copies 69-91%, the next ones less often (SAMPLED_PRIORS)
 CHAIN_PRIORS = {"lookup": (0.5, 0.8), "copy": (0.85, 0.95), "prediction": (0.7, 0.9), "history": (0.4, 0.8)}
 SAMPLED_PRIORS = {"lookup": (0.3, 0.7), "copy": (0.7, 0.8), "prediction": (0.7, 0.9), "history": (0.3, 0.7)}
-# a sampled node of the draft model is accepted less often than its confidence says: the demo pair's
+# a node drawn from the draft model is accepted less often than its confidence says: the demo pair's
 # chains were accepted 0.35-0.53 at T 0.7 where greedy 0.50-0.79 (edit aside), about 0.7 times as often
+# (a seeded request's nodes are chosen by the noise the target draws with: they agree as greedy ones do)
 SAMPLED_MODEL_PRIOR = 0.7
 COPY_MATCH = 4  # matched tokens that make a looked-up continuation "copy" (`prompt_lookup.lookup_match`)
 CHAIN_MEMORY = 16  # chain sources' estimates follow recent outcomes closely: text starts and stops copying
@@ -313,12 +314,14 @@ class CostAwarePolicy:
     long verify is dear and the priors alone would never draft."""
 
     def __init__(self, profile: Profile, max_depth: int = AUTO_MAX_DEPTH, explore: bool = True,
-                 shared: SharedAcceptance | None = None, sources: tuple[str, ...] = SOURCES, sampled: bool = False):
+                 shared: SharedAcceptance | None = None, sources: tuple[str, ...] = SOURCES, sampled: bool = False,
+                 keyed: bool = False):
         """sources: the kinds this generation drafts from (the drafter's, the request's chains');
-        sampled: the generation samples (its chains' priors are SAMPLED_PRIORS)."""
+        sampled: the generation samples (its chains' priors are SAMPLED_PRIORS); keyed: by position,
+        its draft model's nodes chosen by the target's noise (their prior stays the greedy one)."""
         self.profile, self.max_depth, self.explore, self.shared = profile, max_depth, explore, shared
         self.chain_priors = SAMPLED_PRIORS if sampled else CHAIN_PRIORS
-        self.model_prior = SAMPLED_MODEL_PRIOR if sampled else 1.0  # times a node's confidence
+        self.model_prior = SAMPLED_MODEL_PRIOR if sampled and not keyed else 1.0  # times a node's confidence
         self.acceptance: dict[tuple, Acceptance] = {}
         self.batch = 1
         self.probes = {kind: Probe(PROBE_MODEL_EVERY if kind == "model" else PROBE_CHAIN_EVERY) for kind in sources}
