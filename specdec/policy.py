@@ -379,7 +379,7 @@ class CostAwarePolicy:
         drafter decides, and before it reads a chain's tokens or the model's distribution: their
         values are what count). A level of the draft model counts without its catching up."""
         budget = self.budget()
-        if "model" in self.probes and budget.pays(self.model_rate(), budget.level_cost + budget.added_cost(1)):
+        if "model" in self.probes and budget.take_level(self.model_rate(), 1):  # the budget is this check's own
             return True
         for kind in self.probes.keys() & CHAIN_PRIORS.keys():
             first, each_next = self.accept_probability((kind, 0)), self.accept_probability((kind, 1))
@@ -409,19 +409,14 @@ class CostAwarePolicy:
         self.credit -= cost if spend else 0.0
         return True
 
-    def _added_verify(self, nodes: int) -> float:
-        """Seconds `nodes` more nodes in every row add to this row's share of the verify."""
-        profile, batch = self.profile, self.batch
-        return (profile.verify(batch * (nodes + 1)) - profile.verify(batch)) / batch
-
     def _chain_probe_cost(self) -> float:
-        return self._added_verify(PROBE_CHAIN_TOKENS)
+        return self.budget().added_cost(PROBE_CHAIN_TOKENS)
 
     def _model_probe_cost(self, unread: int) -> float:
         """The draft model's reading of the `unread` committed tokens it has not seen (a whole
         prompt, the first time), a level, and one more node in the verify (with live costs, the
         slowdown after it too)."""
-        return self.catch_up_cost(unread) + self.profile.draft_level(1) / self.batch + self._added_verify(1)
+        return self.catch_up_cost(unread) + self.profile.draft_level(1) / self.batch + self.budget().added_cost(1)
 
     def budget(self) -> Budget:
         return Budget(self.profile, self.batch, self.batch)
