@@ -81,11 +81,15 @@ class LiveCosts(Profile):
     AFTERMATH: ClassVar[int] = 16
     # one step's factor is taken within [1/CLAMP, CLAMP]: a stall does not swing the estimate
     CLAMP: ClassVar[float] = 16.0
+    # the curve is reshaped once a class's factor or mean k has moved by more than this (0.5%) since
+    # the last shaping: every step moves them a little, and a step's host time should be a plain one's
+    RESHAPE: ClassVar[float] = 0.005
     # size class -> [steps seen, mean log factor, mean k]
     _classes: dict[int, list[float]] = field(default_factory=dict, repr=False)
     # the last drafting step: tokens, seconds so far, plain steps after it
     _drafted: tuple[int, float, int] | None = field(default=None, repr=False)
     _curve: dict[int, float] | None = field(default=None, repr=False)  # t(k) as decoding pays it, at the measured sizes
+    _shaped_by: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)  # (log factor, k) per class
 
     @classmethod
     def of(cls, profile: Profile) -> LiveCosts:
@@ -120,7 +124,9 @@ class LiveCosts(Profile):
         weight = 1 / min(entry[0], self.MEMORY)
         entry[1] += weight * (math.log(factor) - entry[1])
         entry[2] += weight * (tokens - entry[2])
-        self._curve = None
+        shaped = self._shaped_by.get(tokens.bit_length() - 1)
+        if shaped is None or abs(entry[1] - shaped[0]) > self.RESHAPE or abs(entry[2] / shaped[1] - 1) > self.RESHAPE:
+            self._curve = None
 
     def factor(self, k: float) -> float:
         """The observed factor at k (1 before any step was seen)."""
@@ -141,10 +147,11 @@ class LiveCosts(Profile):
         return factors
 
     def verify(self, k: float) -> float:
-        if self._curve is None:  # the measured sizes' times, reshaped: made again after each `observe`
+        if self._curve is None:  # the measured sizes' times, reshaped: made again once `_record` moved a class
             sizes = sorted(self.target)
             at_one, *factors = self._factors([1, *sizes])
             self._curve = {size: self.target[size] * f / at_one for size, f in zip(sizes, factors)}
+            self._shaped_by = {c: (log_factor, k) for c, (_, log_factor, k) in self._classes.items()}
         return interpolate(self._curve, k)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, takewhile
 from typing import Protocol, runtime_checkable
 
 from specdec.analysis import expected_tokens, speedup
@@ -55,8 +55,8 @@ SAMPLED_MODEL_PRIOR = 0.7
 COPY_MATCH = 4  # matched tokens that make a looked-up continuation "copy" (`prompt_lookup.lookup_match`)
 CHAIN_MEMORY = 16  # chain sources' estimates follow recent outcomes closely: text starts and stops copying
 SOURCES = ("model", *CHAIN_PRIORS)  # every source the default drafter knows
-QUIET_FOR = 8  # iterations a finding that no source pays stands (nothing drafted meanwhile changes it much)
-NEGLIGIBLE = 0.005  # chain nodes less likely than this to be accepted are left out of that finding
+QUIET_FOR = 8  # iterations a finding of whether some source pays stands (nothing drafted meanwhile changes it much)
+NEGLIGIBLE = 0.005  # a chain's nodes less likely than this to be accepted are never weighed (`Budget.best_prefix`)
 
 
 class DraftPolicy(Protocol):
@@ -242,6 +242,8 @@ class Budget:
     def best_prefix(self, values: list[float]) -> int:
         """How many of a chain's next nodes (values in order) maximise tokens per second, looking
         past a step in the cost curve that one node alone would not pay for."""
+        # a node worth less than NEGLIGIBLE never pays for its place in a verify (nor do those after it)
+        values = list(takewhile(lambda value: value >= NEGLIGIBLE, values))
         gained = [0.0, *accumulate(values)]
         now = self.profile.verify(self.verify_size)
 
@@ -325,7 +327,7 @@ class CostAwarePolicy:
         self.acceptance: dict[tuple, Acceptance] = {}
         self.batch = 1
         self.probes = {kind: Probe(PROBE_MODEL_EVERY if kind == "model" else PROBE_CHAIN_EVERY) for kind in sources}
-        self.quiet = 0  # iterations left in which no source pays (`depth`)
+        self.pays, self.pays_for = False, 0  # whether some source could pay, and for how many more iterations (`depth`)
         self.credit = 0.0  # seconds the probes may still take: EXPLORE_SHARE of each iteration accrues
         if shared is not None:
             shared.seed(self)
@@ -357,6 +359,8 @@ class CostAwarePolicy:
         """Called once per iteration, before drafting: 0 when no probe is due and no source could
         pay for a node (then the drafter is not asked: a step that drafts nothing costs what a
         plain one does), else max_depth and the drafter shapes the draft node by node."""
+        if batch != self.batch:
+            self.pays_for = 0  # a row's share of the verify moved
         self.batch = batch
         self.credit += self._accrual()
         for kind, probe in self.probes.items():
@@ -366,13 +370,10 @@ class CostAwarePolicy:
                 probe.due = self._affords(probe, cost, spend=False)
         if any(probe.due for probe in self.probes.values()):
             return self.max_depth
-        if self.quiet:
-            self.quiet -= 1
-            return 0
-        if self._some_source_pays():
-            return self.max_depth
-        self.quiet = QUIET_FOR - 1
-        return 0
+        if not self.pays_for:
+            self.pays, self.pays_for = self._some_source_pays(), QUIET_FOR
+        self.pays_for -= 1
+        return self.max_depth if self.pays else 0
 
     def _some_source_pays(self) -> bool:
         """Whether a source's first nodes pay from an empty budget, by the estimates alone (as the
@@ -384,7 +385,7 @@ class CostAwarePolicy:
         for kind in self.probes.keys() & CHAIN_PRIORS.keys():
             first, each_next = self.accept_probability((kind, 0)), self.accept_probability((kind, 1))
             values = [first * each_next ** position for position in range(self.max_depth)]
-            if budget.best_prefix([value for value in values if value >= NEGLIGIBLE]):
+            if budget.best_prefix(values):
                 return True
         return False
 
@@ -439,7 +440,7 @@ class CostAwarePolicy:
             probe.observe(any(k == kind for node in draft.sources or () for k, _ in node))
         if not len(draft) or draft.sources is None:
             return
-        self.quiet = 0  # the estimates move: whether a source pays is asked again
+        self.pays_for = 0  # the estimates move: whether a source pays is asked again
         for node, accepted in trials(draft.parents, result.path):
             for source in draft.sources[node]:
                 self._acceptance(source).observe(1, accepted)

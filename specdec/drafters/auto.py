@@ -24,6 +24,7 @@ already, and a chosen column becomes a target id only when it becomes a node.
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Sequence
 
 import torch
@@ -103,7 +104,7 @@ class AutoDrafter:
     def _grow(self, request: DraftRequest):
         """One row's draft, as a generator of its draft-model forwards (see `forward_together`)."""
         policy = request.policy
-        if not isinstance(policy, NodePolicy):
+        if not _shapes_nodes(type(policy)):
             raise ValueError("the auto drafter is shaped node by node by a policy (`NodePolicy`: gamma 'auto')")
         budget, nodes = policy.budget(), DraftTree(self.model.columns if self.model is not None else VocabColumns())
         depth = min(request.max_tokens, self.max_lookup)
@@ -205,3 +206,10 @@ class AutoDrafter:
                 drawn_from = None
             grown.append(nodes.add(columns.token(column), parent, drawn_from, value, source))
         return grown
+
+
+@cache
+def _shapes_nodes(policy_type: type) -> bool:
+    """Whether a policy of this type is a `NodePolicy` (checked once per type: a protocol's isinstance
+    is slow, and asked every iteration)."""
+    return issubclass(policy_type, NodePolicy)

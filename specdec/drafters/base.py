@@ -231,6 +231,8 @@ class DraftTree:
         """The tree as a Draft, restricted to `keep` (an ancestor-closed set) if given. Point-mass
         nodes beside drawn ones get one-hot rows: a point mass is a distribution too."""
         keep = sorted(range(len(self.tokens)) if keep is None else keep)
+        if not keep:
+            return empty_draft()
         renumber = {old: new for new, old in enumerate(keep)}
         tokens = torch.tensor([self.tokens[i] for i in keep], dtype=torch.long)
         parents = torch.tensor([renumber[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep],
@@ -271,5 +273,10 @@ def attempt(work):
         return error
 
 
+_EMPTY = Draft(tokens=torch.zeros(0, dtype=torch.long))
+
+
 def empty_draft() -> Draft:
-    return Draft(tokens=torch.zeros(0, dtype=torch.long))
+    """A draft of no nodes (one shared object: nothing changes a draft once made, and a step that
+    drafts nothing should cost what a plain one does)."""
+    return _EMPTY
