@@ -98,10 +98,11 @@ class Engine:
         """prefixes: finished generations' target sequences, kept; a new one starts from the
         longest prefix it shares with them."""
         self.target, self.drafter, self.prefixes = target, drafter, prefixes
-        # a draft head reads the target's final-norm states of what was verified (`Drafter.observe`)
+        # a draft head reads the target's states of what was verified (`Drafter.observe`): the final
+        # norm's, or the inputs of the layers it names (an EAGLE-3 head)
         self.reads_states = drafter is not None and drafter.reads_target_states
         if self.reads_states:
-            target.keep_states()
+            target.keep_states(layers=drafter.state_layers)
 
     def open(self, state: DecodeState) -> None:
         """Start a generation with its prompt prefilled."""
@@ -137,8 +138,9 @@ class Engine:
         try:
             if count > 0:
                 state.sequence.forward(state.context[fed : fed + count], last=1)
-                if self.reads_states:
-                    self.drafter.observe(state.draft_slot, fed + count - 1, state.sequence.states[-1])
+                if self.reads_states:  # the states of the chunk's last tokens (its last, or all of it)
+                    states = state.sequence.states
+                    self.drafter.observe(state.draft_slot, fed + count - len(states), states)
             drafter_done = self.drafter is None or self.drafter.prefill(state.draft_slot, PREFILL_CHUNK)
         except BaseException:
             self.close(state)
@@ -247,10 +249,9 @@ class Engine:
     def _advance(self, state: DecodeState, gamma: int, draft: Draft, logits: torch.Tensor,
                  noise: StepNoise | None) -> StepResult:
         result = _verify(draft, logits, state.sampling, state.streams, noise)
-        if self.reads_states:  # the last emitted token was drawn from the root's row or the last accepted node's
-            row = 1 + result.path[-1] if result.path else 0
-            self.drafter.observe(state.draft_slot, len(state.context) - 1 + len(result.path),
-                                 state.sequence.states[row])
+        if self.reads_states:  # the committed rows: the root's, then the accepted nodes' (the last drew the last token)
+            rows = [0] + [1 + node for node in result.path]
+            self.drafter.observe(state.draft_slot, len(state.context) - 1, state.sequence.states[rows])
         # drop the rejected nodes: the cache keeps context[:-1] + last + the accepted path, contiguous
         if len(draft):
             kept = state.sequence.cache_len - len(draft)

@@ -188,7 +188,7 @@ def head_iteration_deviation(enumerator, exact_head, case: str, monkeypatch) -> 
     def propose() -> Draft:
         drafter = ModelDrafter(draft, tree=shape)
         slot = drafter.open(EXACT_PROMPT)
-        drafter.observe(slot, len(EXACT_PROMPT) - 2, state)
+        drafter.observe(slot, len(EXACT_PROMPT) - 2, state[None])
         drafter.prefill(slot)
         proposal = drafter.propose([DraftRequest(slot, EXACT_PROMPT, depth, sampling, None)])[0]
         assert isinstance(proposal, Draft) and len(proposal) and proposal.probs is not None
@@ -222,7 +222,7 @@ def observed_sequence(draft: PrunedVocab, target, tokens: list[int]):
     """A head sequence holding `tokens`, told the target's state after them (as the engine tells it)."""
     sequence = draft.sequence()
     sequence.forward(tokens, last=1)
-    sequence.observe(len(tokens) - 1, final_norm_output(target, tokens))
+    sequence.observe(len(tokens) - 1, final_norm_output(target, tokens)[None])
     return sequence
 
 
@@ -324,7 +324,7 @@ def test_a_slot_after_a_generation_drafts_as_a_fresh_slot_on_its_text(hf_head):
         return drafter.propose([DraftRequest(slot, context, 3, sampling, torch.Generator().manual_seed(11))])[0]
 
     fresh, blind = drafter.open(context), drafter.open(context)
-    drafter.observe(fresh, len(context) - 2, observed)
+    drafter.observe(fresh, len(context) - 2, observed[None])
     for slot in (fresh, blind):
         drafter.prefill(slot)
     old, new, unseen = draft_from(state.draft_slot), draft_from(fresh), draft_from(blind)

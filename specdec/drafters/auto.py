@@ -57,6 +57,7 @@ class AutoDrafter:
         self.max_lookup, self.max_branches = max_lookup, max_branches
         self.draft_model = model.model if model is not None else None
         self.reads_target_states = model is not None and model.reads_target_states
+        self.state_layers = model.state_layers if self.reads_target_states else None
         # the draft model reads the committed text only when it drafts (a model that seldom pays
         # seldom reads); a head reads the target's states as they come, and keeps only the last few
         self.lazy = model is not None and not self.reads_target_states
@@ -95,8 +96,8 @@ class AutoDrafter:
         if self.model:
             self.model.close(slot)
 
-    def observe(self, slot: DraftSlot, position: int, state: torch.Tensor) -> None:
-        self.model.observe(slot, position, state)
+    def observe(self, slot: DraftSlot, first: int, states: torch.Tensor) -> None:
+        self.model.observe(slot, first, states)
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft | Exception]:
         return forward_together(self.model.model if self.model else None, [self._grow(request) for request in requests])

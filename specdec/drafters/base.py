@@ -75,7 +75,8 @@ class Drafter(Protocol):
     name: str
     # What it is, declared: the decoder, the server and the bench ask these, never a drafter's class.
     draft_model: CausalLM | None  # the model whose forwards it pays for (None: it drafts from text alone)
-    reads_target_states: bool  # it reads the target's final-norm states (`observe`): the engine keeps them
+    reads_target_states: bool  # it reads the target's states (`observe`): the engine keeps them
+    state_layers: tuple[int, ...] | None  # which: the inputs of these target layers, or None for the final norm's
     takes_chains: bool  # it drafts a request's own chain sources (a prediction, the history) too
     keyed_draws: bool  # given `DraftRequest.noise` it drafts point masses only: a seed then keys draws by position
     shaped_by_nodes: bool  # a `NodePolicy` shapes every iteration's draft (else it drafts the depth asked for)
@@ -108,10 +109,12 @@ class Drafter(Protocol):
         """The generation has ended: give back what the slot holds."""
         ...
 
-    def observe(self, slot: DraftSlot, position: int, state: torch.Tensor) -> None:
-        """Where `reads_target_states`: the target's final-norm state [hidden] at `position` of the
-        committed text, the one whose logits drew the token at position + 1 (the engine turns on the
-        target's `keep_states` and reports the last such state after every prefill chunk and verify)."""
+    def observe(self, slot: DraftSlot, first: int, states: torch.Tensor) -> None:
+        """Where `reads_target_states`: the target's states [n, width] at positions first .. first + n - 1
+        of the committed text (the state at p gave the logits that drew the token at p + 1). The engine
+        turns on the target's `keep_states(layers=state_layers)` and reports, after every prefill
+        chunk, the states the target left (its last, or every token's), and after every verify the
+        root's and the accepted nodes'."""
         ...
 
 
@@ -122,6 +125,7 @@ class ContextDrafter:
     name = "context"
     draft_model, tree = None, None
     reads_target_states = takes_chains = keyed_draws = shaped_by_nodes = False
+    state_layers = None
     sequence_ids = 1
 
     def fit(self, target: CausalLM) -> None:

@@ -113,6 +113,7 @@ class ModelDrafter:
         self.model, self.tree, self.inner, self.inner_gamma = model, tree, inner, inner_gamma
         self.draft_model = model
         self.reads_target_states = model.reads_target_states
+        self.state_layers = model.state_layers if self.reads_target_states else None
         self.columns = VocabColumns(model.columns)  # of the model's logits: a pruned vocabulary's, or all
         self.name = "draft-model" + (f"+{inner.name}" if inner else "") + (f" tree {tree.nodes}" if tree else "")
 
@@ -150,9 +151,9 @@ class ModelDrafter:
     def close(self, slot: _Slot) -> None:
         slot.cache.release()
 
-    def observe(self, slot: _Slot, position: int, state: torch.Tensor) -> None:
-        """The target's state at `position` (see `Drafter`), for a model that reads them (a head)."""
-        slot.cache.observe(position, state)
+    def observe(self, slot: _Slot, first: int, states: torch.Tensor) -> None:
+        """The target's states from position `first` on (see `Drafter`), for a model that reads them (a head)."""
+        slot.cache.observe(first, states)
 
     def accept(self, slot: _Slot, tokens: list[int], catch_up: bool = True) -> None:
         """The branch nodes spelling the committed tokens move next to the committed entries and the

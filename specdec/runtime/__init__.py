@@ -150,9 +150,11 @@ def load_draft(path: str | os.PathLike, target: CausalLM, config: RuntimeConfig 
     the target's device unless `config` names one (with a transformers target), and never batch
     invariant (a draft's numerics never change what is accepted). A distilled draft that predicts
     only part of the target's vocabulary is wrapped to speak the target's ids (`runtime.pruned`)."""
-    from specdec.runtime import head
+    from specdec.runtime import eagle3, head
     from specdec.runtime.pruned import PrunedVocab, VocabMap
 
+    if eagle3.is_eagle3(path):  # an EAGLE-3 head, in a published layout
+        return eagle3.load_eagle3(path, target)
     if head.is_head(path):  # a draft head on the target's states
         net, vocab_map = head.load_head(path, head.inference_dtype())
         return PrunedVocab(head.HeadModel(net, vocab_map, target, str(path)), vocab_map, target.tokenizer)

@@ -21,8 +21,8 @@
    file's fp16; Q6_K's sub-block scales [g][t][16]. Rows past the vocabulary are zero weights with
    zero scales.
 
-   Also here: `specdec_capture`, a ggml eval callback that copies one named tensor (the final
-   norm's output) out of llama.cpp's graph and stops the graph right after it. */
+   Also here: `specdec_capture`, a ggml eval callback that copies named tensors (the final norm's
+   output, decoder layers' inputs) out of llama.cpp's graph and may stop the graph right after one. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -391,7 +391,7 @@ static PyObject *vnni(PyObject *self, PyObject *args) { return PyBool_FromLong(h
 
 /* ---- the ggml eval callback (its address is handed to llama.cpp as cb_eval) */
 
-typedef struct {
+typedef struct Capture {
     const char *(*get_name)(const void *tensor);
     size_t (*nbytes)(const void *tensor);
     void (*tensor_get)(const void *tensor, void *data, size_t offset, size_t size);
@@ -402,17 +402,20 @@ typedef struct {
     uint64_t copied;     /* bytes copied since the caller set it to 0: the rows of every ubatch of a decode, in order */
     int32_t overflow;    /* a tensor did not fit: the caller refuses the decode's logits */
     int32_t go_on;       /* 1: llama.cpp finishes its graph after the copy (its own output layer); 0: the graph stops there */
+    struct Capture *next;  /* another tensor to copy (a decoder layer's input), or NULL */
 } Capture;
 
 bool specdec_capture(const void *tensor, bool ask, void *user_data) {
-    Capture *c = user_data;
-    if (!c->active || strcmp(c->get_name(tensor), c->name) != 0) return false;
-    if (ask) return true;
-    const size_t bytes = c->nbytes(tensor);
-    if (c->copied + bytes > c->capacity) { c->overflow = 1; return true; }
-    c->tensor_get(tensor, (char *)c->dest + c->copied, 0, bytes);
-    c->copied += bytes;
-    return c->go_on != 0;  /* stopping: the rest of the graph (the output layer) is not computed */
+    for (Capture *c = user_data; c != NULL; c = c->next) {
+        if (!c->active || strcmp(c->get_name(tensor), c->name) != 0) continue;
+        if (ask) return true;
+        const size_t bytes = c->nbytes(tensor);
+        if (c->copied + bytes > c->capacity) { c->overflow = 1; return true; }
+        c->tensor_get(tensor, (char *)c->dest + c->copied, 0, bytes);
+        c->copied += bytes;
+        return c->go_on != 0;  /* stopping: the rest of the graph (the output layer) is not computed */
+    }
+    return false;
 }
 
 static PyObject *capture_address(PyObject *self, PyObject *args) { return PyLong_FromVoidPtr((void *)&specdec_capture); }

@@ -45,7 +45,9 @@ class CachedSequence(Protocol):
     # While the model keeps states (`CausalLM.keep_states`): set by every forward that fed this
     # sequence (its own `forward` or the model's `forward_batch`) to the rows its output layer
     # multiplied, the final norm's output, for exactly the rows of logits returned (a tree's node:
-    # its own path's), [rows returned, hidden_size], float32 (float64 kept), on the logits' device.
+    # its own path's), [rows returned, hidden_size], float32 (float64 kept), on the logits' device;
+    # kept at `layers`: the inputs of those decoder layers side by side, for every token fed,
+    # [tokens fed, len(layers) * hidden_size]. In both, the last rows are the last tokens fed.
     # None while states are off.
     states: torch.Tensor | None
 
@@ -98,6 +100,7 @@ class CausalLM(Protocol):
     spare_sequences: int | None  # sequences that finished sequences may keep (`PrefixCache`); None: no limit of its own
     device_logits: bool  # its sequences can leave logits on the model's device (`Feed.on_device`)
     hidden_size: int  # the width of `CachedSequence.states`: what the output layer multiplies
+    layer_count: int  # decoder layers whose inputs `keep_states` can give (0: none, a draft head)
     max_sequence_ids: int | None  # ids its sequences and their tree branches share (llama.cpp); None: no limit
     batch_invariant: bool  # a row's logits are bitwise the same in a batch of any size (checked at load)
     threads: int | None  # CPU threads its forwards use; None: torch's, process-wide
@@ -109,10 +112,11 @@ class CausalLM(Protocol):
     peer_kind: str | None  # whose generation loops the bench runs on it beside specdec's (`bench.peers`); None: none
     times_ops: bool  # its forward's time can be split by kind of op (`runtime.op_times`, `specdec profile --breakdown`)
 
-    def keep_states(self, on: bool = True) -> None:
-        """From now on every forward leaves `states` on each sequence it fed (see `CachedSequence`);
-        off (the default) it leaves None and nothing extra is computed or kept. Raises SpecDecError
-        where the states cannot be had exactly."""
+    def keep_states(self, on: bool = True, layers: tuple[int, ...] | None = None) -> None:
+        """From now on every forward leaves `states` on each sequence it fed (see `CachedSequence`):
+        the final norm's output, or with `layers` the inputs of those decoder layers (a model with
+        `layer_count` layers); off (the default) it leaves None and nothing extra is computed or
+        kept. Raises SpecDecError where the states cannot be had exactly."""
         ...
 
     def sequence(self) -> CachedSequence:
@@ -190,6 +194,15 @@ def forward_together(model: CausalLM, growers: list) -> list:
         for i, logits in zip(order, model.forward_batch([waiting[i] for i in order])):
             advance(i, logits)
     return results
+
+
+def check_state_layers(model: CausalLM, layers: Seq[int]) -> None:
+    """Layers whose inputs a model can give: distinct, from 1 (the first layer's input is the
+    token embeddings, which a head takes itself) to its last."""
+    count = getattr(model, "layer_count", 0)
+    if not layers or len(set(layers)) != len(layers) or not all(1 <= i < count for i in layers):
+        raise SpecDecError(f"{model.describe()} gives the inputs of its decoder layers 1 to {count - 1}, "
+                           f"not {list(layers)}")
 
 
 def check_distinct(feeds: Seq[Feed]) -> None:

@@ -41,12 +41,14 @@ GGUF_UINT32, GGUF_INT32, GGUF_FLOAT32 = 4, 5, 6  # enum gguf_type
 
 
 class Capture(ctypes.Structure):
-    """The callback's state (the struct `Capture` in _cpu_head.c, field for field)."""
+    """The callback's state (the struct `Capture` in _cpu_head.c, field for field): one tensor to copy,
+    and the next."""
 
-    _fields_ = [("get_name", ctypes.c_void_p), ("nbytes", ctypes.c_void_p), ("tensor_get", ctypes.c_void_p),
-                ("active", ctypes.c_int32), ("name", ctypes.c_char * 64),
-                ("dest", ctypes.c_void_p), ("capacity", ctypes.c_uint64), ("copied", ctypes.c_uint64),
-                ("overflow", ctypes.c_int32), ("go_on", ctypes.c_int32)]
+
+Capture._fields_ = [("get_name", ctypes.c_void_p), ("nbytes", ctypes.c_void_p), ("tensor_get", ctypes.c_void_p),
+                    ("active", ctypes.c_int32), ("name", ctypes.c_char * 64),
+                    ("dest", ctypes.c_void_p), ("capacity", ctypes.c_uint64), ("copied", ctypes.c_uint64),
+                    ("overflow", ctypes.c_int32), ("go_on", ctypes.c_int32), ("next", ctypes.POINTER(Capture))]
 
 
 @functools.cache
@@ -135,26 +137,49 @@ class NormCapture:
         extension = _extension()
         if isinstance(extension, str):
             raise ValueError(extension)
-        self.width = width
-        self.hidden = torch.empty(rows, width, dtype=torch.float32)  # [rows, width]: every output row of one decode
-        name, nbytes, tensor_get = _ggml_functions(_ggml_base(llama_cpp_module))
-        self.capture = Capture(get_name=name, nbytes=nbytes, tensor_get=tensor_get, active=0, name=NORM_TENSOR,
-                               dest=self.hidden.data_ptr(), capacity=self.hidden.numel() * 4, copied=0, go_on=1)
+        self.width, self.max_rows = width, rows
+        self.functions = _ggml_functions(_ggml_base(llama_cpp_module))
+        self.hidden, self.capture = self._buffer(NORM_TENSOR)  # [rows, width]: every output row of one decode
+        self.layers: list[tuple[torch.Tensor, Capture]] = []  # the decoder layers' inputs (`capture_layers`)
         self.callback = ctypes.cast(extension.capture_address(), llama_cpp_module.ggml_backend_sched_eval_callback)
         self.user_data = ctypes.cast(ctypes.pointer(self.capture), ctypes.c_void_p)
 
+    def _buffer(self, name: bytes) -> tuple[torch.Tensor, Capture]:
+        name_of, nbytes, tensor_get = self.functions
+        rows = torch.empty(self.max_rows, self.width, dtype=torch.float32)
+        return rows, Capture(get_name=name_of, nbytes=nbytes, tensor_get=tensor_get, active=0, name=name,
+                             dest=rows.data_ptr(), capacity=rows.numel() * 4, copied=0, go_on=1)
+
+    def capture_layers(self, layers) -> None:
+        """From now on also copy the inputs of these decoder layers (llama.cpp's `l_out` of the layer
+        before: every token's row, whichever rows output logits); none: stop."""
+        self.layers = [self._buffer(f"l_out-{layer - 1}".encode()) for layer in layers or ()]
+        for (_, capture), (_, after) in zip([(None, self.capture)] + self.layers, self.layers + [(None, None)]):
+            capture.next = ctypes.pointer(after) if after is not None else None
+
     def begin(self, copy: bool, stop: bool) -> None:
         """Before a decode: copy the final norm's rows (or not), and stop the graph after them (specdec
-        computes the logits) or let llama.cpp finish it."""
+        computes the logits) or let llama.cpp finish it; the layers' inputs are copied whenever asked for."""
         self.capture.active, self.capture.go_on = int(copy), int(not stop)
-        self.capture.copied = self.capture.overflow = 0
+        for capture in [self.capture] + [capture for _, capture in self.layers]:
+            capture.copied = capture.overflow = 0
+        for _, capture in self.layers:
+            capture.active = 1
 
     def rows(self, count: int) -> torch.Tensor:
         """The `count` final-norm rows the last decode copied, [count, width] (a view: copy to keep)."""
-        if self.capture.overflow or self.capture.copied != count * self.width * 4:
-            raise RuntimeError(f"llama.cpp's graph gave {self.capture.copied // (4 * self.width)} final-norm rows, "
-                               f"{count} expected")
-        return self.hidden[:count]
+        return _copied(self.hidden, self.capture, count, "final-norm")
+
+    def layer_rows(self, count: int) -> torch.Tensor:
+        """[count, layers * width]: the last decode's `count` tokens' inputs to every captured layer."""
+        return torch.cat([_copied(rows, capture, count, capture.name.decode()) for rows, capture in self.layers], 1)
+
+
+def _copied(rows: torch.Tensor, capture: Capture, count: int, what: str) -> torch.Tensor:
+    width = rows.shape[1]
+    if capture.overflow or capture.copied != count * width * 4:
+        raise RuntimeError(f"llama.cpp's graph gave {capture.copied // (4 * width)} {what} rows, {count} expected")
+    return rows[:count]
 
 
 class CpuHead:

@@ -159,6 +159,8 @@ class HeadModel:
     columns = None  # in draft ids: `PrunedVocab` maps them to target ids
     reads_target_states = True  # its sequences take the target's verified states (`HeadSequence.observe`)
     times_ops = False
+    layer_count = 0
+    state_layers = None  # it reads the target's final-norm states
 
     def __init__(self, net: HeadNet, vocab_map: VocabMap, target: base.CausalLM, path: str = ""):
         if net.shape.width != target.hidden_size:
@@ -297,13 +299,16 @@ class HeadSequence(SequenceEntries):
     def forward(self, tokens, parents=None, last: int | None = None) -> torch.Tensor:
         return self.owner.forward_batch([base.Feed(self, tokens, parents, last)])[0]
 
-    def observe(self, position: int, state: torch.Tensor) -> None:
-        """The target's final-norm state at `position` of the committed text ([width]). Positions
-        below it keep theirs only while they could still be read (the head reads one state back).
-        Entries fed after it read it (`input_state` prefers it to a guess); an entry guessed before
-        it came is a draft node the engine's keep drops next."""
-        self._observed = {p: s for p, s in self._observed.items() if position - KEPT_STATES < p < position}
-        self._observed[position] = state.detach().float().cpu()
+    def observe(self, first: int, states: torch.Tensor) -> None:
+        """The target's final-norm states at positions first, first + 1, ... of the committed text
+        ([n, width]). Positions below the last keep theirs only while they could still be read (the
+        head reads one state back). Entries fed after them read them (`input_state` prefers them to a
+        guess); an entry guessed before they came is a draft node the engine's keep drops next."""
+        last = first + len(states) - 1
+        self._observed = {p: s for p, s in self._observed.items() if last - KEPT_STATES < p < first}
+        for position, state in enumerate(states.detach().float().cpu(), start=first):
+            if position > last - KEPT_STATES:
+                self._observed[position] = state
 
     def observed(self, entry: int) -> torch.Tensor | None:
         """The target's state at this entry, if it is committed text the target reported."""

@@ -31,6 +31,7 @@ from transformers.cache_utils import DynamicLayer
 from specdec import tree
 from specdec.errors import SpecDecError
 from specdec.runtime import base
+from specdec.runtime.base import check_state_layers
 from specdec.runtime.entries import SequenceEntries
 
 
@@ -83,12 +84,28 @@ class HFModel(base.CheckedTrees):
         self.hidden_size = head.weight.shape[1] if _is_matrix_head(head) else model.config.hidden_size
         self._states_hook = None  # the hook on the output layer while states are kept
         self._head_input: torch.Tensor | None = None  # what the output layer last multiplied, until taken
+        self._layers = _decoder_layers(model)
+        self.layer_count = len(self._layers)
+        self.state_layers: tuple[int, ...] | None = None  # while states are kept: the layers whose inputs they are
+        self._layer_hooks: list = []
+        self._layer_inputs: dict[int, torch.Tensor] = {}  # layer -> its input in the forward just run, until taken
 
-    def keep_states(self, on: bool = True) -> None:
+    def keep_states(self, on: bool = True, layers: tuple[int, ...] | None = None) -> None:
         """From now on every forward leaves on each sequence it fed `states`: the rows the output
-        layer multiplied (the final norm's output) for exactly the rows of logits returned; off: None,
-        and no hook on the output layer. The states come from the forward itself (a hook on the
-        output layer's input), so nothing is computed twice."""
+        layer multiplied (the final norm's output) for exactly the rows of logits returned, or with
+        `layers`, the inputs of those decoder layers side by side for every token fed; off: None,
+        and no hooks. The states come from the forward itself (hooks on the output layer's or the
+        decoder layers' inputs), so nothing is computed twice."""
+        for hook in self._layer_hooks:
+            hook.remove()
+        self._layer_hooks, self._layer_inputs, self.state_layers = [], {}, None
+        if on and layers is not None:
+            self.keep_states(False)
+            check_state_layers(self, layers)
+            self.state_layers = tuple(layers)
+            self._layer_hooks = [self._layers[i].register_forward_pre_hook(self._layer_input_taker(i), with_kwargs=True)
+                                 for i in set(layers)]
+            return
         if on and self._states_hook is None:
             head = self.model.get_output_embeddings()
             if not _is_matrix_head(head):
@@ -102,7 +119,16 @@ class HFModel(base.CheckedTrees):
 
     @property
     def keeps_states(self) -> bool:
-        return self._states_hook is not None
+        return self._states_hook is not None or self.state_layers is not None
+
+    def _layer_input_taker(self, index: int):
+        def take(layer, args, kwargs) -> None:
+            self._layer_inputs[index] = args[0] if args else kwargs["hidden_states"]
+        return take
+
+    def state_rows(self, fed: int, returned: int) -> slice:
+        """Which of a row's `fed` new tokens' states a forward leaves (`returned`: its rows of logits)."""
+        return slice(0, fed) if self.state_layers is not None else slice(fed - returned, fed)
 
     def _take_head_input(self, head, args) -> None:
         self._head_input = args[0]
@@ -110,6 +136,9 @@ class HFModel(base.CheckedTrees):
     def taken_states(self) -> torch.Tensor | None:
         """[batch, rows, hidden_size]: what the output layer multiplied in the forward just run
         (None while states are off); taken once."""
+        if self.state_layers is not None:
+            inputs, self._layer_inputs = self._layer_inputs, {}
+            return torch.cat([inputs[i] for i in self.state_layers], dim=-1)
         states, self._head_input = self._head_input, None
         return states
 
@@ -210,7 +239,7 @@ class HFModel(base.CheckedTrees):
             sequence.commit(row_tokens, row_positions, all_parents)
             wanted = n if feed.last is None else min(feed.last, n)
             results.append(self.logits_out(out.logits[r, n - wanted : n]))
-            sequence.states = None if states is None else host_float(states[r, n - wanted : n])
+            sequence.states = None if states is None else host_float(states[r, self.state_rows(n, wanted)])
         return results
 
     @property
@@ -308,7 +337,8 @@ class HFSequence(SequenceEntries):
         states = owner.taken_states()  # [1, n, hidden], or [1, last, hidden] with logits_to_keep; None while off
         self.commit(tokens, positions, all_parents)
         logits = out.logits[0, -last:] if last else out.logits[0]
-        self.states = None if states is None else host_float(states[0, -last:] if last else states[0])
+        self.states = None if states is None else host_float(states[0, owner.state_rows(states.shape[1],
+                                                                                      last or states.shape[1])])
         return owner.logits_out(logits)
 
     def attends(self, all_parents: list[int], start: int, n: int) -> torch.Tensor | None:
@@ -410,6 +440,17 @@ def as_float(rows: torch.Tensor) -> torch.Tensor:
 
 def host_float(rows: torch.Tensor) -> torch.Tensor:
     return as_float(rows).cpu()
+
+
+def _decoder_layers(model) -> list:
+    """The model's decoder layers, in order: the longest ModuleList of its layers' count (an empty list
+    where none is found: its states are then the final norm's only)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    count = getattr(config, "num_hidden_layers", None)
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count:
+            return list(module)
+    return []
 
 
 def _is_matrix_head(head) -> bool:

@@ -96,7 +96,9 @@ class LlamaCppModel(base.CheckedTrees):
         self.tree_tolerance = 1e-4 if self.dtype.upper() == "F32" else 3e-2
         self.stop_token_ids = frozenset(i for i in range(self.vocab_size) if lib.llama_vocab_is_eog(self._vocab, i))
         self.hidden_size = lib.llama_model_n_embd(self._model)
+        self.layer_count = lib.llama_model_n_layer(self._model)
         self._keep_states = False
+        self.state_layers: tuple[int, ...] | None = None  # states kept at these layers' inputs (else the final norm's)
         self.threads = threads or len(os.sched_getaffinity(0))
         self._head, self.output_layer_note = self._open_head(output_layer, gpu_layers)
         # the final norm's rows, for specdec's output layer and for a draft head (None: not built)
@@ -189,12 +191,18 @@ class LlamaCppModel(base.CheckedTrees):
             self._head.drop_matrix()
         self.output_layer_note = problem or ""
 
-    def keep_states(self, on: bool = True) -> None:
+    def keep_states(self, on: bool = True, layers: tuple[int, ...] | None = None) -> None:
         """Leave the final norm's rows of every forward's output tokens on its sequences
-        (`sequence.states`), copied out of the graph as it runs: no extra compute."""
+        (`sequence.states`), or with `layers` those decoder layers' inputs for every token fed, copied
+        out of the graph as it runs: no extra compute."""
         if on and self._capture is None:
             raise SpecDecError(f"{self.path}: reading llama.cpp's hidden states needs {cpu_head.capture_unavailable()}")
+        if on and layers is not None:
+            base.check_state_layers(self, layers)
         self._keep_states = bool(on)
+        self.state_layers = tuple(layers) if on and layers is not None else None
+        if self._capture is not None:
+            self._capture.capture_layers(self.state_layers)
 
     def _new_context(self, lib, threads: int):
         params = lib.llama_context_default_params()
@@ -279,7 +287,7 @@ class LlamaCppModel(base.CheckedTrees):
         """Every feed's new entries in one llama_decode (per BATCH tokens): sequences are told apart
         by their ids, so rows of any lengths, chains and trees, share the batch."""
         base.check_distinct(feeds)
-        tokens, positions, ids, outputs, counts, started = [], [], [], [], [], []
+        tokens, positions, ids, outputs, counts, fed, started = [], [], [], [], [], [], []
         try:
             for feed in feeds:
                 if feed.sequence.owner is not self:
@@ -293,26 +301,34 @@ class LlamaCppModel(base.CheckedTrees):
                 ids += new_ids
                 outputs += [j >= n - wanted for j in range(n)]
                 counts.append(wanted)
+                fed.append(n)
             logits, states = self.decode(tokens, positions, ids, outputs)
         except Exception:  # half-assigned ids or cells in an unknown state: those sequences start over, empty
             for sequence in started:
                 sequence.clear()
             raise
-        for feed, rows in zip(feeds, torch.split(states, counts) if states is not None else [None] * len(feeds)):
+        state_counts = fed if self.state_layers is not None else counts  # every token's, or the returned rows'
+        for feed, rows in zip(feeds, torch.split(states, state_counts) if states is not None else [None] * len(feeds)):
             feed.sequence.states = rows
         return list(torch.split(logits, counts))
+
+    @property
+    def _copies_norm(self) -> bool:
+        """A decode copies the final norm's rows: specdec's output layer reads them, or they are the states kept."""
+        return self._use_head or (self._keep_states and self.state_layers is None)
 
     def _decode_one(self, batch) -> int:
         """llama_decode's status for the filled batch (its eval callback readied first)."""
         clear_log()
         if self._capture is not None:
-            self._capture.begin(copy=self._use_head or self._keep_states, stop=self._use_head)
+            self._capture.begin(copy=self._copies_norm, stop=self._use_head)
         return self.llama_cpp.llama_decode(self._context, batch)
 
     def decode(self, tokens: list[int], positions: list[int], ids: list[list[int]],
                outputs: list[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One llama_decode per BATCH tokens; returns the logits [n, vocab] of the tokens flagged in
-        `outputs`, in order, and their final-norm rows [n, hidden] when states are kept (else None)."""
+        `outputs`, in order, and their final-norm rows [n, hidden] when states are kept (else None; at
+        `state_layers`, every token's inputs to them)."""
         lib, batch, rows, states = self.llama_cpp, self._batch, [], []
         for start in range(0, len(tokens), BATCH):
             end = min(start + BATCH, len(tokens))
@@ -334,18 +350,21 @@ class LlamaCppModel(base.CheckedTrees):
                 raise SpecDecError(f"llama.cpp could not decode {end - start} tokens of {self.path}{full}{last_log()}")
             n_out = sum(outputs[start:end])
             # [n_out, hidden]
-            hidden = self._capture.rows(n_out) if n_out and (self._use_head or self._keep_states) else None
+            hidden = self._capture.rows(n_out) if n_out and self._copies_norm else None
             if n_out and self._use_head:
                 rows.append(self._head.logits(hidden))
             elif n_out:
                 logits = lib.llama_get_logits(self._context)
                 rows.append(torch.from_numpy(np.ctypeslib.as_array(logits, shape=(n_out, self.vocab_size)).copy()))
-            if n_out and self._keep_states:
+            if self.state_layers is not None:
+                states.append(self._capture.layer_rows(end - start).clone())
+            elif n_out and self._keep_states:
                 states.append(hidden.clone())
         logits = torch.cat(rows) if rows else torch.zeros(0, self.vocab_size)
         if not self._keep_states:
             return logits, None
-        return logits, torch.cat(states) if states else torch.zeros(0, self.hidden_size)
+        width = self.hidden_size * len(self.state_layers or (None,))
+        return logits, torch.cat(states) if states else torch.zeros(0, width)
 
 
 def _gguf_matrix(path: str, name: str) -> torch.Tensor | None:

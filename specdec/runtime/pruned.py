@@ -150,6 +150,8 @@ class PrunedVocab:
     compile_backend = property(lambda self: self.inner.compile_backend)
     compile_seconds = property(lambda self: self.inner.compile_seconds)
     reads_target_states = property(lambda self: self.inner.reads_target_states)
+    state_layers = property(lambda self: self.inner.state_layers)
+    layer_count = 0  # never a target
 
     def keep_states(self, on: bool = True) -> None:
         self.inner.keep_states(on)
@@ -206,8 +208,8 @@ class PrunedSequence:
     def release(self) -> None:
         self.inner.release()
 
-    def observe(self, position: int, state: torch.Tensor) -> None:  # a head's (`runtime.head`)
-        self.inner.observe(position, state)
+    def observe(self, first: int, states: torch.Tensor) -> None:  # a head's (`runtime.head`)
+        self.inner.observe(first, states)
 
     def fork(self, length: int) -> PrunedSequence | None:
         forked = self.inner.fork(length)

@@ -68,6 +68,12 @@ class StaticHFModel(HFModel):
         self.compile_seconds: dict[tuple[int, int], float] = {}  # (rows, tokens) -> seconds its first forward took
         self._upload = _Uploader(self.torch_device)
 
+    def keep_states(self, on: bool = True, layers: tuple[int, ...] | None = None) -> None:
+        if on and layers is not None:  # its compiled forwards return the final norm's rows only
+            raise SpecDecError(f"{self.describe()}: the static pool gives no decoder layers' inputs yet (an EAGLE-3 "
+                               "head reads them); run the target with compile off")
+        super().keep_states(on)
+
     def sequence(self) -> StaticSequence:
         if None not in self._holders:
             self._grow(2 * self.pool.rows)
