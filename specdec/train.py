@@ -148,8 +148,7 @@ def save_checkpoint(directory: Path, model, optimizer, state: TrainState, config
     """Model weights, AdamW moments and the counters, written to a temp folder then swapped in."""
     tmp = directory.with_name(directory.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
-              str(tmp / "model.safetensors"))
+    save_file(_untied(model.state_dict()), str(tmp / "model.safetensors"))
     names = {id(p): n for n, p in model.named_parameters()}
     moments = {}
     for group in optimizer.param_groups:
@@ -165,6 +164,17 @@ def save_checkpoint(directory: Path, model, optimizer, state: TrainState, config
             f.unlink()
         directory.rmdir()
     tmp.rename(directory)
+
+
+def _untied(weights: dict) -> dict:
+    """A state dict with each tensor once: a tied output matrix (the input embeddings') is left out,
+    as safetensors asks, and `load_checkpoint` ties it again."""
+    seen, kept = set(), {}
+    for name, tensor in weights.items():
+        if not tensor.numel() or tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr() if tensor.numel() else None)
+            kept[name] = tensor.contiguous()
+    return kept
 
 
 def load_checkpoint(directory: Path, model, optimizer) -> TrainState:

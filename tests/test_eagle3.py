@@ -386,3 +386,61 @@ def test_the_default_layers_of_a_shallow_target_are_refused(tiny_target, tmp_pat
     _, target = tiny_target
     with pytest.raises(specdec.SpecDecError, match=r"reads the inputs of layers \[2, 2, 1\]"):
         load_draft(write_eagle3(tmp_path / "head", target, [1, 2, 3], layers=None), target)
+
+
+# ------------------------------------------------------------------------------ training
+
+
+def test_training_time_test_computes_what_drafting_computes(hf_eagle3):
+    """The unrolled training forward's step k, row t - 1, is the head's row for the k-th token drafted
+    after committed text ending at position t: the training math is the drafting math."""
+    from specdec.distill_eagle3 import STEPS_AHEAD, Unrolled, _prefill
+
+    target, draft, _ = hf_eagle3
+    window = [1, 2, 3, 5, 9, 2, 6, 5, 3, 7, 1, 4]
+    target.keep_states(layers=draft.state_layers)
+    try:
+        prefills = _prefill(target, [torch.tensor(window).numpy()], top=4)
+    finally:
+        target.keep_states(False)
+    prefills.states = layer_states(draft, target, window).numpy()[None]  # as observed below, not rounded to float16
+    unrolled = Unrolled(draft.net, prefills, torch.arange(target.vocab_size))
+    with torch.no_grad():
+        steps = unrolled.logits(*[x.float() if x.is_floating_point() else x for x in unrolled.batch([0])[:2]])
+    assert len(steps) == STEPS_AHEAD
+    for t in (3, 6):
+        head = draft.sequence()
+        head.observe(0, layer_states(draft, target, window[:t]))  # the target's states up to t - 1
+        rows = head.forward(window[: t + STEPS_AHEAD])  # the text to t, then the next tokens as a drafted chain
+        for k in range(STEPS_AHEAD):
+            torch.testing.assert_close(steps[k][0, t - 1], rows[t + k], rtol=1e-4, atol=1e-4)
+
+
+def test_the_cli_trains_an_eagle3_head_that_generate_takes_and_resumes(tiny_target, tmp_path):
+    """`specdec train --distill-from T --eagle3` on a tiny target: the head it writes (EAGLE-3 layout)
+    loads and drafts losslessly; the same command again resumes from the saved checkpoint."""
+    import subprocess
+    import sys
+
+    target_dir, target = tiny_target
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("abc def ghi jkl mabc defg hij klm " * 200)
+    out = tmp_path / "head"
+    command = [sys.executable, "-m", "specdec", "train", str(corpus), "--distill-from", target_dir, "--eagle3",
+               "-o", str(out), "--prompts", "24", "--prompt-tokens", "24", "--steps", "6", "--eval-every", "3",
+               "--save-every", "3", "--batch-size", "4", "--draft-vocab", "12", "--holdout", "0.1", "--threads", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "held-out agreement with the target's greedy choice by depth" in done.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 12
+    report = json.loads((out / "eagle3.json").read_text())
+    assert report["steps"] == 6 and len(report["heldout_agreement_by_depth"]) == 4
+    draft = load_draft(out, target)
+    assert isinstance(draft, Eagle3Model)
+    for prompt in PROMPTS:
+        result = SpeculativeDecoder(target, ModelDrafter(draft), 3).generate(list(prompt), max_new_tokens=16, temperature=0)
+        assert result.tokens == reference_greedy(target, list(prompt), 16)
+    again = subprocess.run(command[:-8] + ["--steps", "9"] + command[-6:], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads((out / "eagle3.json").read_text())["steps"] == 9

@@ -55,8 +55,15 @@ def add_parser(commands) -> None:
                          help="train a draft head on the target's own hidden states instead of a draft model "
                               "(OUTPUT gets head.safetensors and head.json; draft with --draft OUTPUT); its defaults: "
                               "--batch-size 256 --steps 2000 --lr 0.001 --weight-decay 0")
+    distill.add_argument("--eagle3", action="store_true",
+                         help="train an EAGLE-3 head (specdec/distill_eagle3.py): one target forward per corpus "
+                              "window of --prompt-tokens, training-time test; OUTPUT gets config.json and "
+                              "model.safetensors in the EAGLE-3 layout (draft with --draft OUTPUT; vLLM and SGLang load "
+                              "it too) and eagle3.json; its defaults: --prompts 1536 --prompt-tokens 128 --batch-size 8 "
+                              "--steps 1200 --lr 0.001 --weight-decay 0 --draft-vocab 8192 --bf16")
     tr.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model trains")
-    tr.add_argument("--bf16", action="store_true", help="bfloat16 autocast for matmuls (weights stay float32)")
+    tr.add_argument("--bf16", action="store_const", const=True,
+                    help="bfloat16 autocast for matmuls (weights stay float32; on by default for --eagle3)")
     tr.add_argument("--save-dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                     help="not distilling")
     tr.set_defaults(run=run_train)
@@ -70,8 +77,8 @@ def run_train(args) -> None:
 
     given = {name: value for name, value in vars(args).items() if value is not None}
     if args.distill_from is None:
-        if args.head:
-            raise SpecDecError("--head trains a draft head on a target's states: "
+        if args.head or args.eagle3:
+            raise SpecDecError(f"{'--eagle3' if args.eagle3 else '--head'} trains a draft head on a target's states: "
                                "name the target with --distill-from TARGET")
         config = TrainConfig(**{f.name: given[f.name] for f in fields(TrainConfig) if f.name in given})
         state = train(config)
@@ -84,20 +91,24 @@ def run_train(args) -> None:
                            "the draft uses the target's tokens, in float32")
     if args.threads:
         torch_threads(args.threads)
-    if args.head:
+    if args.head and args.eagle3:
+        raise SpecDecError("--head and --eagle3 train two kinds of head: choose one")
+    if args.head or args.eagle3:
+        from specdec.distill_eagle3 import EAGLE3_DEFAULTS
         from specdec.distill_head import HEAD_DEFAULTS
 
         model_flags = [f"--{name.replace('_', '-')}"
                        for name in ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size")
                        if name in given] + (["--no-gguf"] if args.no_gguf else [])
         if model_flags:
-            raise SpecDecError(f"{', '.join(model_flags)} shape a draft model; "
-                               "a head is as wide as its target (drop them, or --head)")
-
-        given = {**HEAD_DEFAULTS, **given}
+            raise SpecDecError(f"{', '.join(model_flags)} shape a draft model; a head is as wide as its target "
+                               f"(drop them, or {'--eagle3' if args.eagle3 else '--head'})")
+        given = {**(EAGLE3_DEFAULTS if args.eagle3 else HEAD_DEFAULTS), **given}
     config = DistillConfig(target=args.distill_from, gguf=not args.no_gguf,
                            **{f.name: given[f.name] for f in fields(DistillConfig)
                               if f.name in given and f.name not in ("target", "gguf")})
+    if args.eagle3:
+        return report_eagle3(config)
     if config.head:
         return report_head(config)
     report = distill(config)
@@ -116,6 +127,18 @@ def report_head(config) -> None:
     print(f"wrote {config.output}: a draft head of {summary['parameters']:,} parameters over "
           f"{summary['shape']['vocab']} of the target's "
           f"tokens; held-out agreement with the target's greedy choice by depth: {agreement}; "
+          + ", ".join(f"{name} {stage['seconds'] / 60:.1f} min" for name, stage in summary["stages"].items()),
+          file=sys.stderr)
+
+
+def report_eagle3(config) -> None:
+    from specdec.distill_eagle3 import distill_eagle3
+
+    summary = distill_eagle3(config)
+    agreement = "/".join(f"{a:.3f}" for a in summary["heldout_agreement_by_depth"] or [])
+    print(f"wrote {config.output}: an EAGLE-3 head of {summary['parameters']:,} parameters reading the target's "
+          f"layers {summary['layers']}, predicting {summary['draft_vocab']} tokens; held-out agreement with the "
+          f"target's greedy choice by depth: {agreement}; "
           + ", ".join(f"{name} {stage['seconds'] / 60:.1f} min" for name, stage in summary["stages"].items()),
           file=sys.stderr)
 

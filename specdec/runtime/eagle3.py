@@ -164,7 +164,8 @@ class Eagle3Net(nn.Module):
     def __init__(self, config: Eagle3Config, embeddings: torch.Tensor):
         super().__init__()
         self.config = config
-        self.register_buffer("embed_tokens", embeddings)  # [target vocab, hidden]: the target's, or the head's own
+        # [target vocab, hidden]: the target's (not saved with the head), or the head's own
+        self.register_buffer("embed_tokens", embeddings, persistent=False)
         self.fc = nn.Linear(3 * config.target_hidden, config.hidden, bias=False)
         self.midlayer = MidLayer(config)
         self.norm = RMSNorm(config.hidden, config.rms_eps)
@@ -201,7 +202,11 @@ class Eagle3Net(nn.Module):
         scores = torch.einsum("nhd,mhd->hnm", queries, keys) / math.sqrt(queries.shape[-1])
         scores = scores.float().masked_fill(~allowed[None], -torch.inf)
         weights = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(values.dtype)  # a row with no key: 0
-        attended = torch.einsum("hnm,mhd->nhd", weights, values).reshape(len(queries), -1)
+        return self.finish(torch.einsum("hnm,mhd->nhd", weights, values).reshape(len(queries), -1), residual)
+
+    def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention's output [..., heads * d] and the residual [..., hidden] -> (logits, output before the norm)."""
+        layer = self.midlayer
         residual = layer.self_attn.o_proj(attended) + residual
         out = layer.mlp(layer.post_attention_layernorm(residual)) + residual
         return self.lm_head(self.norm(out)), out
@@ -252,7 +257,7 @@ def load_eagle3(directory: str | Path, target: base.CausalLM, dtype: torch.dtype
         missing, unexpected = net.load_state_dict(weights, strict=False)
     except RuntimeError as error:
         raise SpecDecError(f"the EAGLE-3 head {directory}: {' '.join(str(error).split())[:400]}") from error
-    missing = [name for name in missing if name != "embed_tokens" and not name.startswith("rotary.")]
+    missing = [name for name in missing if not name.startswith("rotary.")]
     if missing or unexpected:
         raise SpecDecError(f"the EAGLE-3 head {directory}: tensors missing {missing or 'none'}, "
                            f"not understood {unexpected or 'none'}")
