@@ -235,17 +235,15 @@ def test_greedy_speculation_with_an_eagle3_head_equals_plain_greedy_transformers
     assert decoder.generate([1, 2, 3], max_new_tokens=20, temperature=0).tokens == reference_greedy(target, [1, 2, 3], 20)
 
 
-# each layout meets chains and trees, each at both settings, across the two (45 s a case on 2 cores)
-SAMPLED_CASES = {"eagle3": [("chain", SETTINGS[0]), ("tree", SETTINGS[1])],
-                 "speculators": [("tree", SETTINGS[0]), ("chain", SETTINGS[1])]}
+# a tree at T 0.7 top-5 for one layout, a chain at T 1 for the other (45 s a case on 2 cores)
+SAMPLED_CASES = {"eagle3": ("tree", SETTINGS[1]), "speculators": ("chain", SETTINGS[0])}
 
 
 @pytest.mark.statistical
-@pytest.mark.parametrize("case", [0, 1])
-def test_sampled_speculation_with_an_eagle3_head_follows_the_target(hf_eagle3, case):
+def test_sampled_speculation_with_an_eagle3_head_follows_the_target(hf_eagle3):
     target, draft, _ = hf_eagle3
     layout = draft.net.config.layout
-    kind, setting = SAMPLED_CASES[layout][case]
+    kind, setting = SAMPLED_CASES[layout]
     drafter = ModelDrafter(draft, tree=TreeShape(6, 2) if kind == "tree" else None)
     assert_follows_target(SpeculativeDecoder(target, drafter, gamma=2), setting, seed_key=f"eagle3/{layout}/{kind}/{setting}")
 

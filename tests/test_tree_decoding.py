@@ -80,9 +80,10 @@ def stat_drafters(model_dirs):
     }
 
 
+# trees at top-k and top-p are also held to the joint on llama.cpp (test_llamacpp), with heads (test_head,
+# test_eagle3) and in a busy batch (test_batching); here each tree kind once more, in the suite's time
 @pytest.mark.parametrize(
-    "drafter_name,setting",
-    [("tree", "t1"), ("tree", "t0.7-topk5"), ("tree", "topp0.8"), ("tree-top", "t1"), ("staged-tree", "t1"), ("staged-tree", "topp0.8")],
+    "drafter_name,setting", [("tree", "t1"), ("tree-top", "t1"), ("staged-tree", "t1")],
 )
 @pytest.mark.statistical
 def test_tree_output_follows_target_joint(stat_target, stat_drafters, drafter_name, setting):
