@@ -330,16 +330,7 @@ def prepare(config: DistillConfig) -> Prepared:
     work = Path(config.output) / "work"
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
-    report = Report(**json.loads((work / "report.json").read_text())) if (work / "report.json").exists() else Report()
-
-    def stage(name: str, run):
-        started = time.perf_counter()
-        result = run()
-        seconds = time.perf_counter() - started + report.stages.get(name, {}).get("seconds", 0.0)
-        report.stages[name] = {"seconds": round(seconds, 1), "peak_rss_mb": _peak_rss_mb()}
-        (work / "report.json").write_text(json.dumps(asdict(report)))
-        return result
-
+    report, stage = staged(work)
     on_gpu = config.device.startswith("cuda")
     if takes_device(config.target, config.backend):
         options = dict(device=config.device)
@@ -353,6 +344,22 @@ def prepare(config: DistillConfig) -> Prepared:
     vocab_map = VocabMap(tuple(int(i) for i in ids), target.vocab_size,
                          tokenizer_fingerprint(target.tokenizer, spaces_as_written=True))
     return Prepared(target, corpus, generations, vocab_map, report, stage)
+
+
+def staged(work: Path):
+    """The run's report (resumed from work/report.json) and `stage(name, run)`, which runs a stage and
+    adds its seconds and the peak memory so far to the report, saved at once."""
+    report = Report(**json.loads((work / "report.json").read_text())) if (work / "report.json").exists() else Report()
+
+    def stage(name: str, run):
+        started = time.perf_counter()
+        result = run()
+        seconds = time.perf_counter() - started + report.stages.get(name, {}).get("seconds", 0.0)
+        report.stages[name] = {"seconds": round(seconds, 1), "peak_rss_mb": _peak_rss_mb()}
+        (work / "report.json").write_text(json.dumps(asdict(report)))
+        return result
+
+    return report, stage
 
 
 def distill(config: DistillConfig) -> dict:

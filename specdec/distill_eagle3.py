@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from specdec.config import DistillConfig
-from specdec.distill import Report, build_corpus, fit, soft_loss, split_rows
+from specdec.distill import build_corpus, fit, soft_loss, split_rows, staged
 from specdec.errors import SpecDecError
 from specdec.runtime.eagle3 import Eagle3Config, Eagle3Net
 
@@ -215,24 +215,13 @@ class Unrolled:
 
 def distill_eagle3(config: DistillConfig) -> dict:
     """Run (or resume) the four stages; returns the report written to OUTPUT/eagle3.json."""
-    import time
-
     from specdec.runtime import load_model, takes_device
 
     config.check()
     out, work = Path(config.output), Path(config.output) / "work"
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
-    report = Report(**json.loads((work / "report.json").read_text())) if (work / "report.json").exists() else Report()
-
-    def stage(name: str, run):
-        started = time.perf_counter()
-        result = run()
-        seconds = time.perf_counter() - started + report.stages.get(name, {}).get("seconds", 0.0)
-        report.stages[name] = {"seconds": round(seconds, 1)}
-        (work / "report.json").write_text(json.dumps(asdict(report)))
-        return result
-
+    report, stage = staged(work)
     options = (dict(device=config.device) if takes_device(config.target, config.backend)
                else dict(context=config.prompt_tokens + 8))
     target = load_model(config.target, backend=config.backend, threads=config.threads, **options)

@@ -58,9 +58,9 @@ def add_parser(commands) -> None:
     distill.add_argument("--eagle3", action="store_true",
                          help="train an EAGLE-3 head (specdec/distill_eagle3.py): one target forward per corpus "
                               "window of --prompt-tokens, training-time test; OUTPUT gets config.json and "
-                              "model.safetensors in the EAGLE-3 layout (draft with --draft OUTPUT; vLLM and SGLang load "
-                              "it too) and eagle3.json; its defaults: --prompts 1536 --prompt-tokens 128 --batch-size 8 "
-                              "--steps 1200 --lr 0.001 --weight-decay 0 --draft-vocab 8192 --bf16")
+                              "model.safetensors in the EAGLE-3 layout (draft with --draft OUTPUT; vLLM and SGLang "
+                              "load it too) and eagle3.json; its defaults: --prompts 1536 --prompt-tokens 128 "
+                              "--batch-size 8 --steps 1200 --lr 0.001 --weight-decay 0 --draft-vocab 8192 --bf16")
     tr.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model trains")
     tr.add_argument("--bf16", action="store_const", const=True,
                     help="bfloat16 autocast for matmuls (weights stay float32; on by default for --eagle3)")
