@@ -121,7 +121,7 @@ def reference_logits(draft: Eagle3Model, target, tokens: list[int]) -> torch.Ten
     net, config = draft.net, draft.net.config
     with torch.no_grad():
         hidden = target.model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
-        states = torch.cat([hidden[i][0] for i in draft.state_layers], dim=-1).float()  # [n, 3 * hidden]
+        states = torch.cat([hidden[i][0] for i in draft.state_layers], dim=-1).to(net.fc.weight.dtype)  # [n, 3 * hidden]
         features, embeds = net.fc(states)[:-1], net.embed_tokens[torch.tensor(tokens[1:])]  # entries 1 .. n - 1
         layer = net.midlayer
         normed = layer.hidden_norm(features)
@@ -411,7 +411,7 @@ def test_training_time_test_computes_what_drafting_computes(hf_eagle3):
         head.observe(0, layer_states(draft, target, window[:t]))  # the target's states up to t - 1
         rows = head.forward(window[: t + STEPS_AHEAD])  # the text to t, then the next tokens as a drafted chain
         for k in range(STEPS_AHEAD):
-            torch.testing.assert_close(steps[k][0, t - 1], rows[t + k], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(steps[k][0, t - 1].float(), rows[t + k], rtol=1e-4, atol=1e-4)
 
 
 def test_the_cli_trains_an_eagle3_head_that_generate_takes_and_resumes(tiny_target, tmp_path):

@@ -59,8 +59,9 @@ class AutoDrafter:
         self.reads_target_states = model is not None and model.reads_target_states
         self.state_layers = model.state_layers if self.reads_target_states else None
         # the draft model reads the committed text only when it drafts (a model that seldom pays
-        # seldom reads); a head reads the target's states as they come, and keeps only the last few
-        self.lazy = model is not None and not self.reads_target_states
+        # seldom reads); a head of the final norm's states keeps only the last few, so it reads as they
+        # come, while an EAGLE-3 head keeps thousands of positions' states and reads them when it drafts
+        self.lazy = model is not None and (not self.reads_target_states or self.state_layers is not None)
         self.trees = True  # False: one chain per iteration, from one source (models that cannot score trees exactly)
         sources = (("draft model", model), ("prompt lookup", lookup))
         self.name = "auto (" + " + ".join(n for n, part in sources if part) + ")"

@@ -41,8 +41,9 @@ from specdec import tree
 from specdec.errors import SpecDecError
 from specdec.runtime import base
 from specdec.runtime.entries import SequenceEntries
+from specdec.runtime.head import inference_dtype, one_thread
 
-KEPT_FEATURES = 64  # the target's features a sequence keeps past the committed entries that read them
+KEPT_STATES = 4096  # positions whose target states a sequence keeps (a default drafter feeds its head lazily)
 
 
 @dataclass(frozen=True)
@@ -196,13 +197,11 @@ class Eagle3Net(nn.Module):
     def outputs(self, queries, residual, keys, values, allowed) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries [n, heads, d] over keys and values [m, kv heads, d] where `allowed` [n, m] ->
         (logits [n, draft vocab], outputs before the final norm [n, hidden]: what children read)."""
-        layer = self.midlayer
-        groups = layer.self_attn.heads // layer.self_attn.kv_heads
-        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-        scores = torch.einsum("nhd,mhd->hnm", queries, keys) / math.sqrt(queries.shape[-1])
-        scores = scores.float().masked_fill(~allowed[None], -torch.inf)
-        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(values.dtype)  # a row with no key: 0
-        return self.finish(torch.einsum("hnm,mhd->nhd", weights, values).reshape(len(queries), -1), residual)
+        attended = nn.functional.scaled_dot_product_attention(
+            queries.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            attn_mask=allowed[None, None], enable_gqa=True)[0].transpose(0, 1)  # [n, heads, d]
+        attended = attended.nan_to_num(0.0)  # a row with no key to attend to: nothing
+        return self.finish(attended.reshape(len(queries), -1), residual)
 
     def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention's output [..., heads * d] and the residual [..., hidden] -> (logits, output before the norm)."""
@@ -237,9 +236,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 # ---------------------------------------------------------------- loading
 
-def load_eagle3(directory: str | Path, target: base.CausalLM, dtype: torch.dtype = torch.float32) -> Eagle3Model:
-    """The head in `directory` for `target`, checked against it (shapes, vocabulary, layers)."""
+def load_eagle3(directory: str | Path, target: base.CausalLM) -> Eagle3Model:
+    """The head in `directory` for `target`, checked against it (shapes, vocabulary, layers). It computes
+    in a torch target's own precision, and beside llama.cpp in bfloat16 where the CPU multiplies it
+    natively (a draft level then reads half the bytes), else float32."""
     directory = Path(directory)
+    dtype = getattr(target, "torch_dtype", None) or inference_dtype()
     config = read_config(directory)
     weights = _read_weights(directory)
     layers = config.aux_layers(_target_layers(target))
@@ -380,7 +382,7 @@ class Eagle3Model:
 
     def forward_batch(self, feeds: list[base.Feed]) -> list[torch.Tensor]:
         base.check_distinct(feeds)
-        with torch.inference_mode():
+        with torch.inference_mode(), one_thread():
             return [feed.sequence.run(feed.tokens, feed.parents, feed.last) for feed in feeds]
 
 
@@ -398,7 +400,7 @@ class Eagle3Sequence(SequenceEntries):
         self.read_target: list[bool] = []  # its input was the target's feature at its parent
         self.guessed: set[int] = set()  # entries whose input was a parent's output (until re-read)
         self.attendable: list[bool] = []  # it had an input at all (else no entry attends to it)
-        self._features: dict[int, torch.Tensor] = {}  # position -> the target's fused feature there
+        self._states: dict[int, torch.Tensor] = {}  # position -> the target's states there, fused when read
         self.states = None
 
     def forward(self, tokens, parents=None, last: int | None = None) -> torch.Tensor:
@@ -406,13 +408,12 @@ class Eagle3Sequence(SequenceEntries):
 
     def observe(self, first: int, states: torch.Tensor) -> None:
         """The target's states at positions first, first + 1, ... ([n, 3 * target hidden]: its three layers'
-        inputs, in order), fused here once; features are kept while entries may still read them."""
-        with torch.inference_mode():
-            fused = self.owner.net.fuse(states)
-        for i, feature in enumerate(fused):
-            self._features[first + i] = feature
-        newest = first + len(fused) - 1
-        self._features = {p: f for p, f in self._features.items() if p > newest - KEPT_FEATURES}
+        inputs, in order), kept for the last KEPT_STATES positions: an entry fed later reads them."""
+        for position, row in enumerate(states, start=first):
+            self._states[position] = row
+        oldest = first + len(states) - KEPT_STATES
+        if min(self._states) < oldest:
+            self._states = {p: row for p, row in self._states.items() if p >= oldest}
 
     def run(self, tokens, parents, last: int | None) -> torch.Tensor:
         """Add entries for `tokens` under `parents` and return the last `last` rows of logits (all: None)."""
@@ -442,36 +443,40 @@ class Eagle3Sequence(SequenceEntries):
         return waves
 
     def _feature(self, entry: int) -> torch.Tensor | None:
-        """The target's feature at entry's parent, where it is committed text the target reported."""
+        """The target's states at entry's parent, where it is committed text the target reported."""
         parent = self._parents[entry]
         if parent < 0 or parent >= self._trunk:
             return None
-        return self._features.get(self._positions[parent])
+        return self._states.get(self._positions[parent])
 
-    def _input(self, entry: int) -> tuple[torch.Tensor | None, bool]:
-        """(entry's input, whether it is the target's): the target's feature at its parent, else the
-        parent's own output (a draft node's child), else None (nothing to read)."""
-        feature = self._feature(entry)
-        if feature is not None:
-            return feature, True
-        parent = self._parents[entry]
-        return (self.outputs[parent] if parent >= 0 else None), False
+    def _inputs(self, entries: list[int]) -> tuple[torch.Tensor, list[bool], list[bool]]:
+        """The entries' inputs [n, hidden] (the target's states at each one's parent, fused, else the
+        parent's own output, a draft node's child, else zeros), which of them are the target's, and which
+        had any input at all."""
+        net, width = self.owner.net, self.owner.net.config.hidden
+        states = [self._feature(entry) for entry in entries]
+        inputs = [None if state is not None or self._parents[entry] < 0 else self.outputs[self._parents[entry]]
+                  for entry, state in zip(entries, states)]
+        read = [i for i, state in enumerate(states) if state is not None]
+        if read:
+            for i, feature in zip(read, net.fuse(torch.stack([states[i] for i in read]))):
+                inputs[i] = feature
+        readable = [x is not None for x in inputs]
+        rows = torch.stack([x.to(self.keys.dtype) if x is not None else torch.zeros(width, dtype=self.keys.dtype)
+                            for x in inputs])
+        return rows, [state is not None for state in states], readable
 
     def _compute(self, entries: list[int]) -> list[torch.Tensor]:
         """Keys, values, outputs and logits of `entries` (whose inputs are known), as one batch."""
         net = self.owner.net
-        inputs = [self._input(entry) for entry in entries]
-        readable = [i for i, (x, _) in enumerate(inputs) if x is not None]
-        width = net.config.hidden
-        features = torch.stack([x if x is not None else torch.zeros(width, dtype=self.keys.dtype)
-                                for x, _ in inputs]).to(self.keys.dtype)
+        features, from_target, readable = self._inputs(entries)
         tokens = torch.tensor([self._tokens[e] for e in entries])
         positions = torch.tensor([self._positions[e] for e in entries])
         keys, values, queries, residual = net.inputs(tokens, features, positions)
         self._store(entries, keys, values)
-        for i, entry in enumerate(entries):
-            self.read_target[entry], self.attendable[entry] = inputs[i][1], i in readable
-            if i in readable and not inputs[i][1]:
+        for entry, target_read, had_input in zip(entries, from_target, readable):
+            self.read_target[entry], self.attendable[entry] = target_read, had_input
+            if had_input and not target_read:
                 self.guessed.add(entry)
         low = min(entries)  # the rows of entries low .. cache_len - 1, then the wave's
         allowed = tree.ancestry(self._parents, self._trunk, low, self.cache_len - low)[[e - low for e in entries]]
@@ -496,10 +501,9 @@ class Eagle3Sequence(SequenceEntries):
         if not stale:
             return
         self.guessed.difference_update(stale)
-        net = self.owner.net
-        features = torch.stack([self._feature(e) for e in stale]).to(self.keys.dtype)
-        keys, values, _, _ = net.inputs(torch.tensor([self._tokens[e] for e in stale]), features,
-                                        torch.tensor([self._positions[e] for e in stale]))
+        features, _, _ = self._inputs(stale)
+        keys, values, _, _ = self.owner.net.inputs(torch.tensor([self._tokens[e] for e in stale]), features,
+                                                   torch.tensor([self._positions[e] for e in stale]))
         self._store(stale, keys, values)
         for e in stale:
             self.read_target[e] = self.attendable[e] = True
@@ -517,7 +521,7 @@ class Eagle3Sequence(SequenceEntries):
         self.keep_entries(start, indices)
 
     def release(self) -> None:
-        self.outputs, self.read_target, self.attendable, self.guessed, self._features = [], [], [], set(), {}
+        self.outputs, self.read_target, self.attendable, self.guessed, self._states = [], [], [], set(), {}
 
     def fork(self, length: int) -> None:
         return None  # cheap to refill from the target's features; nothing is shared

@@ -153,7 +153,7 @@ class HeadModel:
     device_logits = False
     max_sequence_ids = None
     batch_invariant = False
-    threads = None  # torch's (one thread for its matmuls, `_one_thread`)
+    threads = None  # torch's (one thread for its matmuls, `one_thread`)
     output_layer = None  # the target's output rows, as the network or `cpu_head` scores them
     compile_backend = None  # eager
     columns = None  # in draft ids: `PrunedVocab` maps them to target ids
@@ -223,7 +223,7 @@ class HeadModel:
         """Guess the states of new entries `targets`, in waves (`_plan`), each one run of the network;
         returns their logits, by (id of the sequence, entry)."""
         logits = {}
-        with torch.inference_mode(), _one_thread():
+        with torch.inference_mode(), one_thread():
             for wave in _plan(targets):
                 states = torch.stack([sequence.input_state(entry) for sequence, entry in wave])  # [n, width]
                 tokens = torch.tensor([sequence.token(entry) for sequence, entry in wave])
@@ -243,7 +243,7 @@ class HeadModel:
 
 
 @contextlib.contextmanager
-def _one_thread():
+def one_thread():
     """torch on one thread for the head's small matmuls: a second thread only waits on the first at
     these sizes, and spins for milliseconds when another process holds a core."""
     threads = torch.get_num_threads()
