@@ -3,7 +3,7 @@
 Stages, each timed into DIR/work/report.json and resumed from DIR/work:
 1. corpus: the files' tokens in the target's vocabulary (`distill.build_corpus`);
 2. prefill: one target forward per window of `prompt_tokens` corpus tokens, keeping at every position
-   the target's states at the head's three layers (float16) and its top `soft_top` logits. No
+   the target's states at the head's three layers (bfloat16) and its top `soft_top` logits. No
    autoregressive generation: every position of real text is a training position, and a window
    costs one forward (`Prefills`);
 3. train: the head (`runtime.eagle3.Eagle3Net`, as wide as the target, its token embeddings the
@@ -55,8 +55,9 @@ def default_layers(layer_count: int) -> tuple[int, int, int]:
 
 @dataclass
 class Prefills:
-    """Per window: tokens [n, W] (target ids), the states at the head's layers [n, W, 3 * hidden]
-    (float16) and the target's top-k logits after each token (ids [n, W, k], logits float16)."""
+    """Per window: tokens [n, W] (target ids), the states at the head's layers [n, W, 3 * hidden] (bfloat16
+    stored as int16 bits: float16 overflows on residual streams such as Gemma's, which pass 65504) and
+    the target's top-k logits after each token (ids [n, W, k], logits float16)."""
 
     tokens: np.ndarray
     states: np.ndarray
@@ -111,7 +112,7 @@ def _prefill(target, windows: list[np.ndarray], top: int) -> Prefills:
             sequence.release()
         best = rows.float().topk(top, dim=-1)
         tokens.append(window.astype(np.int32))
-        states.append(kept.to(torch.float16).numpy())
+        states.append(kept.to(torch.bfloat16).view(torch.int16).numpy())
         ids.append(best.indices.to(torch.int32).numpy())
         logits.append(best.values.to(torch.float16).numpy())
     return Prefills(*(np.stack(a) for a in (tokens, states, ids, logits)))
@@ -146,7 +147,8 @@ class Unrolled:
     def batch(self, rows: np.ndarray):
         p = self.prefills
         tokens = torch.from_numpy(p.tokens[rows]).long()
-        states = torch.from_numpy(p.states[rows]).float()
+        states = torch.from_numpy(p.states[rows])
+        states = (states.view(torch.bfloat16) if states.dtype == torch.int16 else states).float()
         top_ids = self.to_draft[torch.from_numpy(p.top_ids[rows]).long()]
         return tokens, states, top_ids, torch.from_numpy(p.top_logits[rows]).float()
 
