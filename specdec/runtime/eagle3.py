@@ -30,7 +30,6 @@ settings in `transformer_layer_config`, tensors under `layers.0.`).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
