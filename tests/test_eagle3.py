@@ -53,7 +53,8 @@ def write_eagle3(directory: Path, target: specdec.CausalLM, keep: list[int], lay
     keep = sorted(keep)
     tensors = {"fc.weight": matrix(hidden, 3 * hidden), "norm.weight": torch.ones(hidden),
                "lm_head.weight": 4 * matrix(len(keep), hidden),
-               "d2t": torch.tensor(keep) - torch.arange(len(keep)), "t2d": torch.isin(torch.arange(vocab), torch.tensor(keep)),
+               "d2t": torch.tensor(keep) - torch.arange(len(keep)),
+               "t2d": torch.isin(torch.arange(vocab), torch.tensor(keep)),
                f"{prefix}input_layernorm.weight": torch.ones(hidden), f"{prefix}hidden_norm.weight": torch.ones(hidden),
                f"{prefix}post_attention_layernorm.weight": torch.ones(hidden),
                f"{prefix}self_attn.q_proj.weight": matrix(heads * head_dim, 2 * hidden),
@@ -73,7 +74,8 @@ def write_eagle3(directory: Path, target: specdec.CausalLM, keep: list[int], lay
             config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": layers}
     else:
         tensors["embed_tokens.weight"] = matrix(vocab, hidden)
-        config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": len(keep),
+        config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                  "draft_vocab_size": len(keep),
                   "norm_before_residual": True, "target_hidden_size": hidden, "transformer_layer_config": layer}
         if layers is not None:
             config["eagle_aux_hidden_state_layer_ids"] = layers
@@ -121,7 +123,8 @@ def reference_logits(draft: Eagle3Model, target, tokens: list[int]) -> torch.Ten
     net, config = draft.net, draft.net.config
     with torch.no_grad():
         hidden = target.model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
-        states = torch.cat([hidden[i][0] for i in draft.state_layers], dim=-1).to(net.fc.weight.dtype)  # [n, 3 * hidden]
+        # [n, 3 * hidden]
+        states = torch.cat([hidden[i][0] for i in draft.state_layers], dim=-1).to(net.fc.weight.dtype)
         features, embeds = net.fc(states)[:-1], net.embed_tokens[torch.tensor(tokens[1:])]  # entries 1 .. n - 1
         layer = net.midlayer
         normed = layer.hidden_norm(features)
@@ -232,7 +235,8 @@ def test_greedy_speculation_with_an_eagle3_head_equals_plain_greedy_transformers
     assert accepted["chain"] + accepted["tree"] > 0, accepted
     decoder = specdec.load(tiny_target[0], draft=str(directory), gamma="auto", dtype="float64")  # as the CLI loads one
     assert isinstance(decoder.draft_model, Eagle3Model)
-    assert decoder.generate([1, 2, 3], max_new_tokens=20, temperature=0).tokens == reference_greedy(target, [1, 2, 3], 20)
+    result = decoder.generate([1, 2, 3], max_new_tokens=20, temperature=0)
+    assert result.tokens == reference_greedy(target, [1, 2, 3], 20)
 
 
 # a tree at T 0.7 top-5 for one layout, a chain at T 1 for the other (45 s a case on 2 cores)
@@ -245,7 +249,8 @@ def test_sampled_speculation_with_an_eagle3_head_follows_the_target(hf_eagle3):
     layout = draft.net.config.layout
     kind, setting = SAMPLED_CASES[layout]
     drafter = ModelDrafter(draft, tree=TreeShape(6, 2) if kind == "tree" else None)
-    assert_follows_target(SpeculativeDecoder(target, drafter, gamma=2), setting, seed_key=f"eagle3/{layout}/{kind}/{setting}")
+    assert_follows_target(SpeculativeDecoder(target, drafter, gamma=2), setting,
+                          seed_key=f"eagle3/{layout}/{kind}/{setting}")
 
 
 MATRIX_PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
@@ -262,7 +267,8 @@ def test_every_eagle3_drafter_equals_plain_greedy_on_the_architecture_matrix(arc
         if "does not support an attention implementation" in str(error):
             pytest.skip(f"transformers has no {implementation} attention for {arch}")
         raise
-    draft = load_draft(write_eagle3(tmp_path / "head", target, predicted_tokens(target, [MATRIX_PROMPT], extra=1)), target)
+    keep = predicted_tokens(target, [MATRIX_PROMPT], extra=1)
+    draft = load_draft(write_eagle3(tmp_path / "head", target, keep), target)
     new = min(60, target.max_length - len(MATRIX_PROMPT))
     plain = SpeculativeDecoder(target).generate(MATRIX_PROMPT, max_new_tokens=new, temperature=0).tokens
     assert plain == reference_greedy(target, MATRIX_PROMPT, len(plain))
@@ -351,7 +357,8 @@ def test_sampled_speculation_with_an_eagle3_tree_follows_the_target_llamacpp(ggu
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}), r"reads the inputs of layers \[1, 2, 9\]; the target has 4"),
+    (dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}),
+     r"reads the inputs of layers \[1, 2, 9\]; the target has 4"),
     (dict(target_hidden_size=48), "reads states 48 wide; the target's are 32"),
     (dict(vocab_size=300), "made for a vocabulary of 300 tokens; the target has 16"),
     (dict(draft_vocab_size=7), r"lm_head.weight is \[.*\], its config says \[7, 32\]"),
@@ -437,7 +444,8 @@ def test_the_cli_trains_an_eagle3_head_that_generate_takes_and_resumes(tiny_targ
     draft = load_draft(out, target)
     assert isinstance(draft, Eagle3Model)
     for prompt in PROMPTS:
-        result = SpeculativeDecoder(target, ModelDrafter(draft), 3).generate(list(prompt), max_new_tokens=16, temperature=0)
+        decoder = SpeculativeDecoder(target, ModelDrafter(draft), 3)
+        result = decoder.generate(list(prompt), max_new_tokens=16, temperature=0)
         assert result.tokens == reference_greedy(target, list(prompt), 16)
     again = subprocess.run(command[:-8] + ["--steps", "9"] + command[-6:], capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
