@@ -145,12 +145,13 @@ class Unrolled:
         self.net, self.prefills, self.to_draft = net, prefills, to_draft
 
     def batch(self, rows: np.ndarray):
-        p = self.prefills
+        """The windows' tokens, states, top-k in draft ids (-1: not predicted) and logits, on the net's device."""
+        p, device = self.prefills, self.net.fc.weight.device
         tokens = torch.from_numpy(p.tokens[rows]).long()
         states = torch.from_numpy(p.states[rows])
         states = (states.view(torch.bfloat16) if states.dtype == torch.int16 else states).float()
         top_ids = self.to_draft[torch.from_numpy(p.top_ids[rows]).long()]
-        return tokens, states, top_ids, torch.from_numpy(p.top_logits[rows]).float()
+        return tuple(x.to(device) for x in (tokens, states, top_ids, torch.from_numpy(p.top_logits[rows]).float()))
 
     def logits(self, tokens: torch.Tensor, states: torch.Tensor) -> list[torch.Tensor]:
         """Step 0: entry i (position i + 1) reads token i + 1 and the target's feature at i; step k:
@@ -236,13 +237,13 @@ def distill_eagle3(config: DistillConfig) -> dict:
     ids = choose_vocabulary(prefills, corpus, config.draft_vocab, target.stop_token_ids, target.vocab_size)
     to_draft = torch.full((target.vocab_size,), -1, dtype=torch.long)
     to_draft[torch.from_numpy(ids)] = torch.arange(len(ids))
-    net = _initial_net(target, layers, ids)
+    net = _initial_net(target, layers, ids).to(config.device)
     unrolled = Unrolled(net, prefills, to_draft)
     held, train_rows = split_rows(len(prefills.tokens), config)
     state = stage("train", lambda: fit(net, config, work / "checkpoint", report, "training the EAGLE-3 head",
                                        config.prompt_tokens, unrolled.loss, train_rows,
                                        lambda: {"heldout_agreement_by_depth": unrolled.agreement(held)}))
-    save_eagle3(net, ids, target.vocab_size, out)
+    save_eagle3(net.cpu(), ids, target.vocab_size, out)
     summary = {"parameters": sum(p.numel() for p in net.parameters()), "layers": list(layers),
                "draft_vocab": len(ids), "windows": len(prefills.tokens), "window_tokens": config.prompt_tokens,
                "training_positions": int(len(train_rows) * (config.prompt_tokens - 1)), "steps": state.step,

@@ -220,6 +220,8 @@ def test_kept_draft_nodes_are_reread_from_the_targets_states(hf_eagle3):
 
 def drafters_of(draft) -> dict:
     return {"chain": (ModelDrafter(draft), 3), "tree": (ModelDrafter(draft, tree=TreeShape(nodes=6, width=2)), 3),
+            "staged": (ModelDrafter(draft, tree=TreeShape(nodes=5, width=2), inner=PromptLookupDrafter(), inner_gamma=2),
+                       3),
             "default": (AutoDrafter(ModelDrafter(draft), PromptLookupDrafter()), "auto")}
 
 
@@ -274,7 +276,7 @@ def test_every_eagle3_drafter_equals_plain_greedy_on_the_architecture_matrix(arc
     assert plain == reference_greedy(target, MATRIX_PROMPT, len(plain))
     accepted = Counter()
     for name, (drafter, gamma) in drafters_of(draft).items():
-        if name == "tree" and arch in TREES_REFUSED:
+        if name in ("tree", "staged") and arch in TREES_REFUSED:
             continue
         result = SpeculativeDecoder(target, drafter, gamma).generate(MATRIX_PROMPT, max_new_tokens=new, temperature=0)
         assert result.tokens == plain, f"{name} differs from plain greedy"
