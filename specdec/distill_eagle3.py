@@ -80,6 +80,8 @@ def prefill_windows(target, corpus: np.ndarray, config: DistillConfig, layers, w
     count = min(config.prompts, len(corpus) // width)
     if count < 2:
         raise SpecDecError(f"the corpus holds {len(corpus)} tokens: too few for 2 windows of {width}")
+    # each window opens as the target's prompts do (Gemma's BOS: its states after one differ from those without)
+    opening = np.asarray(target.tokenizer.encode("", add_special_tokens=True), dtype=corpus.dtype)[: width // 2]
     starts = np.linspace(0, len(corpus) - width, count).astype(np.int64)
     parts, done = [], 0
     while (work / f"prefill-{len(parts)}.npz").exists():
@@ -90,7 +92,8 @@ def prefill_windows(target, corpus: np.ndarray, config: DistillConfig, layers, w
     try:
         while done < count:
             chunk = starts[done: done + 64]
-            parts.append(_prefill(target, [corpus[s: s + width] for s in chunk], config.soft_top))
+            windows = [np.concatenate([opening, corpus[s: s + width - len(opening)]]) for s in chunk]
+            parts.append(_prefill(target, windows, config.soft_top))
             parts[-1].save(work / f"prefill-{len(parts) - 1}.npz")
             done += len(chunk)
             bar.update(len(chunk))
