@@ -52,7 +52,7 @@ from specdec.params import SamplingParams
 from architectures import ARCHITECTURES
 from conftest import reference_greedy
 from reference import path_to
-from test_architectures import TREES_REFUSED
+from test_architectures import TREES_REFUSED, load_or_skip
 from test_distill import TINY_DRAFT
 from test_llamacpp import ALPHA, SAMPLES, chi_square, pruned_joint
 from test_states import final_norm_output
@@ -392,12 +392,7 @@ def arch_head_dirs(tmp_path_factory):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_every_head_drafter_equals_plain_greedy_on_the_architecture_matrix(arch, implementation, arch_head_dirs):
     target_dir, head_dir = arch_head_dirs(arch)
-    try:
-        target = specdec.load_model(target_dir, device="cpu", dtype="float64", attn_implementation=implementation)
-    except specdec.SpecDecError as error:
-        if "does not support an attention implementation" in str(error):
-            pytest.skip(f"transformers has no {implementation} attention for {arch}")
-        raise
+    target = load_or_skip(target_dir, arch, implementation)
     draft = load_draft(head_dir, target)
     new = min(100, target.max_length - len(MATRIX_PROMPT))  # into the context's end (Bloom's is 2048)
     plain = SpeculativeDecoder(target).generate(MATRIX_PROMPT, max_new_tokens=new, temperature=0).tokens

@@ -127,8 +127,7 @@ def report_head(config) -> None:
     print(f"wrote {config.output}: a draft head of {summary['parameters']:,} parameters over "
           f"{summary['shape']['vocab']} of the target's "
           f"tokens; held-out agreement with the target's greedy choice by depth: {agreement}; "
-          + ", ".join(f"{name} {stage['seconds'] / 60:.1f} min" for name, stage in summary["stages"].items()),
-          file=sys.stderr)
+          + stage_minutes(summary["stages"]), file=sys.stderr)
 
 
 def report_eagle3(config) -> None:
@@ -139,8 +138,12 @@ def report_eagle3(config) -> None:
     print(f"wrote {config.output}: an EAGLE-3 head of {summary['parameters']:,} parameters reading the target's "
           f"layers {summary['layers']}, predicting {summary['draft_vocab']} tokens; held-out agreement with the "
           f"target's greedy choice by depth: {agreement}; "
-          + ", ".join(f"{name} {stage['seconds'] / 60:.1f} min" for name, stage in summary["stages"].items()),
-          file=sys.stderr)
+          + stage_minutes(summary["stages"]), file=sys.stderr)
+
+
+def stage_minutes(stages: dict) -> str:
+    """A run's stages for its closing line: "corpus 0.1 min, prefill 4.4 min, ..."."""
+    return ", ".join(f"{name} {stage['seconds'] / 60:.1f} min" for name, stage in stages.items())
 
 
 def torch_threads(count: int) -> None:

@@ -30,6 +30,7 @@ settings in `transformer_layer_config`, tensors under `layers.0.`).
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -399,7 +400,9 @@ class Eagle3Sequence(SequenceEntries):
         self.read_target: list[bool] = []  # its input was the target's feature at its parent
         self.guessed: set[int] = set()  # entries whose input was a parent's output (until re-read)
         self.attendable: list[bool] = []  # it had an input at all (else no entry attends to it)
-        self._states: dict[int, torch.Tensor] = {}  # position -> the target's states there, fused when read
+        # position -> the target's states there, fused when read; in the order observed, which is the
+        # positions' (each committed position is reported once, prefill chunks and verifies in turn)
+        self._states: OrderedDict[int, torch.Tensor] = OrderedDict()
         self.states = None
 
     def forward(self, tokens, parents=None, last: int | None = None) -> torch.Tensor:
@@ -411,8 +414,8 @@ class Eagle3Sequence(SequenceEntries):
         for position, row in enumerate(states, start=first):
             self._states[position] = row
         oldest = first + len(states) - KEPT_STATES
-        if min(self._states) < oldest:
-            self._states = {p: row for p, row in self._states.items() if p >= oldest}
+        while self._states and next(iter(self._states)) < oldest:  # the first observed is the oldest: no scan
+            self._states.popitem(last=False)
 
     def run(self, tokens, parents, last: int | None) -> torch.Tensor:
         """Add entries for `tokens` under `parents` and return the last `last` rows of logits (all: None)."""
@@ -520,7 +523,7 @@ class Eagle3Sequence(SequenceEntries):
         self.keep_entries(start, indices)
 
     def release(self) -> None:
-        self.outputs, self.read_target, self.attendable, self.guessed, self._states = [], [], [], set(), {}
+        self.outputs, self.read_target, self.attendable, self.guessed, self._states = [], [], [], set(), OrderedDict()
 
     def fork(self, length: int) -> None:
         return None  # cheap to refill from the target's features; nothing is shared
