@@ -352,7 +352,7 @@ class DistillConfig:
     seed: int = 0
     bf16: bool = False  # autocast the draft's matmuls to bfloat16 while training (weights stay float32)
     gguf: bool = True  # also write DIR/draft.gguf
-    head: bool = False  # train a draft head on the target's states (specdec.head) instead of a draft model
+    head: bool = False  # train the small draft head (specdec.distill_head, `--small-head`) instead of a draft model
     progress: bool = True
 
     def check(self) -> None:

@@ -56,15 +56,27 @@ def default_corpus() -> list[Path]:
     return sorted(p for p in stdlib_sources() if p not in held)  # ordered as Paths, as the corpus always was
 
 
+def python_docs() -> str:
+    """Prose this machine has offline: Python's reference documentation, the topics `help()` shows
+    (about 110k tokens of English; empty where the interpreter was built without them)."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        return ""
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
 def build_corpus(config: DistillConfig, tokenizer) -> np.ndarray:
-    """One stream of target ids, files in order (each followed by EOS), at most corpus_tokens long."""
+    """One stream of target ids, texts in order (each followed by EOS), at most corpus_tokens long: the
+    user's files, or by default Python's documentation (prose) and then the standard library's source."""
     from specdec.train import expand_files, read_text
 
     files = expand_files(config.files) if config.files else default_corpus()
+    texts = ([] if config.files else [python_docs]) + [lambda path=path: read_text(path) for path in files]
     eos = tokenizer.eos_token_id
     chunks, total = [], 0
-    for path in tqdm(files, desc="corpus", unit="file", disable=not config.progress, leave=False):
-        ids = tokenizer.encode(read_text(path), add_special_tokens=False) + ([eos] if eos is not None else [])
+    for text in tqdm(texts, desc="corpus", unit="file", disable=not config.progress, leave=False):
+        ids = tokenizer.encode(text(), add_special_tokens=False) + ([eos] if eos is not None else [])
         chunks.append(np.asarray(ids, dtype=np.int32))
         total += len(ids)
         if total >= config.corpus_tokens:

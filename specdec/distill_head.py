@@ -1,4 +1,4 @@
-"""Train a draft head for the user's own target: `specdec train --distill-from TARGET --head -o DIR`.
+"""Train a draft head for the user's own target: `specdec train --distill-from TARGET --small-head -o DIR`.
 
 The same first stages as a distilled draft (`specdec.distill`: corpus, the target's generations with
 its final-norm states recorded as they are generated, the pruned vocabulary), so one DIR/work
@@ -30,7 +30,7 @@ from specdec.errors import SpecDecError
 from specdec.runtime.head import HeadNet, HeadShape, save_head
 from specdec.runtime.pruned import VocabMap
 
-# `specdec train --head`'s, where the draft's differ
+# `specdec train --small-head`'s, where the draft's differ
 HEAD_DEFAULTS = dict(batch_size=256, steps=2000, lr=1e-3, weight_decay=0.0)
 UNROLL = 3  # positions trained in a row from one state of the target's
 STATE_WEIGHT = 0.1  # of the state regression beside the KL

@@ -279,3 +279,23 @@ def test_the_cli_distils_and_reports_bad_input(gguf_models, tmp_path):
     missing = subprocess.run([sys.executable, "-m", "specdec", "train", "--distill-from", str(tmp_path / "none.gguf"), "-o", str(tmp_path / "e")],
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1 and "Traceback" not in missing.stderr, missing.stderr
+
+
+def test_the_default_corpus_holds_pythons_documentation_then_the_standard_library():
+    """Without files, distillation reads prose first (the reference topics `help()` shows), then code."""
+    from specdec.distill import build_corpus, python_docs
+
+    class Bytes:  # a tokenizer of UTF-8 bytes, 0 the end of a text
+        eos_token_id = 0
+
+        def encode(self, text, add_special_tokens=False):
+            return list(text.encode()[:4000])
+
+    docs = python_docs()
+    if not docs:
+        pytest.skip("this Python was built without pydoc_data's topics")
+    stream = build_corpus(DistillConfig(target="", output="", corpus_tokens=6000, prompt_tokens=16, progress=False),
+                          Bytes())
+    prose = docs.encode()[:4000]
+    assert bytes(stream[:4000].astype("uint8")) == prose and stream[4000] == 0
+    assert b"import" in bytes(stream[4001:].astype("uint8")) or b"def " in bytes(stream[4001:].astype("uint8"))

@@ -16,6 +16,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -241,6 +242,35 @@ def test_greedy_speculation_with_an_eagle3_head_equals_plain_greedy_transformers
     assert result.tokens == reference_greedy(target, [1, 2, 3], 20)
 
 
+def test_the_server_batches_requests_with_an_eagle3_head_into_plain_greedy_text(hf_eagle3, tiny_target):
+    """`specdec serve --draft HEAD`: eight requests at once share the target's forwards; each row's head
+    reads its own row's states, and every reply is plain greedy's text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from specdec.server import create_app
+    from test_server import LiveServer
+
+    _, _, directory = hf_eagle3
+    plain = specdec.load(tiny_target[0], dtype="float64")
+    decoder = specdec.load(tiny_target[0], draft=str(directory), gamma=3, dtype="float64")  # the head drafts every step
+    prompts = [f"h{'ij'[i % 2]} e{chr(97 + i)} {chr(100 + i) * 3}" for i in range(8)]
+    live = LiveServer(create_app(decoder, "tiny", max_queue=16, depth=None))
+    try:
+        def complete(prompt):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0}
+            return httpx.post(live.url + "/v1/completions", json=body, timeout=120).json()
+
+        with ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(complete, prompts))
+    finally:
+        live.stop()
+    assert [r["choices"][0]["text"] for r in replies] == [
+        plain.generate(p, max_new_tokens=20, temperature=0).text for p in prompts]
+    assert sum(r["speculative"]["acceptance_rate"] for r in replies) > 0, replies
+
+
 # a tree at T 0.7 top-5 for one layout, a chain at T 1 for the other (45 s a case on 2 cores)
 SAMPLED_CASES = {"eagle3": ("tree", SETTINGS[1]), "speculators": ("chain", SETTINGS[0])}
 
@@ -402,7 +432,7 @@ def test_training_time_test_computes_what_drafting_computes(hf_eagle3):
     window = [1, 2, 3, 5, 9, 2, 6, 5, 3, 7, 1, 4]
     target.keep_states(layers=draft.state_layers)
     try:
-        prefills = _prefill(target, [torch.tensor(window).numpy()], top=4)
+        prefills = _prefill(target, [torch.tensor(window).numpy()], 4, [None])
     finally:
         target.keep_states(False)
     prefills.states = layer_states(draft, target, window).numpy()[None]  # as observed below, not rounded to float16
@@ -418,8 +448,41 @@ def test_training_time_test_computes_what_drafting_computes(hf_eagle3):
             torch.testing.assert_close(steps[k][0, t - 1].float(), rows[t + k], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("model", ["gguf-q8_0", "gguf-f16"])
+def test_the_prefills_top_k_over_the_draft_vocabulary_is_the_whole_logits_restricted_to_it(gguf_models, model):
+    """Where specdec's output layer takes the model's output matrix (Q8_0 here, on a CPU its kernel runs
+    on), llama.cpp narrows it to the draft vocabulary's rows; elsewhere (f16) the whole logits are
+    indexed. Either way the top-k is the whole vocabulary's logits restricted to those columns, the
+    states are the same, and the logits are whole again after."""
+    from specdec.distill_eagle3 import _prefill
+    from specdec.runtime import cpu_head
+
+    target = specdec.load_model(gguf_models[model], threads=1)
+    ids = np.arange(3, target.vocab_size, 7)
+    window = np.array([1, 5, 9, 200, 31, 7, 7, 40, 2, 11])
+    target.keep_states(layers=(1,))
+    try:
+        whole = target.sequence()
+        logits = whole.forward(window.tolist())
+        states = whole.states
+        whole.release()
+        expected = logits[:, torch.from_numpy(ids)].topk(4, dim=-1)
+        narrowed = _prefill(target, [window], 4, [ids])
+        assert target.narrow_output(ids) == (model == "gguf-q8_0" and cpu_head.unavailable() is None)
+    finally:
+        target.keep_states(False)
+        target.narrow_output(None)
+    assert (narrowed.top_ids[0] == ids[expected.indices.numpy()]).all()
+    torch.testing.assert_close(torch.from_numpy(narrowed.top_logits[0]).float(), expected.values,
+                               rtol=2e-3, atol=1e-3 * float(logits.abs().max()))
+    assert torch.equal(torch.from_numpy(narrowed.states[0]).view(torch.bfloat16), states.to(torch.bfloat16))
+    check = target.sequence()
+    assert check.forward([1, 2]).shape == (2, target.vocab_size)
+    check.release()
+
+
 def test_the_cli_trains_an_eagle3_head_that_generate_takes_and_resumes(tiny_target, tmp_path):
-    """`specdec train --distill-from T --eagle3` on a tiny target: the head it writes (EAGLE-3 layout)
+    """`specdec train --distill-from T --head` on a tiny target: the head it writes (EAGLE-3 layout)
     loads and drafts losslessly; the same command again resumes from the saved checkpoint."""
     import subprocess
     import sys
@@ -428,7 +491,7 @@ def test_the_cli_trains_an_eagle3_head_that_generate_takes_and_resumes(tiny_targ
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("abc def ghi jkl mabc defg hij klm " * 200)
     out = tmp_path / "head"
-    command = [sys.executable, "-m", "specdec", "train", str(corpus), "--distill-from", target_dir, "--eagle3",
+    command = [sys.executable, "-m", "specdec", "train", str(corpus), "--distill-from", target_dir, "--head",
                "-o", str(out), "--prompts", "24", "--prompt-tokens", "24", "--steps", "6", "--eval-every", "3",
                "--save-every", "3", "--batch-size", "4", "--draft-vocab", "12", "--holdout", "0.1", "--threads", "1"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)

@@ -7,7 +7,7 @@ for those: each is made here with random weights (seeded) over a kept subset of 
 vocabulary (`head_for`), saved with `save_head` and loaded through `load_draft`, and its
 acceptance is checked to be neither 0 nor 1. Then what is particular to a head: it reads the
 target's verified states (the engine's `observe`), its tree rows equal each path alone, its slots
-keep the right guesses, and `specdec train --distill-from T --head` trains one, small and fast.
+keep the right guesses, and `specdec train --distill-from T --small-head` trains one, small and fast.
 
 The enumeration of q over a subset's columns (`Draft.columns`, q = 0 elsewhere) is covered
 generically (test_verify_exact's and test_tree_exact's "q over fewer columns", test_distill's pruned
@@ -549,7 +549,7 @@ def run(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 def test_the_cli_trains_a_head_that_generate_takes(gguf_models, tmp_path):
     out = str(tmp_path / "h")
-    done = run("train", "--distill-from", gguf_models["gguf-f16"], "-o", out, "--head", "--corpus-tokens", "20000", "--prompts", "16",
+    done = run("train", "--distill-from", gguf_models["gguf-f16"], "-o", out, "--small-head", "--corpus-tokens", "20000", "--prompts", "16",
                "--short-prompts", "4", "--prompt-tokens", "16", "--new-tokens", "8", "--draft-vocab", "300", "--steps", "5",
                "--batch-size", "16", "--eval-every", "5", "--holdout", "0.2", "--threads", "1")
     assert done.returncode == 0, done.stderr
@@ -562,8 +562,9 @@ def test_the_cli_trains_a_head_that_generate_takes(gguf_models, tmp_path):
 
 def test_the_cli_refuses_a_head_without_a_target(tmp_path):
     (tmp_path / "text.txt").write_text("abc def ghi jkl m " * 200)  # files to train on: the refusal is the missing target's
-    done = run("train", "--head", "-o", str(tmp_path / "h"), str(tmp_path), "--steps", "1", timeout=120)
-    assert done.returncode == 1 and "--distill-from" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    for flag in ("--head", "--small-head"):
+        done = run("train", flag, "-o", str(tmp_path / "h"), str(tmp_path), "--steps", "1", timeout=120)
+        assert done.returncode == 1 and "--distill-from" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "h").exists(), "nothing is trained"
 
 

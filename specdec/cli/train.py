@@ -52,18 +52,19 @@ def add_parser(commands) -> None:
                          help="run the target on this backend (default: by its path)")
     distill.add_argument("--no-gguf", action="store_true", help="skip writing OUTPUT/draft.gguf")
     distill.add_argument("--head", action="store_true",
-                         help="train a draft head on the target's own hidden states instead of a draft model "
-                              "(OUTPUT gets head.safetensors and head.json; draft with --draft OUTPUT); its defaults: "
-                              "--batch-size 256 --steps 2000 --lr 0.001 --weight-decay 0")
-    distill.add_argument("--eagle3", action="store_true",
-                         help="train an EAGLE-3 head (specdec/distill_eagle3.py): one target forward per corpus "
-                              "window of --prompt-tokens, training-time test; OUTPUT gets config.json and "
-                              "model.safetensors in the EAGLE-3 layout (draft with --draft OUTPUT; vLLM and SGLang "
-                              "load it too) and eagle3.json; its defaults: --prompts 1536 --prompt-tokens 128 "
-                              "--batch-size 8 --steps 1200 --lr 0.001 --weight-decay 0 --draft-vocab 8192 --bf16")
+                         help="train an EAGLE-3 head (specdec/distill_eagle3.py) instead of a draft model: it reads "
+                              "the target's own states at three layers; one target forward per corpus window of "
+                              "--prompt-tokens, training-time test; OUTPUT gets config.json and model.safetensors "
+                              "in the EAGLE-3 layout (vLLM and SGLang load it too) and eagle3.json; draft with "
+                              "--draft OUTPUT. Its defaults: --prompts 2048 --prompt-tokens 256 --batch-size 4 "
+                              "--steps 1200 --lr 0.001 --weight-decay 0 --draft-vocab 8192 --bf16")
+    distill.add_argument("--small-head", action="store_true",
+                         help="train the small head of specdec/distill_head.py instead: it reads the final norm's "
+                              "state only, trained on the target's continuations; OUTPUT gets head.safetensors and "
+                              "head.json. Its defaults: --batch-size 256 --steps 2000 --lr 0.001 --weight-decay 0")
     tr.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model trains")
     tr.add_argument("--bf16", action="store_const", const=True,
-                    help="bfloat16 autocast for matmuls (weights stay float32; on by default for --eagle3)")
+                    help="bfloat16 autocast for matmuls (weights stay float32; on by default for --head)")
     tr.add_argument("--save-dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                     help="not distilling")
     tr.set_defaults(run=run_train)
@@ -77,9 +78,9 @@ def run_train(args) -> None:
 
     given = {name: value for name, value in vars(args).items() if value is not None}
     if args.distill_from is None:
-        if args.head or args.eagle3:
-            raise SpecDecError(f"{'--eagle3' if args.eagle3 else '--head'} trains a draft head on a target's states: "
-                               "name the target with --distill-from TARGET")
+        if args.head or args.small_head:
+            raise SpecDecError(f"{'--head' if args.head else '--small-head'} trains a draft head on a target's "
+                               "states: name the target with --distill-from TARGET")
         config = TrainConfig(**{f.name: given[f.name] for f in fields(TrainConfig) if f.name in given})
         state = train(config)
         loss = state.history[-1]["heldout_loss"] if state.history else float("nan")
@@ -91,23 +92,24 @@ def run_train(args) -> None:
                            "the draft uses the target's tokens, in float32")
     if args.threads:
         torch_threads(args.threads)
-    if args.head and args.eagle3:
-        raise SpecDecError("--head and --eagle3 train two kinds of head: choose one")
-    if args.head or args.eagle3:
+    if args.head and args.small_head:
+        raise SpecDecError("--head and --small-head train two kinds of head: choose one")
+    if args.head or args.small_head:
         from specdec.distill_eagle3 import EAGLE3_DEFAULTS
         from specdec.distill_head import HEAD_DEFAULTS
 
+        flag = "--head" if args.head else "--small-head"
         model_flags = [f"--{name.replace('_', '-')}"
                        for name in ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size")
                        if name in given] + (["--no-gguf"] if args.no_gguf else [])
         if model_flags:
             raise SpecDecError(f"{', '.join(model_flags)} shape a draft model; a head is as wide as its target "
-                               f"(drop them, or {'--eagle3' if args.eagle3 else '--head'})")
-        given = {**(EAGLE3_DEFAULTS if args.eagle3 else HEAD_DEFAULTS), **given}
+                               f"(drop them, or {flag})")
+        given = {**(EAGLE3_DEFAULTS if args.head else HEAD_DEFAULTS), **given, "head": args.small_head}
     config = DistillConfig(target=args.distill_from, gguf=not args.no_gguf,
                            **{f.name: given[f.name] for f in fields(DistillConfig)
                               if f.name in given and f.name not in ("target", "gguf")})
-    if args.eagle3:
+    if args.head:
         return report_eagle3(config)
     if config.head:
         return report_head(config)

@@ -123,6 +123,11 @@ class CausalLM(Protocol):
         """A new empty sequence slot."""
         ...
 
+    def narrow_output(self, ids=None) -> bool:
+        """A target's (`CheckedTrees`): from now on logits over only these target ids, in this order, where
+        the backend computes just their rows; None: the whole vocabulary. Returns whether it narrowed."""
+        ...
+
     def input_embeddings(self) -> torch.Tensor | None:
         """Its input embedding matrix, [vocab, hidden_size] float32 on the CPU; None where its weights are not read."""
         ...
@@ -226,10 +231,17 @@ _UNCHECKED: object = object()  # CheckedTrees._tree_refusal not computed yet (No
 
 
 class CheckedTrees:
-    """`tree_refusal` for a model class, computed once (on first use: the check costs forwards):
-    the reason the backend knows by name (`known_tree_refusal`), else what `tree_check` finds."""
+    """A target runtime's shared parts: `tree_refusal` computed once (on first use: the check costs
+    forwards): the reason the backend knows by name (`known_tree_refusal`), else what `tree_check`
+    finds; `narrow_output` where the backend cannot narrow."""
 
     _tree_refusal: str | None | object = _UNCHECKED
+
+    def narrow_output(self, ids=None) -> bool:
+        """Logits over only these target ids, where the backend computes just their rows (a training
+        prefill's: most of a small model's forward can be its output layer); None: the whole vocabulary.
+        Returns whether forwards now give the narrowed logits: here never."""
+        return False
 
     def known_tree_refusal(self) -> str | None:
         """Why trees cannot be exact here, known without running the model (None: not known)."""

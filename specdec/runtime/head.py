@@ -14,7 +14,7 @@ in `PrunedVocab`, it is a draft model whose forward is the head's.
 
 Files: DIR/head.safetensors (the network and the two matrices of target rows) and DIR/head.json
 (shape, vocabulary map, the target's tokenizer fingerprint), written by `specdec train
---distill-from TARGET --head`.
+--distill-from TARGET --small-head`.
 """
 
 from __future__ import annotations

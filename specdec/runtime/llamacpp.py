@@ -109,6 +109,8 @@ class LlamaCppModel(base.CheckedTrees):
         self._batch = lib.llama_batch_init(BATCH, 0, MAX_SEQUENCE_IDS)
         self._free_ids = list(range(MAX_SEQUENCE_IDS - 1, -1, -1))  # a stack: low ids first
         self._use_head = self._head is not None
+        self._whole: tuple[cpu_head.CpuHead | None, bool] | None = None  # the output layer before `narrow_output`
+        self._narrow: tuple[np.ndarray, cpu_head.CpuHead] | None = None  # the last narrowed one, kept for the next
         if self._head is not None:
             self._check_head(output_layer)
         if batch_invariant:
@@ -203,6 +205,27 @@ class LlamaCppModel(base.CheckedTrees):
         self.state_layers = tuple(layers) if on and layers is not None else None
         if self._capture is not None:
             self._capture.capture_layers(self.state_layers)
+
+    def narrow_output(self, ids=None) -> bool:
+        """Logits over only these target ids, in this order ([n, len(ids)]), from specdec's output layer
+        over just their rows, where it can run here; None: the whole vocabulary again. Returns whether
+        forwards now give the narrowed logits."""
+        if ids is None:
+            if self._whole is not None:
+                (self._head, self._use_head), self._whole = self._whole, None
+            return False
+        if self._capture is None or self.on_gpu or cpu_head.unavailable() is not None:
+            return False
+        ids = np.asarray(ids)
+        if self._narrow is None or not np.array_equal(self._narrow[0], ids):
+            try:
+                self._narrow = ids, cpu_head.CpuHead(self.path, self.llama_cpp, self.hidden_size, self.vocab_size,
+                                                     self.threads, rows=ids)
+            except ValueError:
+                return False
+        self._whole = self._whole or (self._head, self._use_head)
+        self._head, self._use_head = self._narrow[1], True
+        return True
 
     def _new_context(self, lib, threads: int):
         params = lib.llama_context_default_params()
@@ -360,7 +383,8 @@ class LlamaCppModel(base.CheckedTrees):
                 states.append(self._capture.layer_rows(end - start).clone())
             elif n_out and self._keep_states:
                 states.append(hidden.clone())
-        logits = torch.cat(rows) if rows else torch.zeros(0, self.vocab_size)
+        columns = self._head.vocab_size if self._use_head else self.vocab_size  # narrowed or whole
+        logits = torch.cat(rows) if rows else torch.zeros(0, columns)
         if not self._keep_states:
             return logits, None
         width = self.hidden_size * len(self.state_layers or (None,))
