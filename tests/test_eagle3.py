@@ -271,6 +271,28 @@ def test_the_server_batches_requests_with_an_eagle3_head_into_plain_greedy_text(
     assert sum(r["speculative"]["acceptance_rate"] for r in replies) > 0, replies
 
 
+@pytest.mark.parametrize("compile", ["graphs", "aot_eager"])
+def test_the_static_pool_gives_the_heads_layers_and_its_greedy_output_is_plain(tiny_target, tmp_path, compile):
+    """The static pool's compiled forwards (a CUDA graph's buffers; torch.compile's trace) return the
+    inputs of the head's layers as a second output: every token's, as the eager forward gives them,
+    padded buckets and batched rows aside; every drafter with the head gives plain greedy text on it."""
+    target_dir, target = tiny_target
+    pool = specdec.load_model(target_dir, device="cpu", dtype="float64", compile=compile)
+    directory = write_eagle3(tmp_path / "head", target, predicted_tokens(target, PROMPTS))
+    draft = load_draft(directory, pool)
+    for tokens in ([1, 2, 3, 5, 9], [4, 4, 1]):
+        torch.testing.assert_close(layer_states(draft, pool, tokens), layer_states(draft, target, tokens),
+                                   rtol=1e-9, atol=1e-9)
+    accepted = 0
+    for prompt in PROMPTS:
+        reference = reference_greedy(target, list(prompt), 20)
+        for name, (drafter, gamma) in drafters_of(draft).items():
+            result = SpeculativeDecoder(pool, drafter, gamma).generate(list(prompt), max_new_tokens=20, temperature=0)
+            assert result.tokens == reference, name
+            accepted += result.stats.accepted
+    assert accepted > 0
+
+
 # a tree at T 0.7 top-5 for one layout, a chain at T 1 for the other (45 s a case on 2 cores)
 SAMPLED_CASES = {"eagle3": ("tree", SETTINGS[1]), "speculators": ("chain", SETTINGS[0])}
 

@@ -68,11 +68,11 @@ class StaticHFModel(HFModel):
         self.compile_seconds: dict[tuple[int, int], float] = {}  # (rows, tokens) -> seconds its first forward took
         self._upload = _Uploader(self.torch_device)
 
-    def keep_states(self, on: bool = True, layers: tuple[int, ...] | None = None) -> None:
-        if on and layers is not None:  # its compiled forwards return the final norm's rows only
-            raise SpecDecError(f"{self.describe()}: the static pool gives no decoder layers' inputs yet (an EAGLE-3 "
-                               "head reads them); run the target with compile off")
-        super().keep_states(on)
+    @property
+    def states_kind(self) -> tuple[int, ...] | str | None:
+        """What a forward returns beside its logits, part of a compiled shape's key (its graph's second
+        output): None, "norm" (the final norm's rows) or the layers whose inputs it gives."""
+        return self.state_layers or ("norm" if self.keeps_states else None)
 
     def sequence(self) -> StaticSequence:
         if None not in self._holders:
@@ -127,7 +127,7 @@ class StaticHFModel(HFModel):
         began = time.perf_counter()
         if compiled:
             first = (rows, tokens_bucket) not in self.compile_seconds
-            out = self.runner()(step.tokens, step.positions, mask, cache, self.keeps_states)
+            out = self.runner()(step.tokens, step.positions, mask, cache, self.states_kind)
             if first:
                 base.synchronize(self.torch_device)
                 self.compile_seconds[(rows, tokens_bucket)] = time.perf_counter() - began
@@ -140,13 +140,13 @@ class StaticHFModel(HFModel):
         order, and of states (on its sequence, or None), from the forward's output `out` (logits, or
         with states kept (logits, states)); its entries committed. Copies: a CUDA graph's outputs
         are overwritten by its next replay."""
-        logits, states = out if self.keeps_states else (out, None)  # [rows, bucket, vocab], [rows, bucket, hidden]
-        wanted, kept = [], []  # per feed: [rows, vocab], [rows, hidden] or None
+        logits, states = out if self.keeps_states else (out, None)  # [rows, bucket, vocab], [rows, bucket, width]
+        wanted, kept = [], []  # per feed: [rows, vocab], [rows, width] or None
         for feed, tokens, positions, all_parents in placed:
             n, row = len(tokens), feed.sequence.row
-            returned = slice(n - (n if feed.last is None else min(feed.last, n)), n)
-            wanted.append(as_float(logits[row, returned, : self.vocab_size]))
-            kept.append(None if states is None else as_float(states[row, returned]))
+            count = n if feed.last is None else min(feed.last, n)
+            wanted.append(as_float(logits[row, n - count: n, : self.vocab_size]))
+            kept.append(None if states is None else as_float(states[row, self.state_rows(n, count)]))
             feed.sequence.commit(tokens, positions, all_parents)
         host = [i for i, (feed, *_) in enumerate(placed) if not feed.on_device]
         if host:  # one copy to the host for every feed that wants its logits (and states) there
@@ -178,8 +178,9 @@ class StaticHFModel(HFModel):
             return torch.compile(self._forward_logits, mode=mode, dynamic=False)
         return torch.compile(self._forward_logits, backend=self.compile_backend, dynamic=False)
 
-    def _forward_logits(self, tokens, positions, mask, cache, states: bool = False):
-        """The logits [rows, tokens, vocab]; with states, (logits, the states [rows, tokens, hidden])."""
+    def _forward_logits(self, tokens, positions, mask, cache, states=None):
+        """The logits [rows, tokens, vocab]; with states (their kind, `states_kind`), (logits, the states
+        [rows, tokens, width])."""
         out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                          **{self.cache_keyword: cache})
         return (out.logits, self.taken_states()) if states else out.logits
@@ -370,8 +371,8 @@ class _Graphs:
         self.shapes: dict[tuple, tuple] = {}  # shape -> (graph or None, input buffers, output)
         self.memory = torch.cuda.graph_pool_handle() if capture else None
 
-    def __call__(self, tokens, positions, mask, cache, states: bool = False):
-        key = (tuple(tokens.shape), id(cache), states)  # with states the graph has a second output
+    def __call__(self, tokens, positions, mask, cache, states=None):
+        key = (tuple(tokens.shape), id(cache), states)  # with states (their kind) the graph has a second output
         if key not in self.shapes:
             self.shapes[key] = self._record(tokens, positions, mask, cache, states)
         graph, buffers, output = self.shapes[key]
@@ -383,7 +384,7 @@ class _Graphs:
         graph.replay()
         return output
 
-    def _record(self, tokens, positions, mask, cache, states: bool):
+    def _record(self, tokens, positions, mask, cache, states):
         buffers = (tokens.clone(), positions.clone(), _cloned(mask), cache.slots.clone())
         cache.slots = buffers[3]
         if not self.capture:
