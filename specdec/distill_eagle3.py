@@ -265,6 +265,9 @@ def distill_eagle3(config: DistillConfig) -> dict:
     save_eagle3(net.cpu(), ids, target.vocab_size, out)
     summary = {"parameters": sum(p.numel() for p in net.parameters()), "layers": list(layers),
                "draft_vocab": len(ids), "windows": len(prefills.tokens), "window_tokens": config.prompt_tokens,
+               # how often the target's first choice is a token the head can draft at all (held-out windows)
+               "heldout_first_choices_in_vocabulary": round(float(
+                   (to_draft[torch.from_numpy(prefills.top_ids[held, :, 0]).long()] >= 0).float().mean()), 4),
                "training_positions": int(len(train_rows) * (config.prompt_tokens - 1)), "steps": state.step,
                "heldout_agreement_by_depth": report.history[-1]["heldout_agreement_by_depth"] if report.history
                else None, "stages": report.stages, "history": report.history}
