@@ -112,9 +112,10 @@ def hf_pair(model_dirs, tmp_path_factory):
 
 
 @pytest.mark.statistical
-@pytest.mark.parametrize("setting", [dict(temperature=1.0), dict(temperature=0.7, top_k=5)], ids=["t1", "t0.7-topk5"])
-def test_sampled_speculation_with_a_pruned_draft_follows_the_target_transformers(hf_pair, setting):
+def test_sampled_speculation_with_a_pruned_draft_follows_the_target_transformers(hf_pair):
+    """At T 0.7 top-5 (its chain and tree on llama.cpp take T 1; 35 s a case on 2 cores)."""
     target, draft, keep = hf_pair
+    setting = dict(temperature=0.7, top_k=5)
     decoder = SpeculativeDecoder(target, ModelDrafter(draft), gamma=2)
     assert_follows_target(decoder, setting, seed_key=f"pruned/{setting}")
     emitted = Counter(t for seed in range(200) for t in decoder.generate([1, 2, 3], max_new_tokens=3, seed=seed, **setting).tokens)

@@ -161,9 +161,13 @@ def chi_square(counts: Counter, joint: dict[tuple, float], samples: int) -> floa
     return float(chisquare(observed, [e * scale for e in expected]).pvalue)
 
 
+# each kind at one of two settings (T 1; T 1 top-p 0.8), each setting met by two kinds or more (20 s a case)
+SAMPLED_KINDS = [("chain", "t1"), ("tree", "topp0.8"), ("staged", "topp0.8"), ("auto", "t1"), ("auto/keyed", "topp0.8")]
+
+
 @pytest.mark.statistical
-@pytest.mark.parametrize("setting", [dict(temperature=1.0), dict(temperature=1.0, top_p=0.8)], ids=["t1", "topp0.8"])
-@pytest.mark.parametrize("kind", ["chain", "tree", "staged", "auto", "auto/keyed"])
+@pytest.mark.parametrize("kind, setting", [(kind, {"t1": dict(temperature=1.0), "topp0.8": dict(temperature=1.0, top_p=0.8)}[name])
+                                           for kind, name in SAMPLED_KINDS], ids=[f"{k}-{n}" for k, n in SAMPLED_KINDS])
 def test_sampled_speculation_keeps_the_target_distribution(gguf, kind, setting):
     """Chain, tree and staged drafting, and the default drafter (its drawn drafts, as unseeded
     requests run, and its seeded draws by position) on llama.cpp, 2 tokens deep plus the bonus: the

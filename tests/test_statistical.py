@@ -99,11 +99,10 @@ def drafters(model_dirs):
 
 
 # every setting for the drafters that draw from a distribution (the transform then shapes q as well as
-# p); point-mass drafters, whose drafts the transform does not touch, at two settings each, every
-# setting still met by four drafters or more
+# p); point-mass drafters, whose drafts the transform does not touch, at one setting each, every
+# setting still met by three drafters (20-30 s a case on 2 cores)
 FIRST_TOKEN_CASES = [(name, setting) for name in ("draft-model", "auto/drawn") for setting in SETTINGS] + [
-    ("ngram", "t1"), ("ngram", "topp0.8"), ("prompt-lookup", "t1"), ("prompt-lookup", "t0.7-topk5"),
-    ("auto", "t0.7-topk5"), ("auto", "topp0.8")]
+    ("ngram", "t1"), ("prompt-lookup", "t0.7-topk5"), ("auto", "topp0.8")]
 
 
 @pytest.mark.statistical
