@@ -284,7 +284,8 @@ def test_profile_is_measured_once_and_cached(model_dirs, tmp_path, monkeypatch):
 
 def test_waiting_for_a_core_is_measured(tmp_path):
     """Two processes spinning on the one core this test is pinned to: its threads wait for it about
-    two thirds of the time; alone, next to none of it."""
+    two thirds of the time; alone, next to none of it (or, on a machine whose other work shares that
+    core, what that work takes: the spinners add theirs on top)."""
     def spin(seconds: float) -> None:
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
@@ -311,7 +312,7 @@ def test_waiting_for_a_core_is_measured(tmp_path):
                 spinner.kill()
     finally:
         os.sched_setaffinity(0, allowed)
-    assert alone.share < 0.15 and crowded.share > 0.4, (alone.share, crowded.share)
+    assert crowded.share > 0.4 and crowded.share > alone.share + 0.2, (alone.share, crowded.share)
 
 
 def test_a_profile_measured_beside_other_work_is_not_kept_as_truth(model_dirs, tmp_path, monkeypatch, capsys):
