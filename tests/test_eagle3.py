@@ -347,6 +347,26 @@ def gguf_eagle3(gguf_models, tmp_path_factory):
     return target, load_draft(directory, target), directory
 
 
+def test_beside_llamacpp_the_heads_matrices_are_q8_0_where_the_kernel_runs(gguf_eagle3, monkeypatch):
+    """Beside llama.cpp the head's linear layers are multiplied as Q8_0 by specdec's kernel (where this CPU
+    runs it): its rows stay within rounding of the float head's, and the lossless tests below run on it."""
+    from specdec.runtime import cpu_head
+
+    target, draft, directory = gguf_eagle3
+    quantized = cpu_head.unavailable() is None
+    assert isinstance(draft.net.lm_head, cpu_head.QuantizedLinear) == quantized
+    assert isinstance(draft.net.midlayer.self_attn.q_proj, cpu_head.QuantizedLinear) == quantized
+    if not quantized:
+        pytest.skip(f"the kernel does not run here: {cpu_head.unavailable()}")
+    monkeypatch.setattr(cpu_head, "unavailable", lambda: "off for this comparison")
+    whole = load_draft(directory, target)
+    assert isinstance(whole.net.lm_head, torch.nn.Linear) and whole.weight_bytes > 1.5 * draft.weight_bytes
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    rows, reference = (observed_head(head, target, tokens).forward(tokens)[1:] for head in (draft, whole))
+    assert (rows - reference).abs().max() < 0.05 * reference.abs().max()
+    assert (rows.argmax(-1) == reference.argmax(-1)).float().mean() > 0.8
+
+
 def test_llamacpp_gives_the_same_layer_states_in_a_batch_and_alone(gguf_eagle3):
     """llama.cpp's states at the head's layers, copied out of its graph: every token's, in order, the
     same whether a text is fed at once or token by token (to llama.cpp's own batch-shape rounding)."""

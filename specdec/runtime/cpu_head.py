@@ -37,6 +37,7 @@ import torch
 NORM_TENSOR = b"result_norm"  # llama.cpp's name for the final norm's output, the rows the output matrix multiplies
 # ggml type (Q8_0, Q6_K) -> weights and bytes per block; the kernel's kind is the index
 KINDS = {8: (32, 34), 14: (256, 210)}
+Q8_0 = 8
 GGUF_UINT32, GGUF_INT32, GGUF_FLOAT32 = 4, 5, 6  # enum gguf_type
 
 
@@ -187,15 +188,27 @@ class CpuHead:
 
     def __init__(self, path: str | Path, llama_cpp_module, width: int, vocab_size: int, threads: int, rows=None):
         """rows: only these rows of the matrix (a draft head's pruned vocabulary), in this order."""
-        kernels = _kernels()
-        if isinstance(kernels, str):
-            raise ValueError(kernels)
-        self.kernels, self.width, self.threads = kernels, width, threads
         library = _ggml_base(llama_cpp_module)
-        matrix, ggml_type, self.softcap = _output_matrix(library, Path(path), width, vocab_size)
+        matrix, ggml_type, softcap = _output_matrix(library, Path(path), width, vocab_size)
         if rows is not None:
             matrix = np.ascontiguousarray(matrix.reshape(vocab_size, -1)[np.asarray(rows)]).reshape(-1)
             vocab_size = len(rows)
+        self._pack(matrix, ggml_type, vocab_size, width, threads, softcap)
+
+    @classmethod
+    def of_floats(cls, matrix: torch.Tensor, threads: int = 1) -> CpuHead:
+        """Any float matrix [rows, width] (width a multiple of 32), quantized to Q8_0 as llama.cpp does."""
+        head = cls.__new__(cls)
+        rows, width = matrix.shape
+        head._pack(q8_0_blocks(matrix.detach().float().numpy()), Q8_0, rows, width, threads, 0.0)
+        return head
+
+    def _pack(self, matrix: np.ndarray, ggml_type: int, vocab_size: int, width: int, threads: int,
+              softcap: float) -> None:
+        kernels = _kernels()
+        if isinstance(kernels, str):
+            raise ValueError(kernels)
+        self.kernels, self.width, self.threads, self.softcap = kernels, width, threads, softcap
         self.vocab_size = vocab_size
         self.kind, (block, _) = list(KINDS).index(ggml_type), KINDS[ggml_type]
         rows_packed = -(-vocab_size // 16) * 16
@@ -217,6 +230,45 @@ class CpuHead:
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out
+
+
+def q8_0_blocks(matrix: np.ndarray) -> np.ndarray:
+    """[rows, width] floats in ggml's Q8_0 layout, as a GGUF file stores them (gguf's own quantizer: per 32
+    weights of a row a float16 scale, then 32 int8)."""
+    from gguf import GGMLQuantizationType, quants
+
+    if matrix.shape[1] % 32:
+        raise ValueError(f"a Q8_0 matrix's rows are whole blocks of 32 weights, not {matrix.shape[1]}")
+    return quants.quantize(np.ascontiguousarray(matrix, dtype=np.float32), GGMLQuantizationType.Q8_0).reshape(-1)
+
+
+class QuantizedLinear(torch.nn.Module):
+    """A bias-free linear layer whose weight the kernel multiplies as Q8_0 (a draft head's on the CPU: a
+    level reads a quarter of float32's bytes, and these are read from memory, the target's weights having
+    passed through the cache since). Rows of any leading shape; the result in the input's dtype."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.kernel = CpuHead.of_floats(linear.weight, threads=1)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel.logits(x.reshape(-1, self.in_features).float()).to(x.dtype).reshape(
+            *x.shape[:-1], self.out_features)
+
+
+def quantize_linears(module: torch.nn.Module) -> int:
+    """Swap every bias-free linear layer of `module` whose width the kernel takes for a `QuantizedLinear`,
+    where the kernel runs on this CPU; returns how many were swapped."""
+    if unavailable() is not None:
+        return 0
+    swapped = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear) and child.bias is None and child.in_features % 32 == 0:
+                setattr(parent, name, QuantizedLinear(child))
+                swapped += 1
+    return swapped
 
 
 def _output_matrix(library: ctypes.CDLL, path: Path, width: int, vocab_size: int) -> tuple[np.ndarray, int, float]:

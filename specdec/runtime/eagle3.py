@@ -39,7 +39,7 @@ from torch import nn
 
 from specdec import tree
 from specdec.errors import SpecDecError
-from specdec.runtime import base
+from specdec.runtime import base, cpu_head
 from specdec.runtime.entries import SequenceEntries
 from specdec.runtime.head import inference_dtype, one_thread
 
@@ -174,9 +174,14 @@ class Eagle3Net(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab, dtype=torch.long))
         self.rotary = _rotary(config)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """What it computes in (its norms' weights, never quantized)."""
+        return self.norm.weight.dtype
+
     def fuse(self, states: torch.Tensor) -> torch.Tensor:
         """[n, 3 * target hidden] states at the target's three layers -> [n, hidden] features."""
-        return self.fc(states.to(self.fc.weight.dtype))
+        return self.fc(states.to(self.dtype))
 
     def inputs(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor):
         """Entries' (target ids [n], features or parents' outputs [n, hidden], positions [n]) ->
@@ -263,7 +268,10 @@ def load_eagle3(directory: str | Path, target: base.CausalLM) -> Eagle3Model:
     if missing or unexpected:
         raise SpecDecError(f"the EAGLE-3 head {directory}: tensors missing {missing or 'none'}, "
                            f"not understood {unexpected or 'none'}")
-    return Eagle3Model(net.to(dtype).eval(), target, layers, str(directory))
+    model = Eagle3Model(net.to(dtype).eval(), target, layers, str(directory))
+    if target.backend == "llamacpp":  # beside llama.cpp, on the CPU: its matrices in Q8_0 where the kernel runs
+        model.quantize()
+    return model
 
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -351,10 +359,19 @@ class Eagle3Model:
         self.columns = torch.arange(config.draft_vocab) + net.d2t  # [draft vocab]: each logit column's target id
         self.stop_token_ids = frozenset(int(t) for t in self.columns if int(t) in target.stop_token_ids)
         self.parameters = sum(p.numel() for p in net.parameters())
-        dtype = next(net.parameters()).dtype
-        self.dtype = str(dtype).removeprefix("torch.")
-        self.weight_bytes = self.parameters * next(net.parameters()).element_size()
+        self.dtype = str(net.dtype).removeprefix("torch.")
+        self.weight_bytes = self.parameters * net.norm.weight.element_size()
         self.compile_seconds: dict[tuple[int, int], float] = {}
+
+    def quantize(self) -> None:
+        """Its linear layers multiplied as Q8_0 by specdec's CPU kernel (`cpu_head.quantize_linears`), where
+        it runs: a level reads about half of bfloat16's bytes. The head's q is whatever it computes, so
+        drafting stays lossless; it only guesses a little differently."""
+        before = {name: p.numel() for name, p in self.net.named_parameters()}
+        if cpu_head.quantize_linears(self.net):
+            kept = sum(p.numel() for p in self.net.parameters())
+            self.weight_bytes = (sum(before.values()) - kept) * 34 // 32 + kept * self.net.norm.weight.element_size()
+            self.dtype = f"q8_0 ({self.dtype} elsewhere)"
 
     def sequence(self) -> Eagle3Sequence:
         return Eagle3Sequence(self)
@@ -393,7 +410,7 @@ class Eagle3Sequence(SequenceEntries):
     def __init__(self, owner: Eagle3Model):
         super().__init__(owner)
         config = owner.net.config
-        dtype = owner.net.fc.weight.dtype
+        dtype = owner.net.dtype
         self.keys = torch.zeros(0, config.kv_heads, config.head_dim, dtype=dtype)
         self.values = torch.zeros(0, config.kv_heads, config.head_dim, dtype=dtype)
         self.outputs: list[torch.Tensor | None] = []  # [hidden] before the final norm, per entry
