@@ -255,8 +255,9 @@ def soft_loss(logits: torch.Tensor, top_ids: torch.Tensor, top_logits: torch.Ten
     """KL(target's top-k, renormalised || draft) per position, up to the target's entropy term.
 
     logits [n, draft vocab]; top_ids [n, k] draft ids (-1: outside the draft's vocabulary, dropped);
-    top_logits [n, k] the target's logits at them."""
-    weights = torch.softmax(top_logits.float().masked_fill(top_ids < 0, -torch.inf), -1)
+    top_logits [n, k] the target's logits at them. A position with none of its top-k in the draft's
+    vocabulary teaches nothing (0), not NaN."""
+    weights = torch.softmax(top_logits.float().masked_fill(top_ids < 0, -torch.inf), -1).nan_to_num(0.0)
     log_q = torch.log_softmax(logits.float(), -1).gather(-1, top_ids.clamp_min(0))
     return -(weights * log_q).sum(-1)
 

@@ -208,6 +208,8 @@ def test_soft_loss_is_cross_entropy_to_the_renormalised_top_k():
     weights = torch.softmax(torch.tensor([1.0, 0.0]), 0)  # the -1 (outside the draft) is dropped
     expected = -(weights * torch.log_softmax(logits, -1)[:, [2, 5]]).sum(-1)
     assert torch.allclose(soft_loss(logits, top_ids, top_logits), expected)
+    # a position none of whose top-k the draft can predict (prose before a code model's small vocabulary)
+    assert soft_loss(logits[:1], torch.tensor([[-1, -1, -1]]), top_logits[:1]).tolist() == [0.0]
 
 
 @pytest.fixture(scope="module")
