@@ -367,10 +367,9 @@ class Eagle3Model:
         """Its linear layers multiplied as Q8_0 by specdec's CPU kernel (`cpu_head.quantize_linears`), where
         it runs: a level reads about half of bfloat16's bytes. The head's q is whatever it computes, so
         drafting stays lossless; it only guesses a little differently."""
-        before = {name: p.numel() for name, p in self.net.named_parameters()}
         if cpu_head.quantize_linears(self.net):
-            kept = sum(p.numel() for p in self.net.parameters())
-            self.weight_bytes = (sum(before.values()) - kept) * 34 // 32 + kept * self.net.norm.weight.element_size()
+            kept = sum(p.numel() for p in self.net.parameters())  # the norms'
+            self.weight_bytes = (self.parameters - kept) * 34 // 32 + kept * self.net.norm.weight.element_size()
             self.dtype = f"q8_0 ({self.dtype} elsewhere)"
 
     def sequence(self) -> Eagle3Sequence:
