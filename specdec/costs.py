@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
 CONTENDED = 0.15  # a profile whose forwards waited this share of their time for a core measured other work too
@@ -32,6 +32,8 @@ class Profile:
     measured: str = ""
     # share of the timed forwards' time this process's threads waited for a core (other work ran)
     contention: float = 0.0
+    revision: ClassVar[int] = 0  # moves whenever t(k) may have changed (a `LiveCosts` reshaping): what was
+    # computed from the costs at one revision holds until the next
 
     @property
     def trusted(self) -> bool:
@@ -41,6 +43,10 @@ class Profile:
     def verify(self, k: float) -> float:
         """t_target(k), interpolated."""
         return interpolate(self.target, k)
+
+    def verifies(self, ks: list[float]) -> list[float]:
+        """`verify` at each k (a chain's every prefix is weighed at once: `policy.Budget.best_prefix`)."""
+        return interpolate_all(self.target, ks)
 
     def draft_level(self, rows: float) -> float:
         """One draft level for `rows` rows of a batch: one forward, and each row's own work (0 without a
@@ -93,7 +99,7 @@ class LiveCosts(Profile):
 
     @classmethod
     def of(cls, profile: Profile) -> LiveCosts:
-        return cls(**{name: getattr(profile, name) for name in Profile.__dataclass_fields__})
+        return cls(**{f.name: getattr(profile, f.name) for f in fields(Profile)})
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A step's verify phase scored `tokens` tokens in `seconds`. The plain steps after a
@@ -127,6 +133,7 @@ class LiveCosts(Profile):
         shaped = self._shaped_by.get(tokens.bit_length() - 1)
         if shaped is None or abs(entry[1] - shaped[0]) > self.RESHAPE or abs(entry[2] / shaped[1] - 1) > self.RESHAPE:
             self._curve = None
+            self.revision += 1
 
     def factor(self, k: float) -> float:
         """The observed factor at k (1 before any step was seen)."""
@@ -147,24 +154,41 @@ class LiveCosts(Profile):
         return factors
 
     def verify(self, k: float) -> float:
-        if self._curve is None:  # the measured sizes' times, reshaped: made again once `_record` moved a class
+        return interpolate(self._shaped(), k)
+
+    def verifies(self, ks: list[float]) -> list[float]:
+        return interpolate_all(self._shaped(), ks)
+
+    def _shaped(self) -> dict[int, float]:
+        """The measured sizes' times, reshaped: made again once `_record` moved a class."""
+        if self._curve is None:
             sizes = sorted(self.target)
             at_one, *factors = self._factors([1, *sizes])
             self._curve = {size: self.target[size] * f / at_one for size, f in zip(sizes, factors)}
             self._shaped_by = {c: (log_factor, k) for c, (_, log_factor, k) in self._classes.items()}
-        return interpolate(self._curve, k)
+        return self._curve
 
 
 def interpolate(costs: dict[int, float], k: float) -> float:
     """t(k) by linear interpolation between measured sizes; beyond the largest, linear in k."""
+    return interpolate_all(costs, [k])[0]
+
+
+def interpolate_all(costs: dict[int, float], ks: list[float]) -> list[float]:
+    """`interpolate` at each k, the sizes sorted once."""
     sizes = sorted(costs)
-    if k <= sizes[0]:
-        return costs[sizes[0]]
-    if k >= sizes[-1]:
-        return costs[sizes[-1]] * k / sizes[-1]
-    i = bisect.bisect_left(sizes, k)
-    low, high = sizes[i - 1], sizes[i]
-    return costs[low] + (costs[high] - costs[low]) * (k - low) / (high - low)
+    first, last = sizes[0], sizes[-1]
+    out = []
+    for k in ks:
+        if k <= first:
+            out.append(costs[first])
+        elif k >= last:
+            out.append(costs[last] * k / last)
+        else:
+            i = bisect.bisect_left(sizes, k)
+            low, high = sizes[i - 1], sizes[i]
+            out.append(costs[low] + (costs[high] - costs[low]) * (k - low) / (high - low))
+    return out
 
 
 def nearest(costs: dict[int, float], k: float) -> float:

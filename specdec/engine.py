@@ -236,7 +236,8 @@ class Engine:
         asked = [i for i, gamma in enumerate(gammas) if not isinstance(gamma, Exception) and gamma > 0]
         if asked:
             requests = [DraftRequest(states[i].draft_slot, states[i].context, gammas[i], states[i].sampling,
-                                     states[i].streams.draft, states[i].gamma_policy, states[i].chains, noise=noises[i])
+                                     states[i].streams.draft, states[i].gamma_policy, states[i].chains, noise=noises[i],
+                                     generated=states[i].generated)
                         for i in asked]
             for i, draft in zip(asked, self.drafter.propose(requests)):
                 state = states[i]

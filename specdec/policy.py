@@ -245,12 +245,11 @@ class Budget:
         # a node worth less than NEGLIGIBLE never pays for its place in a verify (nor do those after it)
         values = list(takewhile(lambda value: value >= NEGLIGIBLE, values))
         gained = [0.0, *accumulate(values)]
-        now = self.profile.verify(self.verify_size)
-
-        def rate(count: int) -> float:
-            return (self.tokens + gained[count]) / (self.seconds + (self.added_cost(count, now) if count else 0.0))
-
-        return max(range(len(values) + 1), key=lambda count: (rate(count), -count))
+        # t(verify + batch · count) for every count at once; a count's added cost as `added_cost` computes it
+        now, *after = self.profile.verifies([self.verify_size + self.batch * count for count in range(len(values) + 1)])
+        added = [0.0] + [max(1e-9 * count, (t - now) / self.batch) for count, t in enumerate(after, 1)]
+        rates = [(self.tokens + gained[count]) / (self.seconds + added[count]) for count in range(len(values) + 1)]
+        return max(range(len(values) + 1), key=lambda count: (rates[count], -count))
 
     def take_chain(self, values: list[float], at_least: int = 0) -> int:
         """Add the `best_prefix` of a chain's next nodes, or at least `at_least` of them (a probe);
@@ -328,6 +327,7 @@ class CostAwarePolicy:
         self.batch = 1
         self.probes = {kind: Probe(PROBE_MODEL_EVERY if kind == "model" else PROBE_CHAIN_EVERY) for kind in sources}
         self.pays, self.pays_for = False, 0  # whether some source could pay, and for how many more iterations (`depth`)
+        self._pays_for_key: tuple | None = None  # what `pays` was last computed from (`_some_source_pays`)
         self.credit = 0.0  # seconds the probes may still take: EXPLORE_SHARE of each iteration accrues
         if shared is not None:
             shared.seed(self)
@@ -371,9 +371,18 @@ class CostAwarePolicy:
         if any(probe.due for probe in self.probes.values()):
             return self.max_depth
         if not self.pays_for:
-            self.pays, self.pays_for = self._some_source_pays(), QUIET_FOR
+            key = self._pays_key()
+            if key != self._pays_for_key:  # the finding is a function of these: computed again only when they move
+                self.pays, self._pays_for_key = self._some_source_pays(), key
+            self.pays_for = QUIET_FOR
         self.pays_for -= 1
         return self.max_depth if self.pays else 0
+
+    def _pays_key(self) -> tuple:
+        """Everything `_some_source_pays` reads: the batch, the costs' revision and each source's estimates."""
+        chains = sorted(self.probes.keys() & CHAIN_PRIORS.keys())
+        return (self.batch, self.profile.revision, self.model_rate() if "model" in self.probes else None,
+                *(self.accept_probability((kind, index)) for kind in chains for index in (0, 1)))
 
     def _some_source_pays(self) -> bool:
         """Whether a source's first nodes pay from an empty budget, by the estimates alone (as the

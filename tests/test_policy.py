@@ -576,3 +576,20 @@ def test_stats_line_says_what_the_policy_chose(model_dirs, capsys):
                  "--temperature", "0", "--max-new-tokens", "20"])
     err = capsys.readouterr().err
     assert code == 0 and "drafter auto (draft model + prompt lookup), gamma auto" in err and "drafted by " in err
+
+
+def test_a_match_within_the_prompt_is_not_a_copy_before_the_first_token():
+    """The prompt's end repeats 5 earlier tokens (a turn marker, say): before the generation's first
+    token that is the prompt's own frame and its continuation is drafted as "lookup"; once the
+    generation has written tokens, the same match is a copy."""
+    context = [5, 6, 7, 8, 9, 1, 2, 3, 5, 6, 7, 8, 9]
+    drafter = AutoDrafter(None, PromptLookupDrafter())
+
+    def kinds(generated: int) -> set[str]:
+        request = DraftRequest(drafter.open(context), context, 3, SamplingParams(temperature=0), None,
+                               CostAwarePolicy(CHEAP_VERIFY, max_depth=3), generated=generated)
+        proposal, = drafter.propose([request])
+        assert proposal.tokens.tolist() == [1, 2, 3]
+        return {kind for node in proposal.sources for kind, _ in node}
+
+    assert kinds(generated=0) == {"lookup"} and kinds(generated=1) == {"copy"}

@@ -27,6 +27,7 @@ class DraftRequest:
     """One row of a batched proposal: up to `max_tokens` deep after `context` (the whole committed text).
     policy: the row's draft policy, for drafters it shapes (`AutoDrafter`); chains: the request's own
     chain sources (a `Prediction`, a `HistoryView`: see `ChainSource`), for drafters that use them.
+    generated: tokens the generation has emitted before this draft.
     noise: for a generation whose draws are keyed (`verify.verify_tree_coupled`), offset -> the
     noise the target's token that many places after the context will be drawn with (0: the root's
     children); its draft holds point masses only, a draft model's ranked by that noise
@@ -40,6 +41,7 @@ class DraftRequest:
     policy: NodePolicy | None = None
     chains: tuple[ChainSource, ...] = ()
     noise: Callable[[int], torch.Tensor] | None = None
+    generated: int = 0
 
     @property
     def point_masses(self) -> bool:
