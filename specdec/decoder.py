@@ -9,6 +9,7 @@ from typing import Hashable, Iterator, Sequence
 
 from specdec import costs, profiling
 from specdec.config import GAMMA, PREFIX_TOKENS, check_gamma
+from specdec.constraints import Constraint, Forced, Grammars
 from specdec.drafters import Drafter
 from specdec.drafters.history import History
 from specdec.drafters.prediction import Prediction
@@ -110,6 +111,7 @@ class SpeculativeDecoder:
         self.shared_acceptance = PerScope(SharedAcceptance) if share_acceptance and self.shapes_by_nodes else None
         self._busy = False  # one generation at a time: the caches belong to it
         self._profile: costs.LiveCosts | None = None
+        self.grammars = Grammars(target.tokenizer, target.vocab_size, target.stop_token_ids)  # compiled when first used
         if prepare:
             self.prepare()
 
@@ -201,7 +203,7 @@ class SpeculativeDecoder:
 
     def request(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
                 limits: Limits | None = None, *, prediction: str | None = None, tenant: Hashable = None,
-                scope: Scope = None, **shorthand) -> Generation:
+                scope: Scope = None, constraint: Constraint | None = None, **shorthand) -> Generation:
         """A checked generation, not started: run it with `stream`, or in a batch with an `Engine`.
         sampling: how tokens are chosen (`SamplingParams`: temperature 0 is greedy; the default
         samples at temperature 1); limits: when it ends and what it reports (`Limits`: at most 128
@@ -211,7 +213,9 @@ class SpeculativeDecoder:
         by the default drafter; it changes the speed, never the output. scope: who may reuse what
         this generation leaves (its kept cache, its history; `specdec.scopes`), and whose it may
         reuse; tenant: whose history, within the scope, it drafts from and joins (see `History`).
-        Both any hashable.
+        Both any hashable. constraint: what the output must match (`Constraint`: a JSON Schema, any
+        JSON object, a regular expression, a choice, a grammar); every drafter stays lossless under it,
+        and the default drafts the text it forces.
 
         A seed (`SamplingParams.seed`) makes sampling repeatable. Under the default drafter, or
         with none, a seeded sampled generation draws its i-th token as argmax(p / E_i), with noise
@@ -229,12 +233,16 @@ class SpeculativeDecoder:
         check_scope(tenant, "tenant")
         check_scope(scope, "scope")
         chains = self._chains(prediction, prompt_ids, tenant, scope)
+        matcher = self.grammars.matcher(constraint) if constraint is not None else None
+        if matcher is not None and self.drafter is not None and self.drafter.takes_chains:
+            chains += (Forced(matcher),)
         keyed_draws = self.drafter is None or self.drafter.keyed_draws
         keyed = sampling.seed is not None and not sampling.greedy and keyed_draws
         policy = self.policy(scope, chains, sampled=not sampling.greedy, keyed=keyed)
         state = DecodeState(prompt_ids, sampling, limits.max_new_tokens, policy,
                             RandomStreams(sampling.seed, keyed), GenerationStats(prompt_tokens=len(prompt_ids)),
-                            self.stop_token_ids, logprobs=limits.logprobs, chains=chains, scope=scope)
+                            self.stop_token_ids, logprobs=limits.logprobs, chains=chains, scope=scope,
+                            constraint=matcher)
         return Generation(state, TextAssembler(self.tokenizer, prompt_ids, list(limits.stop)))
 
     def _chains(self, prediction: str | None, prompt_ids: list[int], tenant: Hashable, scope: Scope) -> tuple:

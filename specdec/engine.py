@@ -9,6 +9,7 @@ from typing import Hashable, Iterator
 import torch
 
 from specdec import tree
+from specdec.constraints import Matcher
 from specdec.costs import LiveCosts
 from specdec.drafters.base import ChainSource, Drafter, DraftRequest, DraftSlot, attempt, empty_draft
 from specdec.policy import CostFollowing, DraftPolicy
@@ -83,6 +84,9 @@ class DecodeState:
     # the request's own chain sources (a prediction, its history), for the default drafter
     chains: tuple[ChainSource, ...] = ()
     scope: Hashable = None  # who may reuse the cache it leaves (`specdec.scopes`)
+    # what the output must match (structured outputs): every row is verified against the target's
+    # distribution restricted to what it allows on that row's path, and it follows the committed text
+    constraint: Matcher | None = None
 
 
 class Engine:
@@ -249,7 +253,9 @@ class Engine:
 
     def _advance(self, state: DecodeState, gamma: int, draft: Draft, logits: torch.Tensor,
                  noise: StepNoise | None) -> StepResult:
-        result = _verify(draft, logits, state.sampling, state.streams, noise)
+        verified = logits if state.constraint is None else state.constraint.masked(
+            logits, draft.tokens.tolist(), draft.parents.tolist())
+        result = _verify(draft, verified, state.sampling, state.streams, noise)
         if self.reads_states:  # the committed rows: the root's, then the accepted nodes' (the last drew the last token)
             rows = [0] + [1 + node for node in result.path]
             self.drafter.observe(state.draft_slot, len(state.context) - 1, state.sequence.states[rows])
@@ -268,6 +274,8 @@ class Engine:
         state.gamma_policy.update(draft, result)
         # commit, cutting at a stop token or at the length limit
         step = _commit(result.tokens, state.token_limit - state.generated, state.stop_tokens)
+        if state.constraint is not None:
+            state.constraint.advance(step.tokens)
         state.context += step.tokens
         state.generated += len(step.tokens)
         if step.finish_reason is None and state.generated >= state.token_limit:

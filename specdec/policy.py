@@ -46,8 +46,12 @@ EXPLORE_SHARE = 0.02  # the most of decoding's time that all probes together may
 # On the demo pair's greedy text a copy's first token was right 84-100% of the time, a lookup's after a
 # match of one token 12-26%; sampled (T 0.7), a point mass is accepted with the target's probability of
 # it: copies 69-91%, the next ones less often (SAMPLED_PRIORS)
-CHAIN_PRIORS = {"lookup": (0.5, 0.8), "copy": (0.85, 0.95), "prediction": (0.7, 0.9), "history": (0.4, 0.8)}
-SAMPLED_PRIORS = {"lookup": (0.3, 0.7), "copy": (0.7, 0.8), "prediction": (0.7, 0.9), "history": (0.3, 0.7)}
+# "forced": what a constraint's grammar forces next (`constraints.Forced`): p_c puts nearly all its mass there
+# (all of it unless the model could spell the same text in other tokens the grammar allows too)
+CHAIN_PRIORS = {"lookup": (0.5, 0.8), "copy": (0.85, 0.95), "prediction": (0.7, 0.9), "history": (0.4, 0.8),
+                "forced": (0.95, 0.95)}
+SAMPLED_PRIORS = {"lookup": (0.3, 0.7), "copy": (0.7, 0.8), "prediction": (0.7, 0.9), "history": (0.3, 0.7),
+                  "forced": (0.9, 0.9)}
 # a node drawn from the draft model is accepted less often than its confidence says: the demo pair's
 # chains were accepted 0.35-0.53 at T 0.7 where greedy 0.50-0.79 (edit aside), about 0.7 times as often
 # (a seeded request's nodes are chosen by the noise the target draws with: they agree as greedy ones do)

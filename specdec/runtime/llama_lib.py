@@ -190,6 +190,12 @@ class GGUFTokenizer:
             self._pieces[key] = buffer.raw[:length]
         return self._pieces[key]
 
+    def token_bytes(self) -> list[bytes]:
+        """Each token's bytes, a control token's marked by a leading 0xff (as grammar engines take them)."""
+        control = self._lib.LLAMA_TOKEN_ATTR_CONTROL
+        return [(b"\xff" if self._lib.llama_token_get_attr(self._vocab, i) & control else b"") + self._piece(i, True)
+                for i in range(self._size)]
+
     def get_vocab(self) -> dict[str, int]:
         vocab = {}
         for i in range(self._size):
