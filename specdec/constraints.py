@@ -90,7 +90,8 @@ class Constraint:
         try:
             return grammar_from(kind, text)
         except Exception as error:  # llguidance raises ValueError and its own errors
-            raise SpecDecError(f"the {self.kind} constraint is invalid: {_first_line(error)}", param=self.param) from None
+            raise SpecDecError(f"the {self.kind} constraint is invalid: {_first_line(error)}",
+                               param=self.param) from None
 
     def check(self, text: str) -> bool:
         """Whether finished text matches (the tests' and the bench's check; a grammar's text is not parsed here)."""

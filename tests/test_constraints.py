@@ -134,7 +134,8 @@ def eos_dirs(tmp_path_factory) -> dict[str, str]:
     root, dirs = tmp_path_factory.mktemp("eos-models"), {}
     for seed, arch in enumerate(ARCHS):
         dirs[arch] = str(save_tiny_model(root / arch, arch, seed=seed, with_eos=True))
-        dirs[f"{arch}-draft"] = str(save_tiny_model(root / f"{arch}-draft", arch, seed=100 + seed, layers=1, with_eos=True))
+        dirs[f"{arch}-draft"] = str(save_tiny_model(root / f"{arch}-draft", arch, seed=100 + seed, layers=1,
+                                                    with_eos=True))
     return dirs
 
 
@@ -241,8 +242,9 @@ def test_constrained_sampling_follows_the_constrained_target(eos_dirs, drafter):
     sampling's (chi-square); the draft model's drawn chains propose tokens the grammar forbids."""
     target = specdec.load_model(eos_dirs["llama"], device="cpu", dtype="float64")
     draft = ModelDrafter(specdec.load_model(eos_dirs["qwen2-draft"], device="cpu", dtype="float64"))
+    auto = specdec.AutoDrafter(draft, specdec.PromptLookupDrafter())
     decoder = (specdec.SpeculativeDecoder(target, draft, gamma=2) if drafter == "draft-model"
-               else specdec.SpeculativeDecoder(target, specdec.AutoDrafter(draft, specdec.PromptLookupDrafter()), gamma="auto"))
+               else specdec.SpeculativeDecoder(target, auto, gamma="auto"))
     prompt, constraint = [1, 2, 3, 1, 2, 3, 1, 2], Constraint.regex(STATISTICAL_REGEX)
     counts, drafted, accepted, seed = Counter(), 0, 0, zlib.crc32(drafter.encode())
     for i in range(SAMPLES):
