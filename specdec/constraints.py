@@ -20,12 +20,14 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-import torch
 
 from specdec.errors import SpecDecError
+
+if TYPE_CHECKING:
+    import torch
 
 KINDS = ("json", "json_schema", "regex", "choice", "grammar")
 CACHED_GRAMMARS = 64  # compiled grammars kept per tokenizer, least recently used dropped first
@@ -81,17 +83,20 @@ class Constraint:
 
     def lark(self) -> str:
         """The constraint as llguidance's grammar text; a SpecDecError naming `param` if it is invalid."""
-        from llguidance import grammar_from
+        from llguidance import LLMatcher, grammar_from
 
         kind, text = self.kind, self.text
         if kind in ("json", "json_schema"):  # compact JSON, as OpenAI's strict mode writes it: more of it forced
             schema = json.loads(text) if kind == "json_schema" else {"type": "object"}
             kind, text = "json_schema", json.dumps({**schema, "x-guidance": JSON_LAYOUT})
         try:
-            return grammar_from(kind, text)
-        except Exception as error:  # llguidance raises ValueError and its own errors
-            raise SpecDecError(f"the {self.kind} constraint is invalid: {_first_line(error)}",
-                               param=self.param) from None
+            grammar = grammar_from(kind, text)
+            error = LLMatcher.validate_grammar(grammar)  # its syntax, without a tokenizer: milliseconds
+        except Exception as raised:  # llguidance raises ValueError and its own errors
+            error = str(raised)
+        if error:
+            raise SpecDecError(f"the {self.kind} constraint is invalid: {_first_line(error)}", param=self.param)
+        return grammar
 
     def check(self, text: str) -> bool:
         """Whether finished text matches (the tests' and the bench's check; a grammar's text is not parsed here)."""
@@ -161,10 +166,12 @@ class Grammars:
                                    param=constraint.param)
             prototype = LLMatcher(tokenizer, grammar)
             trial = prototype.deep_copy()
-            trial.compute_bitmask()  # the first mask finds a grammar too costly, or one no token can start
-            if prototype.is_error() or trial.is_error():
+            started = any(trial.compute_bitmask())  # the first mask: a grammar too costly, or one no token starts
+            failed = prototype if prototype.is_error() else trial if trial.is_error() else None
+            if failed is not None or not started:
+                why = _stop_reason(failed) if failed is not None else "no token of it can start the output"
                 raise SpecDecError(f"the {constraint.kind} constraint cannot be used with this model's vocabulary: "
-                                   f"{_stop_reason(trial if trial.is_error() else prototype)}", param=constraint.param)
+                                   f"{why}", param=constraint.param)
             with self._lock:
                 self._cache[key] = prototype
                 while len(self._cache) > CACHED_GRAMMARS:
@@ -239,6 +246,8 @@ class Matcher:
 
     def allowed(self) -> torch.Tensor:
         """[vocab] bool: the tokens the grammar allows next."""
+        import torch  # (the CLI checks a constraint before torch is imported)
+
         bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
         if self._matcher.is_error():  # its mask means nothing: fail the generation rather than serve it unconstrained
             raise SpecDecError(f"the constraint's grammar engine stopped: {_stop_reason(self._matcher)}")
@@ -256,7 +265,9 @@ class Matcher:
         children: dict[int, list[int]] = {}
         for node, parent in enumerate(parents):
             children.setdefault(int(parent), []).append(node)
-        self._mask_row(out, 0)
+        if not self._mask_row(out, 0):  # the committed text: where plain decoding is too, with no way on
+            raise SpecDecError("the output cannot go on under its constraint: no token of this model's vocabulary "
+                               "continues it")
         self._walk(out, -1, [int(t) for t in tokens], children)
         return out
 
@@ -269,18 +280,22 @@ class Matcher:
             self._walk(out, child, tokens, children)
             self._matcher.rollback(1)
 
-    def _mask_row(self, out: torch.Tensor, row: int) -> None:
+    def _mask_row(self, out: torch.Tensor, row: int) -> bool:
+        """Mask the row; False (and the row left as it is) where no token is allowed: a path no output takes
+        (were it accepted, the token drawn after it would be refused by `advance`, loudly)."""
         allowed = self.allowed()
-        if allowed.any():  # none allowed: the grammar has stopped, an end token was drafted before this row
-            out[row].masked_fill_(~allowed.to(out.device), float("-inf"))
+        if not allowed.any():
+            return False
+        out[row].masked_fill_(~allowed.to(out.device), float("-inf"))
+        return True
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Commit a step's tokens (each allowed: they were drawn from p_c)."""
         for token in tokens:
             if self._matcher.is_stopped():
                 return  # the end token that follows a complete grammar
-            if not self._matcher.consume_token(int(token)):
-                raise RuntimeError(f"the grammar refused committed token {token}: {self._matcher.get_error()}")
+            if not self._matcher.consume_token(int(token)):  # never, for a token drawn from a masked row
+                raise SpecDecError(f"the constraint refused committed token {token}: {_stop_reason(self._matcher)}")
 
     def forced(self) -> list[int]:
         """The tokens the grammar forces next (none where it leaves a choice)."""

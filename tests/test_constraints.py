@@ -288,3 +288,136 @@ def test_a_model_without_an_end_token_is_told_why(model_dirs):
     with pytest.raises(SpecDecError, match="end token") as refused:
         decoder.generate("a", constraint=Constraint.regex("a+", param="structured_outputs"), max_new_tokens=4)
     assert refused.value.param == "structured_outputs"
+
+
+
+# ------------------------------------------------------------------ the server
+
+SERVED = "demo"
+
+
+@pytest.fixture(scope="module")
+def demo_server():
+    """The demo pair on transformers (a byte-level tokenizer, an end token, the chat template it ships)."""
+    from specdec.server import create_app
+    from test_server import LiveServer
+
+    from specdec.config import DEMO_CHAT_TEMPLATE, read_template
+
+    decoder = specdec.load(backend="transformers", dtype="float32")
+    decoder.tokenizer.chat_template = read_template(DEMO_CHAT_TEMPLATE)  # as `specdec serve` gives the demo pair
+    live = LiveServer(create_app(decoder, SERVED, max_queue=32, depth=None))
+    yield live, decoder
+    live.stop()
+
+
+def _post(server, path: str, body: dict):
+    import httpx
+
+    return httpx.post(server.url + path, json={"model": SERVED, "max_tokens": 48, "temperature": 0, **body}, timeout=60)
+
+
+def test_the_server_honours_response_format_and_matches_offline(demo_server):
+    server, decoder = demo_server
+    messages = [{"role": "user", "content": "Give a record."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA, "strict": True}}
+    reply = _post(server, "/v1/chat/completions", {"messages": messages, "response_format": response_format}).json()
+    text = reply["choices"][0]["message"]["content"]
+    assert Constraint.json_schema(SCHEMA).check(text) and reply["choices"][0]["finish_reason"] == "stop", text
+    offline = decoder.generate(decoder.chat_ids(messages), constraint=Constraint.json_schema(SCHEMA), temperature=0,
+                               max_new_tokens=48)
+    assert text == offline.text
+    any_object = _post(server, "/v1/chat/completions", {"messages": messages, "temperature": 0.8, "seed": 3,
+                                                        "response_format": {"type": "json_object"}}).json()
+    assert isinstance(json.loads(any_object["choices"][0]["message"]["content"]), dict)
+
+
+@pytest.mark.parametrize("fields,check", [
+    ({"structured_outputs": {"regex": r"def [a-z_]{1,10}\(\):"}}, Constraint.regex(r"def [a-z_]{1,10}\(\):")),
+    ({"structured_outputs": {"choice": ["pass", "return None"]}}, Constraint.choice(["pass", "return None"])),
+    ({"structured_outputs": {"json": SCHEMA}}, Constraint.json_schema(SCHEMA)),
+    ({"guided_json": SCHEMA}, Constraint.json_schema(SCHEMA)),
+    ({"json_schema": SCHEMA}, Constraint.json_schema(SCHEMA)),
+    ({"guided_choice": ["yes", "no"]}, Constraint.choice(["yes", "no"])),
+], ids=["regex", "choice", "json", "guided_json", "llama-server json_schema", "guided_choice"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completions_honour_every_structured_output_field(demo_server, fields, check, stream):
+    from test_server import sse_events
+
+    server, _ = demo_server
+    response = _post(server, "/v1/completions", {"prompt": "class A:\n    ", "stream": stream, **fields})
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [event for event in sse_events(response) if event != "[DONE]"]
+        text = "".join(event["choices"][0]["text"] for event in events)
+    else:
+        text = response.json()["choices"][0]["text"]
+    assert check.check(text), text
+
+
+def test_a_gbnf_grammar_is_honoured(demo_server):
+    server, _ = demo_server
+    grammar = 'root ::= "x = " [0-9]+ ("." [0-9]+)?'
+    text = _post(server, "/v1/completions", {"prompt": "def f():\n    ", "grammar": grammar}).json()["choices"][0]["text"]
+    import re
+
+    assert re.fullmatch(r"x = [0-9]+(\.[0-9]+)?", text), text
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+    ({"guided_regex": "a+", "grammar": "root ::= \"a\""}, "grammar"),
+    ({"grammar": "root ::= undefined"}, "grammar"),
+])
+def test_a_bad_structured_output_is_a_400_naming_its_field(demo_server, fields, param):
+    server, _ = demo_server
+    response = _post(server, "/v1/completions", {"prompt": "a", **fields})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_the_openai_client_gets_parsed_json(demo_server):
+    import openai
+
+    server, _ = demo_server
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    reply = client.chat.completions.create(
+        model=SERVED, messages=[{"role": "user", "content": "A record, please."}], max_tokens=48, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA, "strict": True}})
+    assert Constraint.json_schema(SCHEMA).check(reply.choices[0].message.content)
+
+
+# ------------------------------------------------------------------ the CLI
+
+
+def test_the_cli_takes_every_kind_of_constraint(eos_dirs, tmp_path, capsys):
+    from specdec.cli import main
+    from test_cli import cli_json
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "string"}))
+    grammar = tmp_path / "g.gbnf"
+    grammar.write_text('root ::= "abc" [d-f]+ " " [g-m]+')
+    model = ["--target", eos_dirs["llama"], "--draft", eos_dirs["llama-draft"], "--dtype", "float64",
+             "--temperature", "0", "--max-new-tokens", "20"]
+    regex = cli_json(capsys, "generate", "ab", *model, "--regex", "[a-f]{3}([g-m]{2,4}[a-f]){1,2}")
+    assert Constraint.regex("[a-f]{3}([g-m]{2,4}[a-f]){1,2}").check(regex["text"]) and regex["finish_reason"] == "stop"
+    choice = cli_json(capsys, "generate", "ab", *model, "--choice", "cab", "--choice", "bad")
+    assert choice["text"] in ("cab", "bad")
+    gbnf = cli_json(capsys, "generate", "ab", *model, "--grammar", str(grammar))
+    assert gbnf["text"].startswith("abc") and " " in gbnf["text"]
+    # no token holds a quote: llguidance's mask lets the letters through, and the first one is refused, loudly
+    assert main(["generate", "ab", *model, "--json-schema", str(schema)]) == 1
+    assert "constraint refused" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,named", [(["--regex", "(unclosed"], "regex"), (["--choice", ""], "choice"),
+                                         (["--json-schema", "/no/such/file.json"], "JSON Schema file")])
+def test_the_cli_refuses_a_bad_constraint_before_loading_a_model(capsys, flags, named):
+    from specdec.cli import main
+
+    assert main(["generate", "ab", "--target", "/no/such/model", *flags]) == 1
+    assert named in capsys.readouterr().err

@@ -281,7 +281,12 @@ def test_protocol_details(server):
 REFUSED = [
     ("best_of", {"best_of": 2}), ("suffix", {"suffix": "end"}), ("presence_penalty", {"presence_penalty": 0.5}),
     ("frequency_penalty", {"frequency_penalty": 1}), ("logit_bias", {"logit_bias": {"3": 5}}),
-    ("echo", {"echo": True, "logprobs": 1}), ("prompt", {"prompt": ["a", "b"]}),
+    ("echo", {"echo": True, "logprobs": 1}), ("prompt", {"prompt": ["a", "b"]}), ("min_p", {"min_p": 0.1}),
+    ("repetition_penalty", {"repetition_penalty": 1.1}), ("stop_token_ids", {"stop_token_ids": [3]}),
+    ("ignore_eos", {"ignore_eos": True}),
+    # structured outputs are honoured (tests/test_constraints.py); this tiny model has no end token to finish them
+    ("response_format", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}),
+    ("guided_regex", {"guided_regex": "a+"}),
 ]
 
 
@@ -291,7 +296,7 @@ def test_fields_that_are_not_honoured_are_refused(server, param, fields):
     assert response.status_code == 400 and response.json()["error"]["param"] == param
 
 
-def test_chat_refuses_tools_and_json_mode(server):
+def test_chat_refuses_tools_and_a_constraint_the_model_cannot_end(server):
     for fields, param in (({"tools": [{"type": "function"}]}, "tools"), ({"response_format": {"type": "json_object"}}, "response_format")):
         body = {"model": MODEL, "messages": [{"role": "user", "content": "a"}], **fields}
         response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=10)

@@ -31,6 +31,14 @@ def add_parsers(commands) -> None:
                      help="a file holding the text the output is expected to be (e.g. the edited file): "
                           "the default drafter proposes it")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    shape = gen.add_argument_group("structured output (one of these): the output must match it, and stays the "
+                                   "target's under that constraint")
+    shape = shape.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="a JSON Schema (a .json file)")
+    shape.add_argument("--json-object", action="store_true", help="any JSON object")
+    shape.add_argument("--regex", metavar="PATTERN", help="a regular expression the whole output matches")
+    shape.add_argument("--choice", metavar="TEXT", action="append", help="one of these strings (repeatable)")
+    shape.add_argument("--grammar", metavar="FILE", help="a context-free grammar: GBNF (llama.cpp's) or Lark")
     chat = gen.add_argument_group("a conversation")
     chat.add_argument("--chat", action="store_true",
                       help="send the prompt as a user's message, rendered by the model's chat template")
@@ -79,9 +87,30 @@ def prompt_of(args) -> str:
     return args.prompt
 
 
+def constraint_of(args):
+    """The structured-output flag as a `Constraint`, its syntax checked (before any model loads); None without one."""
+    from specdec.constraints import Constraint
+
+    if args.json_schema is not None:
+        constraint = Constraint.json_schema(read_text(args.json_schema, "JSON Schema"), param="--json-schema")
+    elif args.json_object:
+        constraint = Constraint.json_object(param="--json-object")
+    elif args.regex is not None:
+        constraint = Constraint.regex(args.regex, param="--regex")
+    elif args.choice:
+        constraint = Constraint.choice(args.choice, param="--choice")
+    elif args.grammar is not None:
+        constraint = Constraint.grammar(read_text(args.grammar, "grammar"), param="--grammar")
+    else:
+        return None
+    constraint.lark()  # raises, naming the flag, where the text is not one
+    return constraint
+
+
 def run_generate(args) -> None:
     prompt = prompt_of(args)
     prediction = read_text(args.prediction, "prediction") if args.prediction is not None else None
+    constraint = constraint_of(args)
     sampling = sampling_params(args, seed=args.seed)
     limits = Limits(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
     config = decoder_config(args, prefix_cache=0)
@@ -91,7 +120,7 @@ def run_generate(args) -> None:
     if args.chat or args.system is not None:
         system = [{"role": "system", "content": args.system}] if args.system is not None else []
         prompt = decoder.chat_ids([*system, {"role": "user", "content": prompt}])
-    stream = decoder.stream(prompt, sampling, limits, prediction=prediction or None)
+    stream = decoder.stream(prompt, sampling, limits, prediction=prediction or None, constraint=constraint)
     if args.json:
         for _ in stream:
             pass

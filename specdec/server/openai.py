@@ -1,9 +1,11 @@
 """The OpenAI wire format: request bodies (checked), errors, and response objects.
 
 Fields a client relies on are honoured or refused with a 400, never silently ignored: sampling
-(temperature, top_p, top_k, seed, stop, max_tokens), logprobs, echo, stream and its usage; fields
-that would change the distribution we promise (penalties, logit_bias) or that we do not implement
-(n > 1, best_of > 1, suffix, tools, structured output) are refused by name.
+(temperature, top_p, top_k, seed, stop, max_tokens), logprobs, echo, stream and its usage, structured
+outputs (OpenAI's `response_format`, vLLM's `structured_outputs` and `guided_*`, llama-server's `grammar`
+and `json_schema`); fields that would change the distribution we promise and are not implemented yet
+(penalties, logit_bias, min_p, ...) or that we do not implement (n > 1, best_of > 1, suffix, tools) are
+refused by name.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specdec.api import GenerationResult, SpeculativeDecoder
+from specdec.constraints import Constraint
 from specdec.engine import TokenLogprob
+from specdec.errors import SpecDecError
 from specdec.params import SamplingParams
 from specdec.types import GenerationStats
 
@@ -126,6 +130,20 @@ class SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     prediction: PredictionContent | None = None
+    # structured outputs: one of these (see `constraint`)
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    grammar: str | None = None
+    json_schema: dict | None = None
+    # fields other servers honour that would change what is generated, not implemented here: refused by name
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
     user: str | None = Field(None, max_length=256)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
@@ -159,6 +177,10 @@ class SamplingFields(BaseModel):
         if self.logit_bias:
             raise BadRequest("logit_bias is not supported: it would change the target model's distribution",
                              param="logit_bias")
+        for name, neutral in (("min_p", 0), ("repetition_penalty", 1), ("stop_token_ids", []), ("ignore_eos", False)):
+            if getattr(self, name) not in (None, neutral):
+                raise BadRequest(f"{name} is not supported yet", param=name)
+        self.constraint()  # a malformed one is refused before the request waits
         stop = self.stops()
         if any(not s for s in stop) or len(stop) > 4:
             raise BadRequest("stop must be up to 4 non-empty strings", param="stop")
@@ -166,6 +188,73 @@ class SamplingFields(BaseModel):
     def top_logprobs_wanted(self) -> int | None:
         """How many alternatives per token to report; None: no logprobs."""
         return None
+
+    def constraint(self) -> Constraint | None:
+        """What the output must match, from whichever field carries it (at most one may)."""
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) not in (None, {"type": "text"})]
+        if len(given) > 1:
+            raise BadRequest(f"give one structured-output field, not {' and '.join(given)}", param=given[1])
+        if not given:
+            return None
+        name = given[0]
+        try:
+            return CONSTRAINT_FIELDS[name](getattr(self, name), name)
+        except SpecDecError as error:
+            raise BadRequest(str(error), param=name) from None
+
+
+def _response_format(value: dict, param: str) -> Constraint:
+    """OpenAI's: {"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}."""
+    kind = value.get("type")
+    if kind == "json_object":
+        return Constraint.json_object(param)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise BadRequest("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
+                             param=param)
+        return Constraint.json_schema(spec.get("schema", {}), param)  # strict or not, the schema is kept
+    raise BadRequest(f"response_format type {kind!r} is not one of text, json_object, json_schema", param=param)
+
+
+STRUCTURED_OUTPUTS = {  # vLLM's structured_outputs keys
+    "json": lambda value, param: (Constraint.json_schema(value, param) if isinstance(value, (dict, str))
+                                  else _refuse("json is a JSON Schema (an object or its text)", param)),
+    "json_object": lambda value, param: Constraint.json_object(param) if value is True else _refuse(
+        "json_object is true or absent", param),
+    "regex": lambda value, param: Constraint.regex(_text(value, param), param),
+    "choice": lambda value, param: Constraint.choice(value if isinstance(value, list) else [], param),
+    "grammar": lambda value, param: Constraint.grammar(_text(value, param), param),
+}
+
+
+def _structured_outputs(value: dict, param: str) -> Constraint:
+    given = [key for key, field in value.items() if field not in (None, False)]
+    if len(given) != 1 or given[0] not in STRUCTURED_OUTPUTS:
+        raise BadRequest(f"structured_outputs takes exactly one of {', '.join(STRUCTURED_OUTPUTS)}; got "
+                         f"{', '.join(given) or 'none'}", param=param)
+    return STRUCTURED_OUTPUTS[given[0]](value[given[0]], param)
+
+
+def _text(value, param: str) -> str:
+    return value if isinstance(value, str) else _refuse("it is text", param)
+
+
+def _refuse(why: str, param: str):
+    raise BadRequest(f"{param}: {why}", param=param)
+
+
+# each structured-output field and how it becomes a Constraint
+CONSTRAINT_FIELDS = {
+    "response_format": _response_format,
+    "structured_outputs": _structured_outputs,
+    "guided_json": STRUCTURED_OUTPUTS["json"],
+    "guided_regex": Constraint.regex,
+    "guided_choice": Constraint.choice,
+    "guided_grammar": Constraint.grammar,
+    "grammar": Constraint.grammar,  # llama-server's GBNF
+    "json_schema": Constraint.json_schema,  # llama-server's
+}
 
 
 class CompletionRequest(SamplingFields):
@@ -213,15 +302,12 @@ class ChatRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list | None = None
     functions: list | None = None
-    response_format: dict | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         for name in ("tools", "functions"):
             if getattr(self, name):
                 raise BadRequest(f"{name} (function calling) is not supported", param=name)
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise BadRequest("only response_format {'type': 'text'} is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
 

@@ -91,7 +91,7 @@ class Service:
             limits = Limits(max_new_tokens=body.max_tokens, stop=tuple(body.stops()),
                             logprobs=body.top_logprobs_wanted())
             return decoder.request(ids, body.sampling(), limits, prediction=body.predicted_text(), tenant=body.user,
-                                   scope=scope)
+                                   scope=scope, constraint=body.constraint())
         except SpecDecError as error:
             raise BadRequest(str(error), param=error.param) from None
 
