@@ -21,6 +21,7 @@ _EXPORTS = {
     "specdec.types": ["GenerationStats"],
     "specdec.params": ["SamplingParams", "Limits"],
     "specdec.errors": ["SpecDecError"],
+    "specdec.constraints": ["Constraint"],
     "specdec.drafters": ["AutoDrafter", "Drafter", "History", "ModelDrafter", "NgramDrafter", "PromptLookupDrafter",
                          "TreeShape"],
 }

@@ -65,7 +65,7 @@ class Constraint:
                 raise SpecDecError(f"the JSON Schema is not JSON: {error}", param=param) from None
         if not isinstance(schema, dict):
             raise SpecDecError("a JSON Schema is a JSON object", param=param)
-        return cls("json_schema", json.dumps(schema, sort_keys=True), param)
+        return cls("json_schema", json.dumps(schema), param)  # its keys in order: the output writes them so
 
     @classmethod
     def regex(cls, pattern: str, param: str | None = None) -> Constraint:

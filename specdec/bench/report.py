@@ -17,6 +17,7 @@ COLUMNS = [
     ("target fwd/token", "target_forwards_per_token", "{:.3f}"),
     ("draft fwd/token", "draft_forwards_per_token", "{:.2f}"),
     ("weight MB/token", "weight_bytes_per_token", "{:.1f}"),
+    ("valid", "valid_share", "{:.0%}"),  # under a constraint (the json suite): outputs that match it
 ]
 
 

