@@ -60,7 +60,7 @@ def main() -> None:
         for token in decoder.tokenizer.encode(task.reference, add_special_tokens=False):
             bitmask.append(timed(matcher._matcher.compute_bitmask)[1])
             allowed.append(timed(matcher.allowed)[1])
-            masked.append(timed(lambda: matcher.masked(logits))[1])
+            masked.append(timed(lambda: matcher.shape(logits))[1])
             commit.append(timed(lambda: matcher.advance([token]))[1])
     median_ms = lambda values: round(statistics.median(values) * 1e3, 4)
     print(json.dumps({

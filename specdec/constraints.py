@@ -3,7 +3,7 @@ some strings, or a context-free grammar, kept lossless under speculation.
 
 A constraint turns the target's distribution p at a position into p_c ∝ p · allowed, where `allowed`
 is what the grammar lets follow the tokens before it. Speculation verifies every draft node against
-p_c read on that node's own path (`Matcher.masked`: the matcher's state advances along each path of
+p_c read on that node's own path (`Matcher.shape`: the matcher's state advances along each path of
 the tree and rolls back after it), so a drafted token the grammar forbids has p_c = 0 and is
 rejected with the residual of p_c, exactly as constrained plain decoding would have drawn. Where the
 grammar leaves one way on (a schema's keys, its punctuation), those tokens are a point-mass chain
@@ -234,7 +234,7 @@ class _Pieces:
 
 class Matcher:
     """One generation's place in its constraint: advanced by each step's committed tokens, and
-    walked along every path of a draft without moving (`masked`)."""
+    walked along every path of a draft without moving (`shape`; a `penalties.RowShaper`)."""
 
     def __init__(self, matcher, vocab_size: int):
         self._matcher, self.vocab_size = matcher, vocab_size
@@ -256,7 +256,7 @@ class Matcher:
             allowed = np.concatenate([allowed, np.zeros(self.vocab_size - len(allowed), dtype=bool)])
         return torch.from_numpy(allowed)
 
-    def masked(self, logits: torch.Tensor, tokens: Sequence[int] = (), parents: Sequence[int] = ()) -> torch.Tensor:
+    def shape(self, logits: torch.Tensor, tokens: Sequence[int] = (), parents: Sequence[int] = ()) -> torch.Tensor:
         """The target's logits for a step's rows (the root's, then each draft node's) with what the
         grammar forbids on each row's own path set to -inf; a copy. A node the grammar forbids is
         never reached (p_c = 0 at it), so the rows of its subtree are left as they are. tokens and

@@ -15,6 +15,7 @@ from specdec.drafters.history import History
 from specdec.drafters.prediction import Prediction
 from specdec.engine import DecodeState, Engine, StepResult, TokenLogprob
 from specdec.errors import SpecDecError
+from specdec.penalties import Penalties
 from specdec.policy import (AUTO_MAX_DEPTH, MAX_DEPTH, BatchDepth, CostAwareDepth, CostAwarePolicy, DraftPolicy,
                             FixedGamma, SharedAcceptance)
 from specdec.runtime import CausalLM
@@ -236,14 +237,27 @@ class SpeculativeDecoder:
         matcher = self.grammars.matcher(constraint) if constraint is not None else None
         if matcher is not None and self.drafter is not None and self.drafter.takes_chains:
             chains += (Forced(matcher),)
+        shapers = ((Penalties(sampling, prompt_ids, self.target.vocab_size),) if sampling.penalised else ()) + (
+            (matcher,) if matcher is not None else ())
+        stop_tokens = self._stop_tokens(limits, constraint)
         keyed_draws = self.drafter is None or self.drafter.keyed_draws
         keyed = sampling.seed is not None and not sampling.greedy and keyed_draws
         policy = self.policy(scope, chains, sampled=not sampling.greedy, keyed=keyed)
         state = DecodeState(prompt_ids, sampling, limits.max_new_tokens, policy,
                             RandomStreams(sampling.seed, keyed), GenerationStats(prompt_tokens=len(prompt_ids)),
-                            self.stop_token_ids, logprobs=limits.logprobs, chains=chains, scope=scope,
-                            constraint=matcher)
+                            stop_tokens, logprobs=limits.logprobs, chains=chains, scope=scope, shapers=shapers)
         return Generation(state, TextAssembler(self.tokenizer, prompt_ids, list(limits.stop)))
+
+    def _stop_tokens(self, limits: Limits, constraint: Constraint | None) -> frozenset[int]:
+        """The tokens that end this generation: the model's end tokens (unless `ignore_eos`) and the request's."""
+        outside = [t for t in limits.stop_token_ids if t >= self.target.vocab_size]
+        if outside:
+            raise SpecDecError(f"stop token id {outside[0]} is outside the vocabulary of {self.target.vocab_size}",
+                               param="stop_token_ids")
+        if limits.ignore_eos and constraint is not None:
+            raise SpecDecError("ignore_eos with a structured output: the output ends where its grammar does",
+                               param="ignore_eos")
+        return (frozenset() if limits.ignore_eos else self.stop_token_ids) | frozenset(limits.stop_token_ids)
 
     def _chains(self, prediction: str | None, prompt_ids: list[int], tenant: Hashable, scope: Scope) -> tuple:
         """The request's own chain sources: its prediction, its view of the history."""

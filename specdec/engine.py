@@ -9,8 +9,8 @@ from typing import Hashable, Iterator
 import torch
 
 from specdec import tree
-from specdec.constraints import Matcher
 from specdec.costs import LiveCosts
+from specdec.penalties import RowShaper
 from specdec.drafters.base import ChainSource, Drafter, DraftRequest, DraftSlot, attempt, empty_draft
 from specdec.policy import CostFollowing, DraftPolicy
 from specdec.runtime import CachedSequence, CausalLM
@@ -84,9 +84,9 @@ class DecodeState:
     # the request's own chain sources (a prediction, its history), for the default drafter
     chains: tuple[ChainSource, ...] = ()
     scope: Hashable = None  # who may reuse the cache it leaves (`specdec.scopes`)
-    # what the output must match (structured outputs): every row is verified against the target's
-    # distribution restricted to what it allows on that row's path, and it follows the committed text
-    constraint: Matcher | None = None
+    # what changes the target's rows before verification, each row on its own path, in order: penalties and
+    # a bias, then a constraint's mask (structured outputs); each follows the committed text
+    shapers: tuple[RowShaper, ...] = ()
 
 
 class Engine:
@@ -253,8 +253,9 @@ class Engine:
 
     def _advance(self, state: DecodeState, gamma: int, draft: Draft, logits: torch.Tensor,
                  noise: StepNoise | None) -> StepResult:
-        verified = logits if state.constraint is None else state.constraint.masked(
-            logits, draft.tokens.tolist(), draft.parents.tolist())
+        verified = logits  # logprobs stay the raw distribution's
+        for shaper in state.shapers:
+            verified = shaper.shape(verified, draft.tokens.tolist(), draft.parents.tolist())
         result = _verify(draft, verified, state.sampling, state.streams, noise)
         if self.reads_states:  # the committed rows: the root's, then the accepted nodes' (the last drew the last token)
             rows = [0] + [1 + node for node in result.path]
@@ -274,8 +275,8 @@ class Engine:
         state.gamma_policy.update(draft, result)
         # commit, cutting at a stop token or at the length limit
         step = _commit(result.tokens, state.token_limit - state.generated, state.stop_tokens)
-        if state.constraint is not None:
-            state.constraint.advance(step.tokens)
+        for shaper in state.shapers:
+            shaper.advance(step.tokens)
         state.context += step.tokens
         state.generated += len(step.tokens)
         if step.finish_reason is None and state.generated >= state.token_limit:

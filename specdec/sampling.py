@@ -13,7 +13,7 @@ from specdec.params import SamplingParams
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (nucleus); returns float32 (or float64 for float64 input).
+    """Temperature, then top-k, then top-p (nucleus), then min-p; returns float32 (or float64 for float64 input).
 
     logits: [..., vocab]. Not for greedy mode: temperature 0 is argmax, decided by the caller.
     """
@@ -26,6 +26,9 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1:
         probs = _nucleus(probs, params.top_p)
+    if params.min_p > 0:  # the likeliest token always stays (its own ratio is 1)
+        probs = probs.masked_fill(probs < params.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
 

@@ -85,7 +85,7 @@ def test_each_row_is_masked_on_its_own_path_and_the_matcher_does_not_move(tiny_m
     matcher = after(tiny_matcher, [1])  # "b": only "c" may follow
     tokens, parents = [2, 1, 0, 1, 2], [-1, 0, 0, -1, 3]  # c (c b, c a), b (b c): "b" at the root is forbidden
     logits = torch.zeros(len(tokens) + 1, len(TINY_PIECES))
-    masked = matcher.masked(logits, tokens, parents)
+    masked = matcher.shape(logits, tokens, parents)
     for row, node in enumerate([None, *range(len(tokens))]):
         path = [] if node is None else [tokens[i] for i in path_to(torch.tensor(parents), node)]
         reference = after(tiny_matcher, [1, *path])
@@ -111,7 +111,7 @@ def test_one_constrained_step_keeps_the_constrained_target_exactly(enumerator, t
         paths = [path_to(proposal.parents, node) for node in range(len(proposal))]
         histories = [()] + [tuple(proposal.tokens[path].tolist()) for path in paths]
         logits = torch.stack([target(h).log() for h in histories])
-        masked = tiny_matcher().masked(logits, proposal.tokens.tolist(), proposal.parents.tolist())
+        masked = tiny_matcher().shape(logits, proposal.tokens.tolist(), proposal.parents.tolist())
         probs = probs_from_logits(masked, SamplingParams(temperature=1.0))
         return tuple(verify_tree(proposal.tokens, proposal.parents, proposal.probs, probs, None, None,
                                  proposal.columns).tokens)

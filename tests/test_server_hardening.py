@@ -279,11 +279,11 @@ def test_protocol_details(server):
 
 
 REFUSED = [
-    ("best_of", {"best_of": 2}), ("suffix", {"suffix": "end"}), ("presence_penalty", {"presence_penalty": 0.5}),
-    ("frequency_penalty", {"frequency_penalty": 1}), ("logit_bias", {"logit_bias": {"3": 5}}),
-    ("echo", {"echo": True, "logprobs": 1}), ("prompt", {"prompt": ["a", "b"]}), ("min_p", {"min_p": 0.1}),
-    ("repetition_penalty", {"repetition_penalty": 1.1}), ("stop_token_ids", {"stop_token_ids": [3]}),
-    ("ignore_eos", {"ignore_eos": True}),
+    ("best_of", {"best_of": 2}), ("suffix", {"suffix": "end"}), ("presence_penalty", {"presence_penalty": 2.5}),
+    ("frequency_penalty", {"frequency_penalty": -3}), ("logit_bias", {"logit_bias": {"3": 500}}),
+    ("logit_bias", {"logit_bias": {"x": 5}}), ("min_p", {"min_p": 1.5}), ("repetition_penalty", {"repetition_penalty": 0}),
+    ("stop_token_ids", {"stop_token_ids": [10**6]}),
+    ("echo", {"echo": True, "logprobs": 1}), ("prompt", {"prompt": ["a", "b"]}),
     # structured outputs are honoured (tests/test_constraints.py); this tiny model has no end token to finish them
     ("response_format", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}),
     ("guided_regex", {"guided_regex": "a+"}),

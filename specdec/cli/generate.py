@@ -25,6 +25,15 @@ def add_parsers(commands) -> None:
     add_model_arguments(gen)
     add_sampling_arguments(gen, temperature=GENERATE_TEMPERATURE)
     gen.add_argument("--seed", type=int, default=None, help="repeatable sampling (default: fresh randomness)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this share of the "
+                                                              "likeliest (0 = off, default)")
+    gen.add_argument("--repeat-penalty", type=float, default=1.0,
+                     help="divide a positive logit (multiply a negative) of a token already in the text (1 = off)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default 0)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default 0)")
+    gen.add_argument("--logit-bias", metavar="TOKEN=BIAS", action="append", default=[],
+                     help="add BIAS in [-100, 100] to TOKEN's logit (a token id; repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="generate past the model's end token")
     gen.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--prediction", metavar="FILE",
@@ -87,6 +96,18 @@ def prompt_of(args) -> str:
     return args.prompt
 
 
+def biases_of(pairs: list[str]) -> dict[int, float]:
+    """--logit-bias TOKEN=BIAS flags as a dict."""
+    biases = {}
+    for pair in pairs:
+        token, _, bias = pair.partition("=")
+        try:
+            biases[int(token)] = float(bias)
+        except ValueError:
+            raise SpecDecError(f"--logit-bias takes TOKEN=BIAS (a token id and a number), not {pair!r}") from None
+    return biases
+
+
 def constraint_of(args):
     """The structured-output flag as a `Constraint`, its syntax checked (before any model loads); None without one."""
     from specdec.constraints import Constraint
@@ -111,8 +132,10 @@ def run_generate(args) -> None:
     prompt = prompt_of(args)
     prediction = read_text(args.prediction, "prediction") if args.prediction is not None else None
     constraint = constraint_of(args)
-    sampling = sampling_params(args, seed=args.seed)
-    limits = Limits(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
+    sampling = sampling_params(args, seed=args.seed, min_p=args.min_p, repetition_penalty=args.repeat_penalty,
+                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                               logit_bias=biases_of(args.logit_bias))
+    limits = Limits(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     config = decoder_config(args, prefix_cache=0)
     from specdec.build import build_decoder  # torch and the backends: only once the arguments are checked
 

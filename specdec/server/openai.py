@@ -1,11 +1,10 @@
 """The OpenAI wire format: request bodies (checked), errors, and response objects.
 
 Fields a client relies on are honoured or refused with a 400, never silently ignored: sampling
-(temperature, top_p, top_k, seed, stop, max_tokens), logprobs, echo, stream and its usage, structured
-outputs (OpenAI's `response_format`, vLLM's `structured_outputs` and `guided_*`, llama-server's `grammar`
-and `json_schema`); fields that would change the distribution we promise and are not implemented yet
-(penalties, logit_bias, min_p, ...) or that we do not implement (n > 1, best_of > 1, suffix, tools) are
-refused by name.
+(temperature, top_p, top_k, min_p, the presence, frequency and repetition penalties, logit_bias, seed,
+stop, stop_token_ids, ignore_eos, max_tokens), logprobs, echo, stream and its usage, structured outputs
+(OpenAI's `response_format`, vLLM's `structured_outputs` and `guided_*`, llama-server's `grammar` and
+`json_schema`); what we do not implement (n > 1, best_of > 1, suffix, tools) is refused by name.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from specdec.api import GenerationResult, SpeculativeDecoder
 from specdec.constraints import Constraint
 from specdec.engine import TokenLogprob
 from specdec.errors import SpecDecError
-from specdec.params import SamplingParams
+from specdec.params import Limits, SamplingParams
 from specdec.types import GenerationStats
 
 
@@ -139,7 +138,7 @@ class SamplingFields(BaseModel):
     guided_grammar: str | None = None
     grammar: str | None = None
     json_schema: dict | None = None
-    # fields other servers honour that would change what is generated, not implemented here: refused by name
+    # vLLM's and llama-server's sampling fields
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
@@ -156,7 +155,16 @@ class SamplingFields(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
+        """Checked where the request is made (a SpecDecError names a bad field)."""
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+                              min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty or 0.0,
+                              frequency_penalty=self.frequency_penalty or 0.0,
+                              repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                              logit_bias=_token_biases(self.logit_bias or {}))
+
+    def limits(self) -> Limits:
+        return Limits(max_new_tokens=self.max_tokens, stop=tuple(self.stops()), logprobs=self.top_logprobs_wanted(),
+                      stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=bool(self.ignore_eos))
 
     @model_validator(mode="after")
     def _defaults_for_nulls(self):
@@ -170,16 +178,6 @@ class SamplingFields(BaseModel):
         """Options that would change the output distribution, or that are not implemented."""
         if self.n != 1:
             raise BadRequest("only n = 1 is supported", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise BadRequest(f"{name} is not supported: it would change the target model's distribution",
-                                 param=name)
-        if self.logit_bias:
-            raise BadRequest("logit_bias is not supported: it would change the target model's distribution",
-                             param="logit_bias")
-        for name, neutral in (("min_p", 0), ("repetition_penalty", 1), ("stop_token_ids", []), ("ignore_eos", False)):
-            if getattr(self, name) not in (None, neutral):
-                raise BadRequest(f"{name} is not supported yet", param=name)
         self.constraint()  # a malformed one is refused before the request waits
         stop = self.stops()
         if any(not s for s in stop) or len(stop) > 4:
@@ -201,6 +199,14 @@ class SamplingFields(BaseModel):
             return CONSTRAINT_FIELDS[name](getattr(self, name), name)
         except SpecDecError as error:
             raise BadRequest(str(error), param=name) from None
+
+
+def _token_biases(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids as JSON keys (text)."""
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise BadRequest("logit_bias maps token ids to values in [-100, 100]", param="logit_bias") from None
 
 
 def _response_format(value: dict, param: str) -> Constraint:

@@ -14,7 +14,6 @@ from specdec.policy import BatchDepth
 from specdec.scopes import KeyScope
 from specdec.server.batch import Batcher, Job, Metrics
 from specdec.server.openai import BadRequest, CompletionRequest, SamplingFields
-from specdec.params import Limits
 
 STALL_SECONDS = 120.0  # a batch with work that has not finished a round for this long is wedged
 
@@ -88,10 +87,8 @@ class Service:
                              f"{decoder.target.max_length}", param="max_tokens")
         scope = None if key is None and body.cache_salt is None else KeyScope(key, body.cache_salt)
         try:
-            limits = Limits(max_new_tokens=body.max_tokens, stop=tuple(body.stops()),
-                            logprobs=body.top_logprobs_wanted())
-            return decoder.request(ids, body.sampling(), limits, prediction=body.predicted_text(), tenant=body.user,
-                                   scope=scope, constraint=body.constraint())
+            return decoder.request(ids, body.sampling(), body.limits(), prediction=body.predicted_text(),
+                                   tenant=body.user, scope=scope, constraint=body.constraint())
         except SpecDecError as error:
             raise BadRequest(str(error), param=error.param) from None
 
