@@ -237,7 +237,7 @@ BAD = [
     ("prompt too long", {"model": MODEL, "prompt": "ab" * 200}, 400, "prompt"),
     ("prompt too long, tokenized off the loop", {"model": MODEL, "prompt": "ab" * 15_000}, 400, "prompt"),
     ("empty prompt", {"model": MODEL, "prompt": ""}, 400, "prompt"),
-    ("n = 2", {"model": MODEL, "prompt": "a", "n": 2}, 400, "n"),
+    ("n = 17", {"model": MODEL, "prompt": "a", "n": 17}, 400, "n"),
     ("top_p 0", {"model": MODEL, "prompt": "a", "top_p": 0}, 400, "top_p"),
     ("missing prompt", {"model": MODEL}, 400, "prompt"),
     ("empty stop", {"model": MODEL, "prompt": "a", "stop": [""]}, 400, "stop"),
@@ -340,3 +340,33 @@ def test_specdec_serve_command(model_dirs):
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def test_n_choices_are_rows_of_the_batch_each_its_own_seeded_sample(server, offline):
+    """n = 3, seeded: choice i is what the library writes with seed + i; usage counts every choice; a stream
+    carries each choice's chunks by index, the same texts; n above the cap is a 400 naming it."""
+    body = {"model": MODEL, "prompt": "hi ej", "max_tokens": 10, "temperature": 0.9, "seed": 40, "n": 3}
+    reply = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()
+    wanted = [offline.generate("hi ej", max_new_tokens=10, temperature=0.9, seed=40 + i) for i in range(3)]
+    assert [c["index"] for c in reply["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in reply["choices"]] == [w.text for w in wanted]
+    assert len({w.text for w in wanted}) > 1  # the choices differ
+    assert reply["usage"]["completion_tokens"] == sum(len(w.tokens) for w in wanted)
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=30,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10,
+                            "temperature": 0.9, "seed": 7, "n": 2, "stream": True,
+                            "stream_options": {"include_usage": True}}) as response:
+        events = [e for e in sse_events(response) if e != "[DONE]"]
+    texts, finished = ["", ""], set()
+    for event in events:
+        for choice in event["choices"]:
+            texts[choice["index"]] += choice["delta"].get("content", "")
+            if choice["finish_reason"]:
+                finished.add(choice["index"])
+    whole = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "temperature": 0.9,
+        "seed": 7, "n": 2}).json()
+    assert finished == {0, 1} and texts == [c["message"]["content"] for c in whole["choices"]]
+    assert events[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    too_many = httpx.post(server.url + "/v1/completions", json={**body, "n": 17}, timeout=10)
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"

@@ -17,7 +17,7 @@ from prometheus_client import generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdec.api import Generation, SpeculativeDecoder
+from specdec.api import Generation, GenerationResult, SpeculativeDecoder
 from specdec.policy import BatchDepth
 from specdec.server.batch import Delta, Done, Failed, Job, QueueFull, Refused, ShuttingDown, Unavailable
 from specdec.server.lanes import FairLanes
@@ -228,24 +228,24 @@ class Endpoints:
         decoder = self.service.decoder
         prompt = body.prompt_input()
         size = len(prompt) if isinstance(prompt, str) else 0
-        generation = await self._checked_request(request, body, size, lambda: decoder.prompt_ids(prompt), "prompt")
+        generations = await self._checked_request(request, body, size, lambda: decoder.prompt_ids(prompt), "prompt")
         echo = ("" if not body.echo else prompt if isinstance(prompt, str)
                 else decoder.tokenizer.decode(prompt, skip_special_tokens=True))
-        return await self._serve(request, body, generation, self._reply("text_completion", generation, echo))
+        return await self._serve(request, body, generations, self._reply("text_completion", generations[0], echo))
 
     async def chat(self, body: ChatRequest, request: Request):
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         size = sum(len(m.for_template()["content"]) for m in body.messages)
-        generation = await self._checked_request(request, body, size,
-                                                 lambda: chat_prompt(self.service.decoder, body.messages), "messages")
-        return await self._serve(request, body, generation, self._reply("chat.completion", generation))
+        generations = await self._checked_request(request, body, size,
+                                                  lambda: chat_prompt(self.service.decoder, body.messages), "messages")
+        return await self._serve(request, body, generations, self._reply("chat.completion", generations[0]))
 
     def _reply(self, kind: str, generation: Generation, echo: str = "") -> Reply:
         return Reply(kind, self.service.model_name, len(generation.state.prompt), self.service.decoder.tokenizer, echo)
 
     async def _checked_request(self, request: Request, body: SamplingFields, size: int, encode,
-                               param: str) -> Generation:
+                               param: str) -> list[Generation]:
         """Check everything before the request may wait for the model; a full queue is refused
         before the prompt is tokenized. Long texts (a prompt, a prediction) are tokenized off the
         event loop, each API key's in turn (`FairLanes`); short ones inline (a thread hop costs more
@@ -257,43 +257,51 @@ class Endpoints:
         body.refuse_unsupported()
         service.check_room()
         state = request.scope.get("state", {})
-        check = lambda: service.generation(body, encode, param, state.get(KEY_STATE))
+        check = lambda: service.generations(body, encode, param, state.get(KEY_STATE))
         size += len(body.predicted_text() or "")
         return await self.long_texts.run(state.get(CLIENT_STATE), check) if size > LONG_PROMPT_CHARS else check()
 
-    async def _serve(self, request: Request, body: SamplingFields, generation: Generation, reply: Reply):
-        """The generation's reply: a stream of events, or the whole reply once it has finished."""
-        service = self.service
-        job = service.submit(generation)
+    async def _serve(self, request: Request, body: SamplingFields, generations: list[Generation], reply: Reply):
+        """The reply to the request's generations (its choices, rows of the batch): a stream of events, or
+        the whole reply once every one has finished."""
+        service, jobs = self.service, []
+        cancel = lambda: [service.cancel(job) for job in jobs]
+        try:
+            for generation in generations:
+                jobs.append(service.submit(generation))
+        except BaseException:  # the queue filled part way: none of the request's choices runs
+            cancel()
+            raise
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _sse(service, job, reply, include_usage)
-            return CancellingStream(lambda: service.cancel(job), events, media_type="text/event-stream")
+            events = _sse(service, jobs, reply, include_usage)
+            return CancellingStream(cancel, events, media_type="text/event-stream")
         try:
-            ending = await _ending(request, job)
+            endings = [await _ending(request, job) for job in jobs]  # they run together; collected in order
         finally:  # whatever ends this handler, the batch stops working for it
-            service.cancel(job)
-        return await _whole(ending, reply)
+            cancel()
+        return await _whole(endings, reply)
 
 
 # ---------------------------------------------------------------------------- replies
 
 
-async def _whole(ending: Done | Failed | Unavailable | None, reply: Reply):
-    """The response to a non-streamed request, from what `_ending` gave."""
-    match ending:
-        case None:
-            return error_response("the client disconnected", 499)
-        case Unavailable(message):
-            return error_response(message, 503)
-        case Failed(message):
-            return error_response(f"generation failed: {message}", 500)
-    result = ending.result
+async def _whole(endings: list[Done | Failed | Unavailable | None], reply: Reply):
+    """The response to a non-streamed request, from what `_ending` gave for each of its choices."""
+    for ending in endings:
+        match ending:
+            case None:
+                return error_response("the client disconnected", 499)
+            case Unavailable(message):
+                return error_response(message, 503)
+            case Failed(message):
+                return error_response(f"generation failed: {message}", 500)
+    results = [ending.result for ending in endings]
     try:
         # a decode per token and alternative, an alignment: not on the event loop
-        if result.logprobs or result.prediction:
-            return await run_in_threadpool(reply.whole, result)
-        return reply.whole(result)
+        if any(result.logprobs or result.prediction for result in results):
+            return await run_in_threadpool(reply.whole, results)
+        return reply.whole(results)
     except Exception as error:  # the reply could not be made: still an answer in the API's shape
         return error_response(f"generation failed: the reply could not be made: {type(error).__name__}", 500)
 
@@ -315,28 +323,66 @@ async def _ending(request: Request, job: Job) -> Done | Failed | Unavailable | N
             event.cancel()
 
 
-async def _sse(service: Service, job: Job, reply: Reply, include_usage: bool):
-    """The events of a stream; however the generation or the making of an event fails, the
-    stream ends with an error event and `[DONE]`."""
+async def _sse(service: Service, jobs: list[Job], reply: Reply, include_usage: bool):
+    """The events of a stream, its choices' interleaved as they come; however a generation or the making
+    of an event fails, that choice's events end with an error event, and the stream with `[DONE]`."""
     try:
-        first = reply.chunk("", None, first=True)
-        if first is not None:
-            yield _event(first)
-        async for event in _events(service, job, reply, include_usage):
+        for index in range(len(jobs)):
+            first = reply.chunk("", None, first=True, index=index)
+            if first is not None:
+                yield _event(first)
+        results: list[GenerationResult | None] = [None] * len(jobs)
+        async for event in _merged([_events(service, job, reply, index, results) for index, job in enumerate(jobs)]):
             yield event
+        if include_usage and all(result is not None for result in results):
+            try:
+                yield _event(await run_in_threadpool(reply.usage_chunk, results))
+            except Exception as error:  # the client is told, in the stream's shape
+                yield error_event(f"generation failed: the reply could not be made: {type(error).__name__}", "error")
         yield "data: [DONE]\n\n"
-    finally:  # a client that left (the response is cancelled) stops its generation
-        service.cancel(job)
+    finally:  # a client that left (the response is cancelled) stops its generations
+        for job in jobs:
+            service.cancel(job)
 
 
-async def _events(service: Service, job: Job, reply: Reply, include_usage: bool):
-    """One SSE event per Delta, then the last chunk (and usage), or an error event; then it returns."""
+async def _merged(streams: list):
+    """The items of several async streams, as each comes (one stream: itself, no task)."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream) -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+        finally:
+            await queue.put(None)  # this stream is done
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _events(service: Service, job: Job, reply: Reply, index: int, results: list):
+    """Choice `index`'s events: one per Delta, then its last chunk (its result into `results`), or an
+    error event; then it returns."""
     while True:
         event = await job.events.get()
         try:
             match event:
                 case Delta(text, logprobs):
-                    yield _event(reply.chunk(text, None, logprobs))
+                    yield _event(reply.chunk(text, None, logprobs, index=index))
                     continue
                 case Unavailable(message):
                     yield error_event(message, "unavailable")
@@ -344,9 +390,8 @@ async def _events(service: Service, job: Job, reply: Reply, include_usage: bool)
                     yield error_event(f"generation failed: {message}", "error")
                 case Done(result):
                     rest = result.logprobs[job.logprobs_sent:] if result.logprobs is not None else None
-                    yield _event(reply.chunk("", result.finish_reason, rest))
-                    if include_usage:
-                        yield _event(await run_in_threadpool(reply.usage_chunk, result))
+                    yield _event(reply.chunk("", result.finish_reason, rest, index=index))
+                    results[index] = result
             return
         except Exception as error:  # an event could not be made: the client is told, the generation stops
             service.cancel(job)

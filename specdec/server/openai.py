@@ -4,7 +4,7 @@ Fields a client relies on are honoured or refused with a 400, never silently ign
 (temperature, top_p, top_k, min_p, the presence, frequency and repetition penalties, logit_bias, seed,
 stop, stop_token_ids, ignore_eos, max_tokens), logprobs, echo, stream and its usage, structured outputs
 (OpenAI's `response_format`, vLLM's `structured_outputs` and `guided_*`, llama-server's `grammar` and
-`json_schema`); what we do not implement (n > 1, best_of > 1, suffix, tools) is refused by name.
+`json_schema`), n choices; what we do not implement (best_of > 1, suffix, tools) is refused by name.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from specdec.engine import TokenLogprob
 from specdec.errors import SpecDecError
 from specdec.params import Limits, SamplingParams
 from specdec.types import GenerationStats
+
+
+MAX_CHOICES = 16  # n: a request's choices are rows of the batch, each its own generation
 
 
 class BadRequest(Exception):
@@ -122,7 +125,7 @@ class SamplingFields(BaseModel):
     top_k: int | None = Field(0, ge=0, le=MAX_TOP_K)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -176,8 +179,6 @@ class SamplingFields(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """Options that would change the output distribution, or that are not implemented."""
-        if self.n != 1:
-            raise BadRequest("only n = 1 is supported", param="n")
         self.constraint()  # a malformed one is refused before the request waits
         stop = self.stops()
         if any(not s for s in stop) or len(stop) > 4:
@@ -337,7 +338,7 @@ class Reply:
         self.tokenizer, self.echo = tokenizer, echo
         self.id = ("chatcmpl-" if kind.startswith("chat") else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self._offset = 0  # characters of the completion before the next logprobs entry (by token pieces)
+        self._offsets: dict[int, int] = {}  # per choice: its characters before its next logprobs entry (by pieces)
 
     @property
     def chat(self) -> bool:
@@ -346,50 +347,51 @@ class Reply:
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, result: GenerationResult) -> dict:
-        logprobs = self._logprobs(result.logprobs) if result.logprobs is not None else None
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs,
-                      "finish_reason": result.finish_reason}
-        else:
-            choice = {"index": 0, "text": self.echo + result.text, "logprobs": logprobs,
-                      "finish_reason": result.finish_reason}
-        return {**self._head(self.kind), "choices": [choice], "usage": self._usage(result),
-                "speculative": _speculative(result.stats)}
+    def whole(self, results: list[GenerationResult]) -> dict:
+        """The whole response: one choice per result, in order."""
+        choices = []
+        for index, result in enumerate(results):
+            logprobs = self._logprobs(result.logprobs, index) if result.logprobs is not None else None
+            content = ({"message": {"role": "assistant", "content": result.text}} if self.chat
+                       else {"text": self.echo + result.text})
+            choices.append({"index": index, **content, "logprobs": logprobs, "finish_reason": result.finish_reason})
+        return {**self._head(self.kind), "choices": choices, "usage": self._usage(results),
+                "speculative": _speculative([r.stats for r in results])}
 
     def chunk(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None,
-              first: bool = False) -> dict | None:
-        """A stream chunk; `logprobs`: those of the tokens committed since the last chunk."""
-        new = self._logprobs(logprobs) if logprobs is not None else None
+              first: bool = False, index: int = 0) -> dict | None:
+        """A stream chunk of choice `index`; `logprobs`: those of its tokens committed since its last chunk."""
+        new = self._logprobs(logprobs, index) if logprobs is not None else None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": new, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": new, "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         if first:
             if not self.echo:
                 return None
             text = self.echo
         return {**self._head("text_completion"),
-                "choices": [{"index": 0, "text": text, "logprobs": new, "finish_reason": finish_reason}]}
+                "choices": [{"index": index, "text": text, "logprobs": new, "finish_reason": finish_reason}]}
 
-    def usage_chunk(self, result: GenerationResult) -> dict:
+    def usage_chunk(self, results: list[GenerationResult]) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._head(kind), "choices": [], "usage": self._usage(result),
-                "speculative": _speculative(result.stats)}
+        return {**self._head(kind), "choices": [], "usage": self._usage(results),
+                "speculative": _speculative([r.stats for r in results])}
 
-    def _usage(self, result: GenerationResult) -> dict:
-        """Token counts; with a prediction, its tokens that appeared in the completion and those that did not."""
-        completion = len(result.tokens)
+    def _usage(self, results: list[GenerationResult]) -> dict:
+        """Token counts (the prompt once, every choice's completion); with a prediction, its tokens that
+        appeared in the completions and those that did not."""
+        completion = sum(len(result.tokens) for result in results)
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                  "total_tokens": self.prompt_tokens + completion,
-                 "prompt_tokens_details": {"cached_tokens": result.stats.cached_tokens}}
-        predicted = result.prediction_usage()
-        if predicted is not None:
-            usage["completion_tokens_details"] = {"accepted_prediction_tokens": predicted[0],
-                                                  "rejected_prediction_tokens": predicted[1]}
+                 "prompt_tokens_details": {"cached_tokens": results[0].stats.cached_tokens}}
+        predicted = [result.prediction_usage() for result in results]
+        if predicted[0] is not None:
+            usage["completion_tokens_details"] = {"accepted_prediction_tokens": sum(p[0] for p in predicted),
+                                                  "rejected_prediction_tokens": sum(p[1] for p in predicted)}
         return usage
 
-    def _logprobs(self, entries: list[TokenLogprob]) -> dict:
+    def _logprobs(self, entries: list[TokenLogprob], index: int = 0) -> dict:
         """The chat shape (content: one entry per token) or the legacy completions shape."""
         piece = lambda token: self.tokenizer.decode([token], skip_special_tokens=False)
         if self.chat:
@@ -400,23 +402,25 @@ class Reply:
             return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
                                 for e in entries]}
         tokens = [piece(e.token) for e in entries]
-        offsets, at = [], len(self.echo) + self._offset
+        offsets, at = [], len(self.echo) + self._offsets.get(index, 0)
         for token in tokens:
             offsets.append(at)
             at += len(token)
-        self._offset = at - len(self.echo)
+        self._offsets[index] = at - len(self.echo)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "text_offset": offsets,
                 "top_logprobs": ([{piece(t): lp for t, lp in e.top} for e in entries]
                                  if any(e.top for e in entries) else None)}
 
 
-def _speculative(stats: GenerationStats) -> dict:
-    """The extension field: how the speculation went for this request."""
+def _speculative(stats: list[GenerationStats]) -> dict:
+    """The extension field: how the speculation went for this request (all its choices together)."""
+    total = lambda name: sum(getattr(s, name) for s in stats)
+    drafted, forwards = total("drafted"), total("target_forwards")
     return {
-        "acceptance_rate": stats.acceptance_rate,
-        "tokens_per_target_forward": stats.tokens_per_target_forward,
-        "target_forwards": stats.target_forwards,
-        "draft_forwards": stats.draft_forwards,
-        "drafted": stats.drafted,
-        "accepted": stats.accepted,
+        "acceptance_rate": total("accepted") / drafted if drafted else None,
+        "tokens_per_target_forward": total("generated_tokens") / forwards if forwards else None,
+        "target_forwards": forwards,
+        "draft_forwards": total("draft_forwards"),
+        "drafted": drafted,
+        "accepted": total("accepted"),
     }

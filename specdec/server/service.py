@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specdec.api import Generation, SpeculativeDecoder
 from specdec.errors import SpecDecError
@@ -65,13 +65,14 @@ class Service:
                                batch_depth(decoder) if depth == "measure" else depth)
 
     # ------------------------------------------------------------------ requests
-    def generation(self, body: SamplingFields, encode, param: str, key: int | None = None) -> Generation:
-        """The request's generation, everything checked (a BadRequest otherwise). The request is
+    def generations(self, body: SamplingFields, encode, param: str, key: int | None = None) -> list[Generation]:
+        """The request's `n` generations (its choices), everything checked (a BadRequest otherwise). The request is
         checked by `SpeculativeDecoder.request` (its SpecDecError names the field); only what is the
         server's own is checked here: max_tokens within the context left (the API caps it instead).
         `encode()` gives its prompt's token ids, `param` names the field they came from. key: which
         of the server's API keys the request came with (None: no keys, or one scope for all keys):
-        with the body's `cache_salt`, its scope (`specdec.scopes`); `user` narrows its history within that."""
+        with the body's `cache_salt`, its scope (`specdec.scopes`); `user` narrows its history within that.
+        Choice i of a seeded request draws with seed + i: n rows of the batch, each its own sample."""
         decoder = self.decoder
         try:
             ids = encode()
@@ -87,8 +88,11 @@ class Service:
                              f"{decoder.target.max_length}", param="max_tokens")
         scope = None if key is None and body.cache_salt is None else KeyScope(key, body.cache_salt)
         try:
-            return decoder.request(ids, body.sampling(), body.limits(), prediction=body.predicted_text(),
-                                   tenant=body.user, scope=scope, constraint=body.constraint())
+            sampling, limits, constraint = body.sampling(), body.limits(), body.constraint()
+            return [decoder.request(ids, replace(sampling, seed=None if sampling.seed is None else sampling.seed + i),
+                                    limits, prediction=body.predicted_text(), tenant=body.user, scope=scope,
+                                    constraint=constraint)
+                    for i in range(body.n)]
         except SpecDecError as error:
             raise BadRequest(str(error), param=error.param) from None
 
