@@ -249,7 +249,8 @@ class Endpoints:
         """Check everything before the request may wait for the model; a full queue is refused
         before the prompt is tokenized. Long texts (a prompt, a prediction) are tokenized off the
         event loop, each API key's in turn (`FairLanes`); short ones inline (a thread hop costs more
-        than they do)."""
+        than they do). A structured output's grammar is compiled off the loop too (the model's grammar
+        tokenizer is built on the first: seconds on a large vocabulary)."""
         service = self.service
         if body.model != service.model_name:
             raise BadRequest(f"the model {body.model!r} does not exist; this server has {service.model_name!r}", 404,
@@ -259,7 +260,8 @@ class Endpoints:
         state = request.scope.get("state", {})
         check = lambda: service.generations(body, encode, param, state.get(KEY_STATE))
         size += len(body.predicted_text() or "")
-        return await self.long_texts.run(state.get(CLIENT_STATE), check) if size > LONG_PROMPT_CHARS else check()
+        off_the_loop = size > LONG_PROMPT_CHARS or body.constraint() is not None
+        return await self.long_texts.run(state.get(CLIENT_STATE), check) if off_the_loop else check()
 
     async def _serve(self, request: Request, body: SamplingFields, generations: list[Generation], reply: Reply):
         """The reply to the request's generations (its choices, rows of the batch): a stream of events, or
