@@ -135,9 +135,9 @@ def _first_line(error: Exception) -> str:
 
 
 class Grammars:
-    """Compiled constraints for one model's tokenizer: the llguidance tokenizer (made once, about a
-    second on a 262k vocabulary) and up to CACHED_GRAMMARS matchers ready to copy. Thread-safe: the
-    server checks requests on several threads."""
+    """Compiled constraints for one model's tokenizer: the llguidance tokenizer (made once: 0.5 s on the
+    demo pair's 8k vocabulary, 2.6 s on Gemma 3's 262k) and up to CACHED_GRAMMARS matchers ready to copy.
+    Thread-safe: the server checks requests on several threads."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: frozenset[int]):
         self._source, self.vocab_size, self.stop_ids = tokenizer, vocab_size, stop_ids
@@ -238,11 +238,6 @@ class Matcher:
 
     def __init__(self, matcher, vocab_size: int):
         self._matcher, self.vocab_size = matcher, vocab_size
-
-    @property
-    def done(self) -> bool:
-        """The grammar is complete and allows nothing more (only an end token follows)."""
-        return self._matcher.is_stopped()
 
     def allowed(self) -> torch.Tensor:
         """[vocab] bool: the tokens the grammar allows next."""
