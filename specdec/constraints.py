@@ -243,46 +243,58 @@ class Matcher:
         """[vocab] bool: the tokens the grammar allows next."""
         import torch  # (the CLI checks a constraint before torch is imported)
 
-        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        if self._matcher.is_error():  # its mask means nothing: fail the generation rather than serve it unconstrained
-            raise SpecDecError(f"the constraint's grammar engine stopped: {_stop_reason(self._matcher)}")
-        allowed = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
-        if len(allowed) < self.vocab_size:  # a padded vocabulary's extra rows are never allowed
-            allowed = np.concatenate([allowed, np.zeros(self.vocab_size - len(allowed), dtype=bool)])
-        return torch.from_numpy(allowed)
+        return torch.from_numpy(self._unpacked([self._bitmask()])[0])
 
     def shape(self, logits: torch.Tensor, tokens: Sequence[int] = (), parents: Sequence[int] = ()) -> torch.Tensor:
         """The target's logits for a step's rows (the root's, then each draft node's) with what the
-        grammar forbids on each row's own path set to -inf; a copy. A node the grammar forbids is
-        never reached (p_c = 0 at it), so the rows of its subtree are left as they are. tokens and
-        parents: the draft's (a tree; a chain's parents are -1, 0, 1, ...)."""
-        out = logits.clone()
+        grammar forbids on each row's own path set to -inf; a new tensor. A node the grammar forbids is
+        never reached (p_c = 0 at it), so the rows of its subtree are left as they are; so is a row
+        where nothing is allowed (a path no output takes: were it accepted, the token drawn after it
+        would be refused by `advance`, loudly). tokens and parents: the draft's (a tree; a chain's
+        parents are -1, 0, 1, ...). Every row's mask is unpacked and applied at once."""
+        import torch
+
         children: dict[int, list[int]] = {}
         for node, parent in enumerate(parents):
             children.setdefault(int(parent), []).append(node)
-        if not self._mask_row(out, 0):  # the committed text: where plain decoding is too, with no way on
+        masks = {0: self._bitmask()}
+        self._walk(masks, -1, [int(t) for t in tokens], children)
+        rows = sorted(masks)
+        allowed = self._unpacked([masks[row] for row in rows])
+        if not allowed[0].any():  # the committed text: where plain decoding is too, with no way on
             raise SpecDecError("the output cannot go on under its constraint: no token of this model's vocabulary "
                                "continues it")
-        self._walk(out, -1, [int(t) for t in tokens], children)
-        return out
+        keep = np.ones((len(logits), self.vocab_size), dtype=bool)  # rows never reached: as they are
+        keep[rows] = allowed | ~allowed.any(axis=1, keepdims=True)
+        if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+            out = np.full(tuple(logits.shape), -np.inf, dtype=logits.numpy().dtype)  # 4-8x torch's masked_fill
+            np.copyto(out, logits.numpy(), where=keep)
+            return torch.from_numpy(out)
+        return logits.masked_fill(~torch.from_numpy(keep).to(logits.device), float("-inf"))
 
-    def _walk(self, out: torch.Tensor, node: int, tokens: list[int], children: dict[int, list[int]]) -> None:
+    def _walk(self, masks: dict[int, bytes], node: int, tokens: list[int], children: dict[int, list[int]]) -> None:
+        """Each reachable node's mask (row 1 + node), depth first from `node`, the matcher rolled back after."""
         for child in children.get(node, ()):
             if self._matcher.validate_tokens([tokens[child]]) != 1:
                 continue  # forbidden: never accepted, its subtree never reached
             self._matcher.consume_token(tokens[child])
-            self._mask_row(out, 1 + child)
-            self._walk(out, child, tokens, children)
+            masks[1 + child] = self._bitmask()
+            self._walk(masks, child, tokens, children)
             self._matcher.rollback(1)
 
-    def _mask_row(self, out: torch.Tensor, row: int) -> bool:
-        """Mask the row; False (and the row left as it is) where no token is allowed: a path no output takes
-        (were it accepted, the token drawn after it would be refused by `advance`, loudly)."""
-        allowed = self.allowed()
-        if not allowed.any():
-            return False
-        out[row].masked_fill_(~allowed.to(out.device), float("-inf"))
-        return True
+    def _bitmask(self) -> bytes:
+        bits = self._matcher.compute_bitmask()
+        if self._matcher.is_error():  # its mask means nothing: fail the generation rather than serve it unconstrained
+            raise SpecDecError(f"the constraint's grammar engine stopped: {_stop_reason(self._matcher)}")
+        return bits
+
+    def _unpacked(self, bitmasks: list[bytes]) -> np.ndarray:
+        """[len(bitmasks), vocab] bool; a padded vocabulary's extra rows are never allowed."""
+        bits = np.frombuffer(b"".join(bitmasks), dtype=np.uint8).reshape(len(bitmasks), -1)
+        allowed = np.unpackbits(bits, axis=1, bitorder="little").view(bool)[:, : self.vocab_size]
+        if allowed.shape[1] < self.vocab_size:
+            allowed = np.pad(allowed, ((0, 0), (0, self.vocab_size - allowed.shape[1])))
+        return allowed
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Commit a step's tokens (each allowed: they were drawn from p_c)."""
