@@ -190,7 +190,8 @@ class SamplingFields(BaseModel):
 
     def constraint(self) -> Constraint | None:
         """What the output must match, from whichever field carries it (at most one may)."""
-        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) not in (None, {"type": "text"})]
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None
+                 and not (name == "response_format" and self.response_format.get("type") == "text")]
         if len(given) > 1:
             raise BadRequest(f"give one structured-output field, not {' and '.join(given)}", param=given[1])
         if not given:
@@ -211,7 +212,8 @@ def _token_biases(bias: dict[str, float]) -> dict[int, float]:
 
 
 def _response_format(value: dict, param: str) -> Constraint:
-    """OpenAI's: {"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}."""
+    """OpenAI's: {"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
+    ({"type": "text"} is no constraint: `SamplingFields.constraint` passes it by)."""
     kind = value.get("type")
     if kind == "json_object":
         return Constraint.json_object(param)
