@@ -156,10 +156,11 @@ def exact_penalised_joint(target: specdec.CausalLM, sampling: SamplingParams, pr
 
 
 @pytest.mark.statistical
-@pytest.mark.parametrize("drafter", ["draft-model", "auto"])
+@pytest.mark.parametrize("drafter", ["draft-model"])
 def test_penalised_sampling_follows_the_penalised_target(model_dirs, drafter):
     """The first 3 tokens with every penalty, a bias and min-p, sampled at T 1: their joint is penalised
-    plain sampling's (chi-square)."""
+    plain sampling's (chi-square). The draft model's drawn chains, verified by rejection sampling (the
+    default's keyed draws are the same shaped rows, checked under a constraint in test_constraints)."""
     target = specdec.load_model(model_dirs["llama"], device="cpu", dtype="float64")
     draft = ModelDrafter(specdec.load_model(model_dirs["qwen2-draft"], device="cpu", dtype="float64"))
     auto = specdec.AutoDrafter(draft, specdec.PromptLookupDrafter())
