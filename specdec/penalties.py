@@ -31,40 +31,49 @@ class RowShaper(Protocol):
 
 
 class Penalties:
-    """One generation's penalties: counts of the output's tokens (presence, frequency) and of the
-    prompt's and output's (repetition), kept as the text grows."""
+    """One generation's penalties: counts of the output's tokens (presence, frequency) and the tokens of
+    the prompt and output (repetition), kept as the text grows. Only the columns of tokens that occurred or
+    carry a bias change, so only those are computed (a few hundred of a 262k vocabulary)."""
 
     def __init__(self, sampling: SamplingParams, prompt: Sequence[int], vocab_size: int):
         self.sampling, self.vocab_size = sampling, vocab_size
-        self.output = torch.zeros(vocab_size, dtype=torch.float64)  # occurrences in the output
-        self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # in the prompt or the output
-        self.seen[torch.tensor([t for t in prompt if 0 <= t < vocab_size], dtype=torch.long)] = True
-        bias = torch.zeros(vocab_size, dtype=torch.float64)
-        for token, value in sampling.logit_bias:
-            if token < vocab_size:
-                bias[token] = value
-        self.bias = bias
+        self.output: dict[int, int] = {}  # occurrences in the output
+        self.seen = {t for t in prompt if 0 <= t < vocab_size}  # in the prompt or the output
+        self.bias = {token: value for token, value in sampling.logit_bias if token < vocab_size}
 
     def shape(self, logits: torch.Tensor, tokens: Sequence[int] = (), parents: Sequence[int] = ()) -> torch.Tensor:
+        tokens = [int(t) for t in tokens]
+        columns = sorted(self.seen | self.bias.keys() | set(tokens))
+        if not columns:
+            return logits
+        where = {token: i for i, token in enumerate(columns)}
         rows = len(tokens) + 1
-        output = self.output.expand(rows, -1).clone()  # each row's counts: the output, then its own path
+        counts = torch.zeros(rows, len(columns), dtype=torch.float64)  # each row's: the output, then its own path
+        seen = torch.zeros(rows, len(columns), dtype=torch.bool)
+        counts[:, [where[t] for t in self.output]] = torch.tensor(list(self.output.values()), dtype=torch.float64)
+        seen[:, [where[t] for t in self.seen]] = True
         for node in range(len(tokens)):
             ancestor = node
             while ancestor >= 0:
-                output[1 + node, int(tokens[ancestor])] += 1
+                counts[1 + node, where[tokens[ancestor]]] += 1
+                seen[1 + node, where[tokens[ancestor]]] = True
                 ancestor = int(parents[ancestor])
-        return penalised(logits, output, self.seen.expand(rows, -1) | (output > 0), self.bias, self.sampling)
+        bias = torch.tensor([self.bias.get(token, 0.0) for token in columns], dtype=torch.float64)
+        index = torch.tensor(columns, device=logits.device)
+        out = logits.clone()
+        out[:, index] = penalised(logits[:, index], counts, seen, bias, self.sampling).to(logits.dtype)
+        return out
 
     def advance(self, tokens: Sequence[int]) -> None:
         for token in tokens:
-            self.output[int(token)] += 1
-            self.seen[int(token)] = True
+            self.output[int(token)] = self.output.get(int(token), 0) + 1
+            self.seen.add(int(token))
 
 
 def penalised(logits: torch.Tensor, output_counts: torch.Tensor, seen: torch.Tensor, bias: torch.Tensor,
               sampling: SamplingParams) -> torch.Tensor:
-    """Logits [rows, vocab] changed by each row's counts (pure: the tests' reference reads it too).
-    Repetition first (it scales the model's logit), then the OpenAI penalties and the bias (they add)."""
+    """Logits [rows, columns] changed by each row's counts of those columns' tokens (pure). Repetition first
+    (it scales the model's logit), then the OpenAI penalties and the bias (they add)."""
     out = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
     dtype = out.dtype
     if sampling.repetition_penalty != 1:
