@@ -254,8 +254,10 @@ class Engine:
     def _advance(self, state: DecodeState, gamma: int, draft: Draft, logits: torch.Tensor,
                  noise: StepNoise | None) -> StepResult:
         verified = logits  # logprobs stay the raw distribution's
-        for shaper in state.shapers:
-            verified = shaper.shape(verified, draft.tokens.tolist(), draft.parents.tolist())
+        if state.shapers:
+            tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
+            for shaper in state.shapers:
+                verified = shaper.shape(verified, tokens, parents)
         result = _verify(draft, verified, state.sampling, state.streams, noise)
         if self.reads_states:  # the committed rows: the root's, then the accepted nodes' (the last drew the last token)
             rows = [0] + [1 + node for node in result.path]
