@@ -24,6 +24,7 @@ from specdec.sampling import RandomStreams
 from specdec.scopes import PerScope, Scope, check_scope, owner
 from specdec.stops import StopStrings
 from specdec.text import check_text, continuation_decoder
+from specdec.tools import ToolFormat, format_of
 from specdec.types import GenerationStats
 from specdec.params import Limits, SamplingParams, request_options
 
@@ -299,22 +300,34 @@ class SpeculativeDecoder:
                                "leaving no room to generate")
         return ids
 
-    def chat_ids(self, messages: Sequence[dict]) -> list[int]:
-        """Token ids of a conversation (`{"role", "content"}` dicts) rendered by the tokenizer's chat
-        template with the assistant's turn opened, checked as `prompt_ids` checks a prompt."""
+    def chat_ids(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        """Token ids of a conversation (`{"role", "content"}` dicts; an assistant's may carry `tool_calls`,
+        a tool's answer `tool_call_id`) rendered by the tokenizer's chat template with the assistant's turn
+        opened, checked as `prompt_ids` checks a prompt. `tools`: functions the model may call, in OpenAI's
+        shape (`specdec.tools.ToolUse.for_template`), for a template that renders them."""
         for message in messages:
-            check_text(message["content"], "messages' content", param="messages")
-        if not getattr(self.tokenizer, "chat_template", None):
+            check_text(message.get("content") or "", "messages' content", param="messages")
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise SpecDecError("this model's tokenizer has no chat template: give one (`--chat-template FILE`, or "
                                "set `decoder.tokenizer.chat_template`), or send the prompt as text (/v1/completions)",
                                param="messages")
+        if tools and self.tool_format is None:
+            raise SpecDecError("this model's chat template does not render tools: give one that does "
+                               "(`--chat-template FILE`)", param="tools")
         try:
-            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                                     **({"tools": list(tools)} if tools else {}))
         except Exception as error:  # a template may reject a conversation (e.g. roles out of order)
             raise SpecDecError(f"the chat template rejected these messages: {error}", param="messages") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return self.prompt_ids(list(ids))
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """How this model writes a tool call, as its chat template teaches it (None: it renders no tools)."""
+        return format_of(getattr(self.tokenizer, "chat_template", None))
 
     @property
     def stop_token_ids(self) -> frozenset[int]:

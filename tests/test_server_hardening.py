@@ -296,8 +296,9 @@ def test_fields_that_are_not_honoured_are_refused(server, param, fields):
     assert response.status_code == 400 and response.json()["error"]["param"] == param
 
 
-def test_chat_refuses_tools_and_a_constraint_the_model_cannot_end(server):
-    for fields, param in (({"tools": [{"type": "function"}]}, "tools"), ({"response_format": {"type": "json_object"}}, "response_format")):
+def test_chat_refuses_tools_its_template_cannot_show_and_a_constraint_the_model_cannot_end(server):
+    tool = {"type": "function", "function": {"name": "f"}}
+    for fields, param in (({"tools": [tool]}, "tools"), ({"response_format": {"type": "json_object"}}, "response_format")):
         body = {"model": MODEL, "messages": [{"role": "user", "content": "a"}], **fields}
         response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=10)
         assert response.status_code == 400 and response.json()["error"]["param"] == param

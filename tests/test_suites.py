@@ -84,23 +84,25 @@ def test_a_bench_over_several_suites_reports_each(tmp_path):
     assert {"suites.png", "edit-speedup.png", "prose-speedup.png", "forward_cost.png"} <= names
 
 
-def test_the_json_suite_runs_every_strategy_under_its_schema(tmp_path):
-    """The demo pair on transformers, greedy: every strategy's answer matches the suite's schema (the valid
-    column), greedy texts agree with plain decoding's, the default drafts the forced text, and the peers,
-    whose loops take no constraint, are not run on it (sampled outputs under a schema: test_constraints)."""
-    from specdec.bench.suites import FUNCTION_SCHEMA
-    from specdec.constraints import Constraint
-
-    config = BenchConfig(runtime=RuntimeConfig(backend="transformers"), suites=("json",), limit=1, max_new_tokens=96,
-                         modes=("greedy",), gammas=(2,), trees=(), staged=False, peers=True, progress=False)
+@pytest.mark.parametrize("suite", ["json", "tools"])
+def test_the_structured_suites_run_every_strategy_under_their_constraint(tmp_path, suite):
+    """The demo pair on transformers, greedy: every strategy's answer is valid (the valid column: JSON under
+    the suite's schema; one call of its tool with such arguments), greedy texts agree with plain decoding's,
+    the default drafts the forced text, and the peers, whose loops take no constraint, are not run on it
+    (sampled outputs under a constraint: test_constraints, test_tools)."""
+    config = BenchConfig(runtime=RuntimeConfig(backend="transformers"), suites=(suite,), limit=1,
+                         max_new_tokens=96 if suite == "json" else 128,
+                         modes=("greedy",), gammas=(2,), trees=(), staged=False, peers=suite == "json",
+                         progress=False)
     data = run_bench(config)
-    part = data["suites"]["json"]
+    part = data["suites"][suite]
     for mode, rows in part["summary"].items():
         for name, row in rows.items():
             peer = next(s for s in data["strategies"] if s["name"] == name)["family"] == "peer"
             assert (row["valid_share"] is None and row["tokens"] == 0) if peer else row["valid_share"] == 1.0, (mode, name)
     assert part["greedy_mismatches"] == {}
     assert any("forced" in label for label in part["summary"]["greedy"]["default (auto)"]["drafted_by"])
-    reference = next(iter(suite_tasks("json"))).reference
-    assert Constraint.json_schema(FUNCTION_SCHEMA).check(reference)  # what the prediction strategy sends
+    task = next(iter(suite_tasks(suite)))
+    assert task.answer.check(task.reference)  # what the prediction strategy sends
+    assert not task.answer.check(task.reference.replace('"returns_value": ', '"returns": '))
     assert "| valid |" in markdown(data)

@@ -22,13 +22,12 @@ from specdec import profiling
 from specdec.analysis import expected_tokens, speedup, weight_bytes_per_token
 from specdec.build import Parts, assemble, build_decoder, with_demo_paths
 from specdec.config import DecoderConfig, DrafterSpec
-from specdec.constraints import Constraint
 from specdec.costs import nearest
 from specdec.decoder import SpeculativeDecoder
 from specdec.demo import demo_ngram
 from specdec.bench.prompts import file_prompts
 from specdec.bench.peers import peers
-from specdec.bench.suites import WITH_REFERENCES, suite_tasks
+from specdec.bench.suites import WITH_REFERENCES, Structured, suite_tasks
 from specdec.drafters import History, TreeShape
 from specdec.errors import SpecDecError
 from specdec.katz import KatzTrigram
@@ -85,7 +84,7 @@ class Run:
     tokens: list[int]
     seconds: float
     stats: GenerationStats
-    valid: bool | None = None  # under a constraint (the json suite): whether the text matches it
+    valid: bool | None = None  # under a structured output (the json and tools suites): whether the text is one
 
 
 @dataclass
@@ -110,13 +109,13 @@ def specdec_strategy(name, family, decoder: SpeculativeDecoder, max_new_tokens: 
                      predicts: bool = False) -> Strategy:
     """predicts: the task's reference answer, where it has one, goes in as the prediction."""
 
-    def run(prompt_ids, sampling, seed, reference: str = "", constraint: Constraint | None = None) -> Run:
+    def run(prompt_ids, sampling, seed, reference: str = "", answer: Structured | None = None) -> Run:
         # seeded for repeatability, drawn as unseeded requests are: the path users' requests take
         prediction = (reference or None) if predicts else None
         generation = decoder.request(prompt_ids, replace(sampling, seed=seed), Limits(max_new_tokens),
-                                     prediction=prediction, constraint=constraint)
+                                     prediction=prediction, constraint=answer.constraint if answer else None)
         result = decoder.run(generation.drawn(seed))
-        valid = constraint.check(result.text) if constraint is not None else None
+        valid = answer.check(result.text) if answer is not None else None
         return Run(result.tokens, result.stats.total_seconds, result.stats, valid)
 
     uses_draft = decoder.draft_model is not None and not decoder.shapes_by_nodes  # a fixed strategy's draft model
@@ -126,7 +125,7 @@ def specdec_strategy(name, family, decoder: SpeculativeDecoder, max_new_tokens: 
 def peer_strategy(peer) -> Strategy:
     """Another implementation's loop (see `bench.peers`), measured like ours."""
 
-    def run(prompt_ids, sampling, seed, reference: str = "", constraint: Constraint | None = None) -> Run:
+    def run(prompt_ids, sampling, seed, reference: str = "", answer: Structured | None = None) -> Run:
         out = peer.run(prompt_ids, sampling, seed)
         return Run(out.tokens, out.seconds,
                    GenerationStats(target_forwards=out.target_forwards, draft_forwards=out.draft_forwards))
@@ -253,8 +252,8 @@ def check_config(config: BenchConfig) -> None:
         suite_tasks(name)  # an unknown name is refused
 
 
-def suite_prompts(config: BenchConfig, target: CausalLM) -> dict[str, list[tuple[list[int], str, Constraint | None]]]:
-    """(prompt token ids, reference answer or "", the constraint its answer is under or None) per suite:
+def suite_prompts(config: BenchConfig, target: CausalLM) -> dict[str, list[tuple[list[int], str, Structured | None]]]:
+    """(prompt token ids, reference answer or "", the structured output its answer must be or None) per suite:
     the first `limit` tasks of each that leave room for the new tokens (chat models get their chat
     template), or a file's prompts as the suite "prompts"."""
     tokenizer, room = target.tokenizer, target.max_length - config.max_new_tokens
@@ -272,8 +271,7 @@ def suite_prompts(config: BenchConfig, target: CausalLM) -> dict[str, list[tuple
         for task in suite_tasks(name):
             ids = encode(task.prompt_for(tokenizer))
             if len(ids) <= room:
-                constraint = Constraint.json_schema(task.schema) if task.schema is not None else None
-                chosen[name].append((ids, task.reference, constraint))
+                chosen[name].append((ids, task.reference, task.answer))
             if len(chosen[name]) == config.limit:
                 break
         if not chosen[name]:
@@ -307,13 +305,13 @@ def run_bench(config: BenchConfig) -> dict:
                     if strategy.history is not None:
                         strategy.history.clear()
                 for suite, prompts in suites.items():
-                    for i, (ids, reference, constraint) in enumerate(prompts):
+                    for i, (ids, reference, answer) in enumerate(prompts):
                         for strategy in strategies:
-                            if constraint is not None and strategy.family == "peer":
+                            if answer is not None and strategy.family == "peer":
                                 continue  # the peers' loops take no constraint: not comparable
                             bar.set_postfix_str(f"{mode} · {suite} · {strategy.name}", refresh=False)
                             runs[suite][mode][strategy.name].append(strategy.run(
-                                ids, sampling, config.seed + i + round_ * len(prompts), reference, constraint))
+                                ids, sampling, config.seed + i + round_ * len(prompts), reference, answer))
                             bar.update(1)
                         monitor.sample()
         interrupted = False

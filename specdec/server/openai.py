@@ -4,23 +4,26 @@ Fields a client relies on are honoured or refused with a 400, never silently ign
 (temperature, top_p, top_k, min_p, the presence, frequency and repetition penalties, logit_bias, seed,
 stop, stop_token_ids, ignore_eos, max_tokens), logprobs, echo, stream and its usage, structured outputs
 (OpenAI's `response_format`, vLLM's `structured_outputs` and `guided_*`, llama-server's `grammar` and
-`json_schema`), n choices; what we do not implement (best_of > 1, suffix, tools) is refused by name.
+`json_schema`), n choices, tools (calls in OpenAI's shape, `tool_choice` "required" or a named function made
+a constraint); what we do not implement (best_of > 1, suffix, the deprecated `functions`) is refused by name.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from specdec.api import GenerationResult, SpeculativeDecoder
 from specdec.constraints import Constraint
 from specdec.engine import TokenLogprob
 from specdec.errors import SpecDecError
 from specdec.params import Limits, SamplingParams
+from specdec.tools import ToolCall, ToolFormat, ToolUse, tool_choice_from, tools_from
 from specdec.types import GenerationStats
 
 
@@ -293,15 +296,105 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
 
-class ChatMessage(BaseModel):
+class CalledFunction(BaseModel):
     model_config = STRICT
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    name: str
+    arguments: str  # JSON text, as the server wrote it
+
+
+class CalledTool(BaseModel):
+    """A call an assistant message made (sent back with the conversation)."""
+
+    model_config = STRICT
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
 
     def for_template(self) -> dict:
-        """The message as chat templates know it: text content; `developer` is the system role."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": text_of(self.content)}
+        """As chat templates read a call: its arguments an object (templates write them with `tojson`)."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            raise BadRequest(f"the arguments of tool call {self.id!r} are not JSON", param="messages") from None
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
+class Message(BaseModel):
+    """What every chat message has; each role's own fields are in its class (`ChatMessage`)."""
+
+    model_config = STRICT
+
+    name: str | None = None
+
+    def for_template(self) -> dict:
+        """The message as chat templates know it: text content; `developer` is the system role; an
+        assistant's calls with their arguments as objects; a tool's answer with the call's id."""
+        role = "system" if self.role == "developer" else self.role
+        message = {"role": role, "content": text_of(self.content or "")}
+        if getattr(self, "tool_calls", None):
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        for field in ("tool_call_id", "name"):
+            if getattr(self, field, None) is not None:
+                message[field] = getattr(self, field)
+        return message
+
+
+class TurnMessage(Message):
+    role: Literal["system", "developer", "user"]
+    content: str | list[TextPart]
+
+
+class AssistantMessage(Message):
+    role: Literal["assistant"]
+    content: str | list[TextPart] | None = None  # none when it only called tools
+    tool_calls: list[CalledTool] | None = None
+
+    @model_validator(mode="after")
+    def _says_or_calls(self):
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant's message has content, tool_calls or both")
+        return self
+
+
+class ToolMessage(Message):
+    role: Literal["tool"]
+    content: str | list[TextPart]
+    tool_call_id: str  # the call it answers
+
+
+ChatMessage = Annotated[TurnMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+
+
+class FunctionSpec(BaseModel):
+    model_config = STRICT
+
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # the arguments' JSON Schema
+
+
+class ToolSpec(BaseModel):
+    """A function the model may call (OpenAI's `tools` entries)."""
+
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(BaseModel):
+    model_config = STRICT
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatRequest(SamplingFields):
@@ -309,23 +402,61 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     functions: list | None = None
+    _tool_format: ToolFormat | None = PrivateAttr(None)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise BadRequest(f"{name} (function calling) is not supported", param=name)
+        if self.functions:
+            raise BadRequest("functions (the deprecated form of function calling) is not supported: send tools",
+                             param="functions")
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+
+    def use_tools(self, format: ToolFormat | None) -> None:
+        """Tell the request how its model writes calls, before `tool_use` or `constraint` are read."""
+        self._tool_format = format
+
+    def tool_use(self) -> ToolUse | None:
+        """The request's tools and choice, checked (None: it offers none)."""
+        if not self.tools:
+            if self.tool_choice is not None and self.tool_choice != "none":
+                raise BadRequest("tool_choice needs tools", param="tool_choice")
+            return None
+        if self._tool_format is None:
+            raise BadRequest("this model's chat template does not render tools: the server needs one that does "
+                             "(`specdec serve --chat-template FILE`)", param="tools")
+        try:
+            tools = tools_from([tool.model_dump(exclude_none=True) for tool in self.tools])
+            choice = tool_choice_from(self.tool_choice.model_dump() if isinstance(self.tool_choice, BaseModel)
+                                      else self.tool_choice, tools)
+            return ToolUse(tools, self._tool_format, choice, self.parallel_tool_calls is not False)
+        except SpecDecError as error:
+            raise BadRequest(str(error), param=error.param) from None
+
+    def constraint(self) -> Constraint | None:
+        """A structured output, or the calls `tool_choice` "required" or a named function asks for."""
+        tools, given = self.tool_use(), super().constraint()
+        forced = tools.constraint() if tools is not None else None
+        if forced is not None and given is not None:
+            raise BadRequest(f"tool_choice {self.tool_choice!r} makes the answer a tool call: it cannot also follow "
+                             f"{given.param}", param=given.param)
+        if tools is not None and tools.choice == "auto" and given is not None:
+            raise BadRequest(f"with tools, {given.param} constrains the answer only when tool_choice is 'none'",
+                             param=given.param)
+        return forced or given
 
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def chat_prompt(decoder: SpeculativeDecoder, messages: list[ChatMessage]) -> list[int]:
-    return decoder.chat_ids([m.for_template() for m in messages])
+def chat_prompt(decoder: SpeculativeDecoder, body: ChatRequest) -> list[int]:
+    tools = body.tool_use()
+    return decoder.chat_ids([m.for_template() for m in body.messages],
+                            tools=tools.for_template() if tools is not None else None)
 
 
 # ---------------------------------------------------------------------------- responses
@@ -335,12 +466,16 @@ class Reply:
     """OpenAI response objects for one request: whole, or as stream chunks. `echo`: text to put
     before the completion (the prompt, for completions with echo)."""
 
-    def __init__(self, kind: str, model: str, prompt_tokens: int, tokenizer, echo: str = ""):
+    def __init__(self, kind: str, model: str, prompt_tokens: int, tokenizer, echo: str = "",
+                 tools: ToolUse | None = None):
         self.kind, self.model, self.prompt_tokens = kind, model, prompt_tokens
         self.tokenizer, self.echo = tokenizer, echo
+        self.tools = tools if tools is not None and tools.reads_calls else None  # calls are read from the answers
         self.id = ("chatcmpl-" if kind.startswith("chat") else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}  # per choice: its characters before its next logprobs entry (by pieces)
+        self._texts: dict[int, str] = {}  # with tools, per choice: its text so far, and how much of it was sent
+        self._sent: dict[int, int] = {}
 
     @property
     def chat(self) -> bool:
@@ -354,9 +489,12 @@ class Reply:
         choices = []
         for index, result in enumerate(results):
             logprobs = self._logprobs(result.logprobs, index) if result.logprobs is not None else None
-            content = ({"message": {"role": "assistant", "content": result.text}} if self.chat
-                       else {"text": self.echo + result.text})
-            choices.append({"index": index, **content, "logprobs": logprobs, "finish_reason": result.finish_reason})
+            if self.chat:
+                message, finish_reason = self._answer(result.text, result.finish_reason)
+                content = {"message": message}
+            else:
+                content, finish_reason = {"text": self.echo + result.text}, result.finish_reason
+            choices.append({"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason})
         return {**self._head(self.kind), "choices": choices, "usage": self._usage(results),
                 "speculative": _speculative([r.stats for r in results])}
 
@@ -365,7 +503,12 @@ class Reply:
         """A stream chunk of choice `index`; `logprobs`: those of its tokens committed since its last chunk."""
         new = self._logprobs(logprobs, index) if logprobs is not None else None
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            if first:
+                delta = {"role": "assistant", "content": ""}
+            elif self.tools is not None:
+                delta, finish_reason = self._tool_delta(text, finish_reason, index)
+            else:
+                delta = {"content": text} if text else {}
             choice = {"index": index, "delta": delta, "logprobs": new, "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         if first:
@@ -374,6 +517,29 @@ class Reply:
             text = self.echo
         return {**self._head("text_completion"),
                 "choices": [{"index": index, "text": text, "logprobs": new, "finish_reason": finish_reason}]}
+
+    def _answer(self, text: str, finish_reason: str) -> tuple[dict, str]:
+        """A chat answer's message and finish reason; with tools, the calls read out of its text."""
+        content, calls = self.tools.parse(text) if self.tools is not None else (text, [])
+        if not calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        return ({"role": "assistant", "content": content.strip() or None, "tool_calls": _tool_calls(calls)},
+                "tool_calls" if finish_reason == "stop" else finish_reason)
+
+    def _tool_delta(self, text: str, finish_reason: str | None, index: int) -> tuple[dict, str | None]:
+        """A streamed answer's delta when calls may be in it: content is sent up to where a call may begin
+        (`ToolFormat.held_from`); the rest waits for the end, which sends it, or the calls read from it."""
+        seen = self._texts[index] = self._texts.get(index, "") + text
+        sent = self._sent.get(index, 0)
+        if finish_reason is None:
+            self._sent[index] = release = max(sent, self.tools.format.held_from(seen))
+            return ({"content": seen[sent:release]} if release > sent else {}), None
+        content, calls = self.tools.parse(seen)
+        delta = {"content": content[sent:]} if content[sent:] else {}
+        if calls:
+            return ({**delta, "tool_calls": [{"index": i, **call} for i, call in enumerate(_tool_calls(calls))]},
+                    "tool_calls" if finish_reason == "stop" else finish_reason)
+        return delta, finish_reason
 
     def usage_chunk(self, results: list[GenerationResult]) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -412,6 +578,11 @@ class Reply:
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "text_offset": offsets,
                 "top_logprobs": ([{piece(t): lp for t, lp in e.top} for e in entries]
                                  if any(e.top for e in entries) else None)}
+
+
+def _tool_calls(calls: list[ToolCall]) -> list[dict]:
+    return [{"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            for call in calls]
 
 
 def _speculative(stats: list[GenerationStats]) -> dict:
