@@ -1,5 +1,5 @@
 """What a constraint costs (`specdec.constraints`, llguidance) on a model's vocabulary: the grammar
-tokenizer's one-time build, each bench schema's compile, and per token of a valid output the mask
+tokenizer's one-time build, each bench schema's and tool call's compile, and per token of a valid output the mask
 (llguidance's bitmask, then specdec's boolean row and the masked logits row) and the commit. Prints
 one JSON line; medians over the output's tokens.
 
@@ -20,6 +20,7 @@ import torch
 import specdec
 from specdec.bench.suites import FUNCTION_SCHEMA, suite_tasks
 from specdec.constraints import Constraint
+from specdec.tools import FORMATS, ToolUse, tools_from
 
 SCHEMAS = {
     "function (the json suite)": FUNCTION_SCHEMA,
@@ -28,6 +29,13 @@ SCHEMAS = {
                "required": ["name", "age"]},
     "any object": None,
 }
+# the tools suite's required call, and a choice among three tools (one per format's frame)
+DESCRIBE = {"type": "function", "function": {"name": "describe_function", "parameters": FUNCTION_SCHEMA}}
+THREE = [DESCRIBE] + [{"type": "function", "function": {"name": name, "parameters": SCHEMAS["record"]}}
+                      for name in ("save_record", "find_record")]
+TOOL_CALLS = {f"tool call, {format} ({len(tools)} tools)": ToolUse(tools_from(tools), FORMATS[format], "required",
+                                                                    parallel=False).constraint()
+              for format in FORMATS for tools in ([DESCRIBE], THREE)}
 
 
 def timed(function):
@@ -47,8 +55,9 @@ def main() -> None:
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     _, tokenizer_seconds = timed(grammars.tokenizer)
     compile_ms = {}
-    for name, schema in SCHEMAS.items():
-        constraint = Constraint.json_object() if schema is None else Constraint.json_schema(schema)
+    constraints = {name: Constraint.json_object() if schema is None else Constraint.json_schema(schema)
+                   for name, schema in SCHEMAS.items()} | TOOL_CALLS
+    for name, constraint in constraints.items():
         _, seconds = timed(lambda: grammars.matcher(constraint))
         _, again = timed(lambda: grammars.matcher(constraint))
         compile_ms[name] = {"first": round(seconds * 1e3, 2), "cached": round(again * 1e3, 3)}

@@ -128,7 +128,6 @@ class Hermes(ToolFormat):
 
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def grammar(self, tools: Sequence[Tool], parallel: bool) -> str:
         block = f"block: {json.dumps(self.OPEN + chr(10))} call {json.dumps(chr(10) + self.CLOSE)}"
@@ -136,12 +135,19 @@ class Hermes(ToolFormat):
         return "\n".join((start, block, self._call_rule(tools)))
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        blocks = list(self.BLOCK.finditer(text))
-        values = [_json(block.group(1)) for block in blocks]
-        calls = self._calls(values) if blocks else []
-        if not calls:
-            return text, []
-        return self.BLOCK.sub("", text), calls
+        """Each block is the tag, one JSON value (read as JSON: a string in it may hold the tags), and the
+        closing tag, which the end of the text may stand for."""
+        outside, values, at = [], [], 0
+        while (start := text.find(self.OPEN, at)) >= 0:
+            value, end = _json_at(text, start + len(self.OPEN))
+            end = len(text) - len(text[end:].lstrip()) if value is not None else end
+            if value is None or not (text.startswith(self.CLOSE, end) or end == len(text)):
+                return text, []
+            outside.append(text[at:start])
+            values.append(value)
+            at = end + len(self.CLOSE) if text.startswith(self.CLOSE, end) else end
+        calls = self._calls(values)
+        return ("".join(outside) + text[at:], calls) if calls else (text, [])
 
     def held_from(self, text: str) -> int:
         return _marker_start(text, self.OPEN)
@@ -280,6 +286,15 @@ def _marker_start(text: str, marker: str) -> int:
         if marker.startswith(text[-length:]):
             return len(text) - length
     return len(text)
+
+
+def _json_at(text: str, at: int) -> tuple[object, int]:
+    """The JSON value that starts at `at` (after whitespace) and where it ends; (None, at) if there is none."""
+    start = len(text) - len(text[at:].lstrip())
+    try:
+        return json.JSONDecoder().raw_decode(text, start)
+    except (json.JSONDecodeError, RecursionError):
+        return None, at
 
 
 def _json(text: str):

@@ -64,6 +64,9 @@ def valid_calls(calls) -> bool:
      [("get_time", {"zone": 1}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]),
     ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}', "", [("get_time", {"zone": 1})]),
     ("hermes", "<tool_call>\n{not json}\n</tool_call>", None, []),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "</tool_call> <tool_call>"}}'
+     '\n</tool_call>. ', ". ", [("get_weather", {"city": "</tool_call> <tool_call>"})]),
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}} trailing\n</tool_call>', None, []),
     ("hermes", "no call here", None, []),
     ("llama3", '<|python_tag|>{"name": "get_time", "parameters": {"zone": -3}}', "", [("get_time", {"zone": -3})]),
     ("llama3", ' {"name": "get_time", "parameters": {"zone": 2}}; {"name": "get_time", "parameters": {"zone": 3}}',

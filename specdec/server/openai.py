@@ -442,7 +442,7 @@ class ChatRequest(SamplingFields):
         tools, given = self.tool_use(), super().constraint()
         forced = tools.constraint() if tools is not None else None
         if forced is not None and given is not None:
-            raise BadRequest(f"tool_choice {self.tool_choice!r} makes the answer a tool call: it cannot also follow "
+            raise BadRequest(f"tool_choice {tools.choice!r} makes the answer a tool call: it cannot also follow "
                              f"{given.param}", param=given.param)
         if tools is not None and tools.choice == "auto" and given is not None:
             raise BadRequest(f"with tools, {given.param} constrains the answer only when tool_choice is 'none'",
