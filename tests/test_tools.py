@@ -136,10 +136,9 @@ def test_bad_tools_and_tool_choices_are_refused_by_name(tools, choice, match):
 
 @pytest.fixture(scope="module")
 def demo_decoders():
-    """The demo pair on transformers in float64 (a byte-level tokenizer with an end token; no near ties that
-    a verify's batch shape could tip), taught tools by TOOL_TEMPLATE:
+    """The demo pair on transformers (a byte-level tokenizer with an end token), taught tools by TOOL_TEMPLATE:
     plain decoding, the default and a fixed chain of the draft model."""
-    decoders = [specdec.load(backend="transformers", dtype="float64", **options)
+    decoders = [specdec.load(backend="transformers", dtype="float32", **options)
                 for options in (dict(plain=True), dict(), dict(gamma=3))]
     for decoder in decoders:
         decoder.tokenizer.chat_template = TOOL_TEMPLATE
