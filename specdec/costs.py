@@ -96,6 +96,7 @@ class LiveCosts(Profile):
     _drafted: tuple[int, float, int] | None = field(default=None, repr=False)
     _curve: dict[int, float] | None = field(default=None, repr=False)  # t(k) as decoding pays it, at the measured sizes
     _shaped_by: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)  # (log factor, k) per class
+    _measured_one: float | None = field(default=None, repr=False)  # the measured curve's t(1) (`_measured`)
 
     @classmethod
     def of(cls, profile: Profile) -> LiveCosts:
@@ -109,7 +110,7 @@ class LiveCosts(Profile):
         the drafting step that caused it, and only steady plain steps teach the plain cost."""
         if tokens < 1 or seconds <= 0:
             return
-        steady = Profile.verify(self, 1) * math.exp(self._classes[0][1]) if 0 in self._classes else None
+        steady = self._measured(1) * math.exp(self._classes[0][1]) if 0 in self._classes else None
         drafted = self._drafted
         if (drafted is not None and tokens == 1 and steady is not None and drafted[2] < self.AFTERMATH
                 and seconds > 1.05 * steady):
@@ -124,7 +125,7 @@ class LiveCosts(Profile):
             self._drafted = (tokens, seconds, 0)  # recorded once the plain steps after it are steady again
 
     def _record(self, tokens: int, seconds: float) -> None:
-        factor = min(max(seconds / Profile.verify(self, tokens), 1 / self.CLAMP), self.CLAMP)
+        factor = min(max(seconds / self._measured(tokens), 1 / self.CLAMP), self.CLAMP)
         entry = self._classes.setdefault(tokens.bit_length() - 1, [0, 0.0, 0.0])
         entry[0] += 1
         weight = 1 / min(entry[0], self.MEMORY)
@@ -134,6 +135,14 @@ class LiveCosts(Profile):
         if shaped is None or abs(entry[1] - shaped[0]) > self.RESHAPE or abs(entry[2] / shaped[1] - 1) > self.RESHAPE:
             self._curve = None
             self.revision += 1
+
+    def _measured(self, tokens: int) -> float:
+        """The measured curve's t(tokens) (`Profile.verify`); t(1), read every plain step, is kept."""
+        if tokens != 1:
+            return Profile.verify(self, tokens)
+        if self._measured_one is None:
+            self._measured_one = Profile.verify(self, 1)
+        return self._measured_one
 
     def factor(self, k: float) -> float:
         """The observed factor at k (1 before any step was seen)."""

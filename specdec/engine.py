@@ -215,7 +215,7 @@ class Engine:
             results[i] = StepResult.failed(outcome) if isinstance(outcome, Exception) else outcome
         done = time.perf_counter()
         fed = sum(len(drafts[i]) + 1 for i in live)
-        profiles = (state.gamma_policy.profile for state in states if isinstance(state.gamma_policy, CostFollowing))
+        profiles = (state.gamma_policy.profile for state in states if _follows_costs(state.gamma_policy))
         for costs in {id(p): p for p in profiles if isinstance(p, LiveCosts)}.values():
             costs.observe(fed, done - tock)  # what this verify paid, for the policies' next choices
         for state in states:  # every row waited for the whole batch
@@ -364,3 +364,15 @@ def _commit(tokens: list[int], room: int, stop_tokens: frozenset[int]) -> StepRe
         if token in stop_tokens:  # EOS inside accepted tokens ends generation there (pitfall 7)
             return StepResult(tokens[:i], "stop")
     return StepResult(tokens[:room])
+
+
+_FOLLOWS_COSTS: dict[type, bool] = {}
+
+
+def _follows_costs(policy) -> bool:
+    """Whether the policy reads a cost profile (`CostFollowing`), checked once per type: a protocol's
+    isinstance is slow, and asked every step (a protocol with an attribute has no issubclass)."""
+    kind = type(policy)
+    if kind not in _FOLLOWS_COSTS:
+        _FOLLOWS_COSTS[kind] = isinstance(policy, CostFollowing)
+    return _FOLLOWS_COSTS[kind]

@@ -333,6 +333,7 @@ class CostAwarePolicy:
         self.pays, self.pays_for = False, 0  # whether some source could pay, and for how many more iterations (`depth`)
         self._pays_for_key: tuple | None = None  # what `pays` was last computed from (`_some_source_pays`)
         self.credit = 0.0  # seconds the probes may still take: EXPLORE_SHARE of each iteration accrues
+        self._accruals: dict[int, float] = {}  # batch -> credit per iteration (`_accrual`)
         if shared is not None:
             shared.seed(self)
 
@@ -409,10 +410,13 @@ class CostAwarePolicy:
 
     def _accrual(self) -> float:
         """Credit each iteration adds: EXPLORE_SHARE of this row's share of a plain step (as measured:
-        live costs keep its scale)."""
-        profile = self.profile
-        return max(1e-12, EXPLORE_SHARE * (interpolate(profile.target, self.batch) + profile.step_overhead)
-                   / self.batch)
+        live costs keep its scale, so it is a function of the batch alone, kept per batch)."""
+        accrual = self._accruals.get(self.batch)
+        if accrual is None:
+            profile = self.profile
+            accrual = self._accruals[self.batch] = max(1e-12, EXPLORE_SHARE * (
+                interpolate(profile.target, self.batch) + profile.step_overhead) / self.batch)
+        return accrual
 
     def _affords(self, probe: Probe, cost: float, spend: bool = True) -> bool:
         """Whether the credit pays for a probe that costs this much (and, with `spend`, pays);
