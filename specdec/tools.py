@@ -96,13 +96,16 @@ class ToolFormat:
         return "call_" + secrets.token_hex(12)
 
     def _call_rule(self, tools: Sequence[Tool]) -> str:
-        """A rule `call`: one JSON object calling one of `tools`, written compactly."""
+        """A rule `call`: one JSON object calling one of `tools`, written compactly. A tool's definitions
+        (`$defs`, as pydantic writes schemas) move to the call's root, where their `#/$defs/...` point."""
         name, arguments = self.call_fields
         alternatives = []
         for i, tool in enumerate(tools):
-            schema = {"type": "object", "properties": {name: {"const": tool.name},
-                                                       arguments: json.loads(tool.parameters)},
-                      "required": [name, arguments], "additionalProperties": False, "x-guidance": JSON_LAYOUT}
+            parameters = json.loads(tool.parameters)
+            definitions = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
+            schema = {"type": "object", "properties": {name: {"const": tool.name}, arguments: parameters},
+                      "required": [name, arguments], "additionalProperties": False, "x-guidance": JSON_LAYOUT,
+                      **definitions}
             alternatives.append(f"call_{i}: %json {json.dumps(schema)}")
         return "call: " + " | ".join(f"call_{i}" for i in range(len(tools))) + "\n" + "\n".join(alternatives)
 

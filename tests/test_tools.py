@@ -187,6 +187,22 @@ def test_parallel_calls_are_allowed_only_when_asked(demo_decoders, format, calls
     assert not accepts(calls.replace('"zone": 1', '"zone": 99'), parallel=True)
 
 
+def test_a_tool_whose_schema_refers_to_its_definitions_is_called_validly(demo_decoders):
+    """Schemas as pydantic writes them: `$ref` into `$defs` still resolves inside the call's grammar."""
+    plain = demo_decoders[0]
+    point = {"type": "function", "function": {"name": "move", "parameters": {
+        "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                            "required": ["x", "y"], "additionalProperties": False}},
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Point"}}, "required": ["to"],
+        "additionalProperties": False}}}
+    use = ToolUse(tools_from([point]), FORMATS["hermes"], "required", parallel=False)
+    matcher = plain.grammars.matcher(use.constraint())
+    good = '<tool_call>\n{"name": "move", "arguments": {"to": {"x": 1, "y": 2}}}\n</tool_call>'
+    for text, accepted in ((good, True), (good.replace('"y": 2', '"y": "2"'), False)):
+        tokens = plain.tokenizer.encode(text, add_special_tokens=False) + [plain.tokenizer.eos_token_id]
+        assert (matcher._matcher.deep_copy().validate_tokens(tokens) == len(tokens)) is accepted, text
+
+
 def test_a_gguf_template_renders_tools_as_transformers_does_and_llama_cpp_calls_losslessly(gguf_models,
                                                                                           demo_decoders):
     """llama.cpp's tokenizer renders the template with transformers' `tojson`, and a required call on
