@@ -84,25 +84,25 @@ def test_a_bench_over_several_suites_reports_each(tmp_path):
     assert {"suites.png", "edit-speedup.png", "prose-speedup.png", "forward_cost.png"} <= names
 
 
-@pytest.mark.parametrize("suite", ["json", "tools"])
-def test_the_structured_suites_run_every_strategy_under_their_constraint(tmp_path, suite):
-    """The demo pair on transformers, greedy: every strategy's answer is valid (the valid column: JSON under
-    the suite's schema; one call of its tool with such arguments), greedy texts agree with plain decoding's,
-    the default drafts the forced text, and the peers, whose loops take no constraint, are not run on it
-    (sampled outputs under a constraint: test_constraints, test_tools)."""
-    config = BenchConfig(runtime=RuntimeConfig(backend="transformers"), suites=(suite,), limit=1,
-                         max_new_tokens=96 if suite == "json" else 128,
-                         modes=("greedy",), gammas=(2,), trees=(), staged=False, peers=suite == "json",
+def test_the_structured_suites_run_every_strategy_under_their_constraint():
+    """The demo pair on transformers, greedy, one bench over both suites: every strategy's answer is valid (the
+    valid column: JSON under the suite's schema; one call of its tool with such arguments), greedy texts agree
+    with plain decoding's, the default drafts the forced text, and the peers, whose loops take no constraint,
+    are not run on them (sampled outputs under a constraint: test_constraints, test_tools)."""
+    config = BenchConfig(runtime=RuntimeConfig(backend="transformers"), suites=("json", "tools"), limit=1,
+                         max_new_tokens=128, modes=("greedy",), gammas=(2,), trees=(), staged=False, peers=True,
                          progress=False)
     data = run_bench(config)
-    part = data["suites"][suite]
-    for mode, rows in part["summary"].items():
-        for name, row in rows.items():
-            peer = next(s for s in data["strategies"] if s["name"] == name)["family"] == "peer"
-            assert (row["valid_share"] is None and row["tokens"] == 0) if peer else row["valid_share"] == 1.0, (mode, name)
-    assert part["greedy_mismatches"] == {}
-    assert any("forced" in label for label in part["summary"]["greedy"]["default (auto)"]["drafted_by"])
-    task = next(iter(suite_tasks(suite)))
-    assert task.answer.check(task.reference)  # what the prediction strategy sends
-    assert not task.answer.check(task.reference.replace('"returns_value": ', '"returns": '))
+    for suite in ("json", "tools"):
+        part = data["suites"][suite]
+        for mode, rows in part["summary"].items():
+            for name, row in rows.items():
+                peer = next(s for s in data["strategies"] if s["name"] == name)["family"] == "peer"
+                assert (row["valid_share"] is None and row["tokens"] == 0) if peer else row["valid_share"] == 1.0, \
+                    (suite, mode, name)
+        assert part["greedy_mismatches"] == {}
+        assert any("forced" in label for label in part["summary"]["greedy"]["default (auto)"]["drafted_by"])
+        task = next(iter(suite_tasks(suite)))
+        assert task.answer.check(task.reference)  # what the prediction strategy sends
+        assert not task.answer.check(task.reference.replace('"returns_value": ', '"returns": '))
     assert "| valid |" in markdown(data)

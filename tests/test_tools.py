@@ -145,8 +145,7 @@ def demo_decoders():
     return decoders
 
 
-@pytest.mark.parametrize("format", list(FORMATS))
-@pytest.mark.parametrize("choice", ["required", "get_weather"])
+@pytest.mark.parametrize("format,choice", [(format, "required") for format in FORMATS] + [("hermes", "get_weather")])
 def test_a_required_call_is_plain_decodings_and_its_format_reads_it_back(demo_decoders, format, choice):
     """Under each format's grammar the default (greedy and seeded: a seed keys its draws by position) and a
     chain (greedy) write plain decoding's tokens, and the format's parser reads valid calls to the offered
