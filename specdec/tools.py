@@ -143,12 +143,15 @@ class Hermes(ToolFormat):
         outside, values, at = [], [], 0
         while (start := text.find(self.OPEN, at)) >= 0:
             value, end = _json_at(text, start + len(self.OPEN))
-            end = len(text) - len(text[end:].lstrip()) if value is not None else end
-            if value is None or not (text.startswith(self.CLOSE, end) or end == len(text)):
+            if value is None:
+                return text, []
+            end = len(text) - len(text[end:].lstrip())
+            closed = text.startswith(self.CLOSE, end)
+            if not (closed or end == len(text)):
                 return text, []
             outside.append(text[at:start])
             values.append(value)
-            at = end + len(self.CLOSE) if text.startswith(self.CLOSE, end) else end
+            at = end + len(self.CLOSE) if closed else end
         calls = self._calls(values)
         return ("".join(outside) + text[at:], calls) if calls else (text, [])
 
@@ -170,7 +173,8 @@ class Llama3(ToolFormat):
         body = text.strip().removeprefix(self.TAG).strip()
         if not body.startswith("{"):
             return text, []
-        values = [_json(part) for part in body.split(";")] if _json(body) is None else [_json(body)]
+        whole = _json(body)
+        values = [whole] if whole is not None else [_json(part) for part in body.split(";")]
         calls = self._calls(values)
         return ("", calls) if calls else (text, [])
 
