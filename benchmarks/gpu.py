@@ -12,10 +12,12 @@ Sections:
 2. the demo pair on suite prompts: greedy equality of every strategy in float32 and bfloat16,
    tokens/s of plain (eager, compiled), HF generate (dynamic; static + compiled) and the default;
 3. an 8B-shaped Llama built in memory (random weights, bf16): the memory floor, plain decoding on
-   each path, HF generate both ways, t(k)/t(1), a prediction equal to its own greedy text;
+   each path (transformers' forward and the fused one, both in hand-captured graphs), HF generate both
+   ways, t(k)/t(1), a prediction equal to its own greedy text;
 4. the server's batch: 16 greedy rows stepped together on the eager path and on the compiled pool,
    tokens/s together and rows whose text departs from their lone text;
-5. last, as time allows: the 8B shape on Inductor's kernels, and HF generate with a static cache.
+5. last, as time allows: the 8B shape on Inductor's kernels, and HF generate with a static cache;
+6. the 8B shape's one-token step kernel by kernel (torch.profiler), transformers' forward and the fused one.
 """
 
 from __future__ import annotations
@@ -80,11 +82,17 @@ def load(path, compile: str, dtype: str = "bfloat16", plain: bool = True, **opti
 
 
 def per_token(decoder, prompt: list[int], new: int) -> tuple[float, list[int]]:
+    seconds, result = timed(decoder, prompt, new)
+    return seconds, result.tokens
+
+
+def timed(decoder, prompt: list[int], new: int):
+    """(seconds per generated token, the generation's result), greedy."""
     synchronize(DEVICE)
     started = time.perf_counter()
     result = decoder.generate(prompt, max_new_tokens=new, temperature=0)
     synchronize(DEVICE)
-    return (time.perf_counter() - started) / max(1, len(result.tokens)), result.tokens
+    return (time.perf_counter() - started) / max(1, len(result.tokens)), result
 
 
 def hf_generate(model: HFModel, prompt: list[int], new: int, **options) -> float:
@@ -159,11 +167,15 @@ def demo_suites(until: float) -> dict:
     tokenizer = load(DEMO / "target", "off").tokenizer
     prompts = {suite: [_ids(tokenizer, task) for task, _ in zip(suite_tasks(suite), range(2 if SMALL else 4))]
                for suite in ("complete", "edit")}
-    rows, equal = {}, {}
+    rows, equal, stats, profiles = {}, {}, {}, {}
     for dtype in ("float32", "bfloat16"):
         plain_eager, plain_static = load(DEMO / "target", "off", dtype), load(DEMO / "target", COMPILE, dtype)
+        unfused_model = load(DEMO / "target", "off", dtype).target
+        plain_unfused = specdec.SpeculativeDecoder(StaticHFModel(unfused_model.model, unfused_model.tokenizer, "demo target",
+                                                                 backend=COMPILE, fused=False))
         strategies = demo_strategies(plain_static.target, dtype)
         plain_static.target.warm_up()
+        plain_unfused.target.warm_up()
         strategies["chain 4"].drafter.model.warm_up(tokens=(1, 4, 16))
         for suite, ids in prompts.items():
             for prompt in ids:
@@ -171,23 +183,59 @@ def demo_suites(until: float) -> dict:
                     break
                 eager_s, want = per_token(plain_eager, prompt, new)
                 static_s, got = per_token(plain_static, prompt, new)
-                row = rows.setdefault(f"{dtype} {suite}", {"plain eager": [], "plain compiled": [], "HF generate": []})
+                row = rows.setdefault(f"{dtype} {suite}", {"plain eager": [], "plain compiled": [],
+                                                           "plain compiled, unfused": [], "HF generate": []})
                 row["plain eager"].append(eager_s)
                 row["plain compiled"].append(static_s)
+                row["plain compiled, unfused"].append(per_token(plain_unfused, prompt, new)[0])
                 row["HF generate"].append(hf_generate(plain_eager.target, prompt, new))
                 equal.setdefault(f"{dtype} compiled plain = eager plain", []).append(got == want)
                 for name, decoder in strategies.items():
-                    seconds, tokens = per_token(decoder, prompt, new)
+                    seconds, result = timed(decoder, prompt, new)
+                    tokens = result.tokens
                     row.setdefault(name, []).append(seconds)
+                    stats.setdefault(f"{dtype} {suite}, {name}", []).append(result.stats)
                     equal.setdefault(f"{dtype} {name} = eager plain", []).append(tokens == want)
                     equal.setdefault(f"{dtype} {name} = compiled plain", []).append(tokens == got)
     columns = list(dict.fromkeys(name for row in rows.values() for name in row))
     table = ["| dtype, suite | " + " | ".join(columns) + " |", "| --- |" + " ---: |" * len(columns)]
     for key, row in rows.items():
         table.append(f"| {key} | " + " | ".join(f"{1 / statistics.median(row[c]):.0f}" if row.get(c) else "-" for c in columns) + " |")
+        profiles[dtype] = what_the_default_read(strategies["default"])
     equality = {k: f"{sum(v)}/{len(v)}" for k, v in equal.items()}
-    note("## 2. Demo pair, tokens/s (median over prompts)\n" + "\n".join(table) + "\n\ngreedy equality (prompts equal / prompts): " + json.dumps(equality))
-    return {"tokens_per_s": {k: {n: [1 / s for s in v] for n, v in r.items()} for k, r in rows.items()}, "greedy_equal": equality}
+    drafting = {key: drafting_of(each) for key, each in stats.items()}
+    note("## 2. Demo pair, tokens/s (median over prompts)\n" + "\n".join(table) + "\n\ngreedy equality (prompts equal / prompts): "
+         + json.dumps(equality) + "\n\nhow each strategy drafted: " + json.dumps(drafting, indent=1)
+         + "\n\nthe cost profile it decided by (t(k)/t(1), draft d(k)/t(1)): " + json.dumps(profiles, indent=1))
+    return {"tokens_per_s": {k: {n: [1 / s for s in v] for n, v in r.items()} for k, r in rows.items()}, "greedy_equal": equality,
+            "default drafting": drafting, "profiles": profiles}
+
+
+def drafting_of(stats_list) -> dict:
+    """What a strategy drafted over a suite's prompts: tokens per verify, its iterations' sources, and
+    where an iteration's time went (ms: drafting, the verify, the rest)."""
+    from collections import Counter
+
+    tokens = sum(s.generated_tokens for s in stats_list)
+    iterations = max(1, sum(s.iterations for s in stats_list))
+    sources = Counter(source for s in stats_list for source in s.drafters)
+    draft, verify = (sum(getattr(s, f) for s in stats_list) * 1e3 / iterations for f in ("draft_seconds", "verify_seconds"))
+    rest = sum(s.total_seconds - s.prefill_seconds for s in stats_list) * 1e3 / iterations - draft - verify
+    return {"tokens per verify": round(tokens / max(1, sum(s.target_forwards for s in stats_list)), 2),
+            "draft forwards": sum(s.draft_forwards for s in stats_list), "iterations by source": dict(sources.most_common(4)),
+            "ms per iteration: draft, verify, rest": [round(draft, 3), round(verify, 3), round(rest, 3)]}
+
+
+def what_the_default_read(decoder) -> dict:
+    """The measured profile the default's policy used: t(k)/t(1), d(k)/t(1), overheads / t(1)."""
+    from specdec import profiling
+
+    profile = profiling.profile(decoder.target, decoder.drafter.draft_model)
+    one = profile.target[1]
+    return {"t(1) ms": round(one * 1e3, 3), "t(k)/t(1)": {k: round(v / one, 2) for k, v in profile.target.items()},
+            "d(k)/t(1)": {k: round(v / one, 2) for k, v in (profile.draft or {}).items()},
+            "step overhead / t(1)": round(profile.step_overhead / one, 2),
+            "level overhead / t(1)": round(profile.level_overhead / one, 2), "load": profile.load}
 
 
 def demo_strategies(target, dtype: str) -> dict:
@@ -244,17 +292,20 @@ def server_batch(until: float) -> dict:
 
 
 def shaped_8b() -> tuple:
-    """Llama-3-8B's shapes with random weights (tied embedding, small residual branches, so the
-    greedy text is far from ties); output rows past the tokenizer's zeroed, as HF generate would
-    otherwise pick ids specdec never sees."""
+    """Llama-3-8B's shapes (untied output matrix, as Llama 3 8B's) with random weights built so that
+    greedy choices are decisive, far from bfloat16's ties: token embeddings of unit scale, residual
+    branches scaled by 0.05 (the stream stays near the last token's embedding), and output row j the
+    embedding of token perm[j], so the next token after t is the j with perm[j] = t (its greedy text
+    walks a random permutation, far from any tie). Rows past the tokenizer's are zeroed, as HF generate
+    would otherwise pick ids specdec never sees."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO / "target")
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=8192) if SMALL else dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
-    config = LlamaConfig(**shape, max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=500000.0,
-                         eos_token_id=None, pad_token_id=0, bos_token_id=None)
+    config = LlamaConfig(**shape, max_position_embeddings=2048, tie_word_embeddings=False, rope_theta=500000.0,
+                         eos_token_id=None, pad_token_id=0, bos_token_id=None, attn_implementation="sdpa")
     dtype = torch.float32 if SMALL else torch.bfloat16
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -267,7 +318,12 @@ def shaped_8b() -> tuple:
         for name, weight in model.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 weight.mul_(0.05)
-        model.model.embed_tokens.weight[len(tokenizer):] = 0
+        embeddings, vocab = model.model.embed_tokens.weight, len(tokenizer)
+        embeddings.normal_(0.0, 1.0)
+        embeddings[vocab:] = 0
+        permutation = torch.randperm(vocab, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[:vocab] = embeddings[permutation]
     return model.eval(), tokenizer
 
 
@@ -297,7 +353,9 @@ def eight_b(until: float) -> dict:
     seconds, text = per_token(SpeculativeDecoder(eager, None), prompt, new)
     results["specdec eager tok/s"] = 1 / seconds
     note("## 3. 8B-shaped\n" + json.dumps(results, indent=1))
-    results.update(static_figures(model, tokenizer, COMPILE, prompt, new, text))
+    for fused in (False, True):
+        if time.monotonic() < until - 30:
+            results.update(static_figures(model, tokenizer, COMPILE, prompt, new, text, fused=fused))
     return results
 
 
@@ -313,18 +371,20 @@ def eight_b_inductor(until: float) -> dict:
                                                                       cache_implementation="static")
         note(f"- HF generate, static cache, compiled: {results['HF generate static+compiled tok/s']:.1f} tok/s")
     if time.monotonic() < until - 120:
-        results.update(static_figures(model, tokenizer, "inductor", prompt, new, None))
+        results.update(static_figures(model, tokenizer, "inductor", prompt, new, None, fused=False))
     return results
 
 
-def static_figures(model, tokenizer, backend: str, prompt: list[int], new: int, eager_text, buckets=BUCKETS) -> dict:
+def static_figures(model, tokenizer, backend: str, prompt: list[int], new: int, eager_text, fused: bool,
+                   buckets=BUCKETS) -> dict:
     """Plain decoding on the pool, syncs per step, t(k)/t(1) per bucket, and the default with the
     model's own greedy text predicted, against compiled plain."""
     from specdec.api import SpeculativeDecoder
     from specdec.drafters.auto import AutoDrafter
     from specdec.drafters.prompt_lookup import PromptLookupDrafter
 
-    static = StaticHFModel(model, tokenizer, "8B-shaped", context=1024, backend=backend)
+    static = StaticHFModel(model, tokenizer, "8B-shaped", context=1024, backend=backend, fused=fused)
+    backend = f"{backend}, {'fused' if fused else 'transformers forward'}"
     results = {f"{backend}: warm-up s": static.warm_up(tokens=buckets)}
     plain = SpeculativeDecoder(static, None)
     seconds, text = per_token(plain, prompt, new)
@@ -344,6 +404,76 @@ def static_figures(model, tokenizer, backend: str, prompt: list[int], new: int, 
     results[f"{backend}: greedy equal"] = result.tokens == text
     note(f"- {backend}: " + json.dumps(results))
     return results
+
+
+KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name), first match wins
+    ("attention", ("fmha", "attention", "flash", "attn")),
+    ("matrix products", ("gemm", "gemv", "cutlass", "sm90_", "sm80_", "splitk", "cublas", "matmul", "dot_kernel")),
+    ("Inductor's fused elementwise", ("triton",)),
+    ("copies and indexing", ("copy", "memcpy", "index", "scatter", "gather", "cat", "fill")),
+    ("norms and reductions", ("reduce", "norm", "mean")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "pointwise")),
+)
+
+
+@section("6-8b-kernels", 150)
+def eight_b_kernels(until: float) -> dict:
+    """Where a one-token step of the 8B shape goes, kernel by kernel (torch.profiler, the pool's
+    forward launched eagerly: each kernel's device time is what it is inside a graph), transformers'
+    forward against the fused one, with the weights' bytes against the matrix products' time."""
+    model, tokenizer = shaped()
+    results = {}
+    for fused in (False, True):
+        if time.monotonic() > until - 20:
+            break
+        static = StaticHFModel(model, tokenizer, "8B-shaped", context=1024, backend="static", fused=fused)
+        label = "fused" if fused else "transformers forward"
+        sequence = static.sequence()
+        try:
+            sequence.forward(fresh_prompts(8192, (128,))[0], on_device=True)
+            for _ in range(3):  # warm: Inductor compiles its kernels for this shape
+                sequence.forward([5], on_device=True)
+            steps = 8
+            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+            with torch.profiler.profile(activities=activities) as profile:
+                for _ in range(steps):
+                    sequence.forward([5], on_device=True)
+                synchronize(DEVICE)
+        finally:
+            sequence.release()
+        results[label] = kernel_kinds(profile, steps, static.weight_bytes)
+        table = profile.key_averages().table(sort_by="self_device_time_total" if DEVICE == "cuda" else "self_cpu_time_total",
+                                             row_limit=25, max_name_column_width=70)
+        with open(OUT / "profiles.txt", "a") as tables:
+            tables.write(f"## 8B shape, one-token step, {label} ({steps} steps)\n{table}\n")
+    lines = ["| kind | " + " | ".join(f"{label}: us/step, kernels/step" for label in results) + " |",
+             "| --- |" + " ---: |" * len(results)]
+    kinds = dict.fromkeys(kind for by_kind in results.values() for kind in by_kind["by kind"])
+    for kind in kinds:
+        lines.append(f"| {kind} | " + " | ".join(
+            "{:.0f}, {:.0f}".format(*r["by kind"].get(kind, (0, 0))) for r in results.values()) + " |")
+    note("## 6. 8B shape, one step's kernels\n" + "\n".join(lines) + "\n\n" + json.dumps(
+        {label: {k: v for k, v in r.items() if k != "by kind"} for label, r in results.items()}, indent=1))
+    return results
+
+
+def kernel_kinds(profile, steps: int, weight_bytes: int) -> dict:
+    """Device time per step by kind of kernel (KERNEL_KINDS), and what the matrix products read per second."""
+    by_kind: dict[str, list[float]] = {}
+    for event in profile.key_averages():
+        device_us = getattr(event, "self_device_time_total", 0) or 0
+        if device_us <= 0 or event.device_type != torch.autograd.DeviceType.CUDA:  # kernels, not the ops launching them
+            continue
+        name = event.key.lower()
+        kind = next((k for k, marks in KERNEL_KINDS if any(m in name for m in marks)), "other: " + event.key[:40])
+        entry = by_kind.setdefault(kind, [0.0, 0.0])
+        entry[0] += device_us / steps
+        entry[1] += event.count / steps
+    total = sum(us for us, _ in by_kind.values())
+    products = by_kind.get("matrix products", [0.0])[0]
+    return {"by kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1][0])), "device us/step": total,
+            "kernels/step": sum(n for _, n in by_kind.values()),
+            "matrix products GB/s (weight bytes / their time)": weight_bytes / max(products, 1e-9) / 1e3}
 
 
 def verify_costs(model: StaticHFModel, buckets=BUCKETS) -> dict:
@@ -386,6 +516,6 @@ if __name__ == "__main__":
     card = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU rehearsal"
     note(f"# GPU check: {card}, torch {torch.__version__}, compile backend {COMPILE}, {time.strftime('%Y-%m-%d %H:%M')}")
     chosen = os.environ.get("ONLY")  # e.g. ONLY=3: the sections whose names start so
-    for name, limit_s, function in sorted(SECTIONS, key=lambda entry: "13245".index(entry[0][0])):  # the 8B shape second, Inductor last
+    for name, limit_s, function in sorted(SECTIONS, key=lambda entry: "163245".index(entry[0][0])):  # the 8B shape second, Inductor last
         if chosen is None or name.startswith(tuple(chosen.split(","))):
             run_section(name, limit_s, function)

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -206,8 +207,10 @@ def test_a_replica_killed_mid_load_loses_no_request_that_had_not_started(cluster
     prompts = PROMPTS * 2
     with ThreadPoolExecutor(len(prompts) + 4) as pool:
         whole = [pool.submit(complete, cluster, p, 160) for p in prompts]
-        streams = [pool.submit(stream, cluster, p, 160) for p in PROMPTS[:4]]
-        time.sleep(1.0)
+        started = [threading.Event() for _ in PROMPTS[:4]]
+        streams = [pool.submit(stream, cluster, p, 160, began) for p, began in zip(PROMPTS[:4], started)]
+        for began in started:  # requests are on the replicas: the kill comes mid-load, however busy the machine
+            assert began.wait(120), "a stream never began"
         victim = replica_pids()[0]
         os.kill(victim, signal.SIGKILL)
         killed_at = time.time()
@@ -244,8 +247,8 @@ def test_the_ingress_answers_malformed_bodies_as_one_process_does(cluster):
         assert bare.recv(64).split()[1] == b"200", "HTTP/1.0 needs no Host"
 
 
-def stream(url: str, prompt: str, max_tokens: int) -> tuple[str, list[str]]:
-    """A streamed completion's text and its raw events."""
+def stream(url: str, prompt: str, max_tokens: int, began: threading.Event | None = None) -> tuple[str, list[str]]:
+    """A streamed completion's text and its raw events (`began` set at its first text)."""
     events, text = [], ""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as reply:
@@ -254,6 +257,8 @@ def stream(url: str, prompt: str, max_tokens: int) -> tuple[str, list[str]]:
                 events.append(line[6:])
                 if line[6:] != "[DONE]" and "choices" in json.loads(line[6:]):
                     text += json.loads(line[6:])["choices"][0]["text"]
+                    if began is not None and text:
+                        began.set()
     return text, events
 
 

@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdec.errors import SpecDecError
 from specdec.runtime import base
+from specdec.runtime.fused import FusedForward, fused_refusal
 from specdec.runtime.hf import HFModel, HFSequence, as_float, longrope_switch, named_tree_refusal
 
 BUCKETS = (1, 4, 16, 64)  # new entries per compiled forward; verify trees and chains pad up to these
@@ -51,7 +52,8 @@ class StaticHFModel(HFModel):
     spare_sequences = KEPT_ROWS
 
     def __init__(self, model, tokenizer, path: str = "", context: int | None = None, backend: str = "graphs",
-                 rows: int = 2):
+                 rows: int = 2, fused: bool | None = None):
+        """fused: the model's forward as `fused.FusedForward` (None: on a GPU, for the families it covers)."""
         super().__init__(model, tokenizer, path)
         if backend not in COMPILE_BACKENDS:
             raise SpecDecError(f"unknown compile backend {backend!r}; choose one of {', '.join(COMPILE_BACKENDS)}")
@@ -67,6 +69,13 @@ class StaticHFModel(HFModel):
         self._runner = None
         self.compile_seconds: dict[tuple[int, int], float] = {}  # (rows, tokens) -> seconds its first forward took
         self._upload = _Uploader(self.torch_device)
+        self.unfused_because = fused_refusal(model) if fused is not False else "not asked for"
+        if fused and self.unfused_because:
+            raise SpecDecError(f"{path}: no fused forward ({self.unfused_because})")
+        if fused is None and not self.on_gpu:
+            self.unfused_because = "fused on GPUs only, unless asked for"
+        # Inductor's kernels for its elementwise steps on a GPU; as written elsewhere (what the tests check)
+        self.fused = None if self.unfused_because else FusedForward(model, compiled=self.on_gpu)
 
     @property
     def states_kind(self) -> tuple[int, ...] | str | None:
@@ -82,7 +91,9 @@ class StaticHFModel(HFModel):
         return sequence
 
     def describe(self) -> str:
-        return f"{super().describe()[:-1]}, static cache of {self.capacity}, compiled with {self.compile_backend})"
+        forward = "fused forward" if self.fused else f"transformers' forward ({self.unfused_because})"
+        return (f"{super().describe()[:-1]}, static cache of {self.capacity}, compiled with {self.compile_backend}, "
+                f"{forward})")
 
     def warm_up(self, tokens: tuple[int, ...] = BUCKETS, rows: tuple[int, ...] = (1,)) -> float:
         """Compile (capture) these shapes now rather than on first use; returns the seconds it took."""
@@ -132,7 +143,7 @@ class StaticHFModel(HFModel):
                 base.synchronize(self.torch_device)
                 self.compile_seconds[(rows, tokens_bucket)] = time.perf_counter() - began
         else:
-            out = self._forward_logits(step.tokens, step.positions, mask, cache, self.keeps_states)
+            out = self._forward_logits(step.tokens, step.positions, mask, cache, self.keeps_states, bucketed=False)
         return self._results(placed, out)
 
     def _results(self, placed, out) -> list[torch.Tensor]:
@@ -178,9 +189,11 @@ class StaticHFModel(HFModel):
             return torch.compile(self._forward_logits, mode=mode, dynamic=False)
         return torch.compile(self._forward_logits, backend=self.compile_backend, dynamic=False)
 
-    def _forward_logits(self, tokens, positions, mask, cache, states=None):
+    def _forward_logits(self, tokens, positions, mask, cache, states=None, bucketed: bool = True):
         """The logits [rows, tokens, vocab]; with states (their kind, `states_kind`), (logits, the states
-        [rows, tokens, width])."""
+        [rows, tokens, width]). bucketed: a compiled shape (else a prefill chunk, run as it comes)."""
+        if self.fused is not None:
+            return self.fused(tokens, positions, mask, cache, states, bucketed)
         out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                          **{self.cache_keyword: cache})
         return (out.logits, self.taken_states()) if states else out.logits

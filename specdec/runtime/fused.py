@@ -1,0 +1,201 @@
+"""A decoder forward written for the static pool, for the Llama family (Llama 2/3.x, Mistral, Qwen 2/2.5, Qwen 3).
+
+transformers' decoder layer launches dozens of small kernels per layer (three projections, norm,
+rotary, cache writes, gate and up apart, residual adds), each reading its inputs from memory again.
+Here, for the families that share Llama's layer:
+- the query, key and value projections are one matrix, and gate and up one (concatenated once, at load;
+  the model's own modules keep views into them, so no weight is held twice and its own forward still runs);
+- on a GPU the elementwise work between the matrix products is compiled by Inductor into one kernel
+  each (`torch.compile` of the pure functions below): the residual add with the next norm, the query and
+  key rotations, the gated activation; the products, attention and the cache write stay as they are;
+- attention reads the pool's key and value heads where they are: a group of query heads sharing one
+  key head is run as that key head's queries (no copy of the keys per query head), the only way a
+  masked attention keeps SDPA off its math kernel;
+- the norms, the rotary embedding and the activation are the model's own modules or their
+  arithmetic operation for operation, so the forward equals transformers' (tests: float64, every covered family).
+
+Every other model keeps transformers' forward on the pool (`fused_refusal` says why).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def fused_refusal(model) -> str | None:
+    """Why `model` (a transformers causal LM) has no fused forward, or None."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        return f"{config.model_type} is not among the families it covers ({', '.join(FAMILIES)})"
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation != "sdpa":
+        return f"its attention is {implementation}; the fused forward computes sdpa's"
+    if config.hidden_act != "silu":
+        return f"its activation is {config.hidden_act}, not silu"
+    layer = model.model.layers[0]
+    projections = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+    gate_up = (layer.mlp.gate_proj, layer.mlp.up_proj)
+    if len({p.bias is None for p in projections}) > 1 or len({p.bias is None for p in gate_up}) > 1:
+        return "some of its projections have biases and others not"
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope in ("dynamic", "longrope"):
+        return f"its {rope} rotary embedding changes with the context"
+    return None
+
+
+class FusedForward:
+    """model's forward over the pool: (tokens, positions, mask(s), SlotCache, states kind) -> logits,
+    or (logits, states) as `StaticHFModel._forward_logits` returns them."""
+
+    def __init__(self, model, compiled: bool):
+        inner = model.model
+        self.embed, self.rotary, self.norm, self.head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
+        self.layers = [_Layer(layer) for layer in inner.layers]
+        types = getattr(model.config, "layer_types", None) or ["full_attention"] * len(self.layers)
+        self.layer_types = list(types)
+        # a compiled forward's shapes (the pool's buckets) against the rest (prefill chunks), run as written
+        self.kernels = {"bucketed": _Kernels(compiled, products=True), "other": _Kernels(False, products=False)}
+
+    def __call__(self, tokens, positions, mask, cache, states=None, bucketed: bool = True):
+        kernels = self.kernels["bucketed" if bucketed else "other"]
+        hidden = self.embed(tokens)
+        cos, sin = self.rotary(hidden, positions)
+        taken = {}  # layer -> its input, for states of layers
+        normed = rms_norm(hidden, *self.layers[0].norm_in)
+        following = [layer.norm_in for layer in self.layers[1:]] + [_norm(self.norm)]
+        for index, (layer, next_norm) in enumerate(zip(self.layers, following)):
+            if isinstance(states, tuple) and index in states:
+                taken[index] = hidden
+            layer_mask = mask[self.layer_types[index]] if isinstance(mask, dict) else mask
+            hidden, normed = layer(hidden, normed, cos, sin, layer_mask, cache, index, kernels, next_norm)
+        logits = self.head(normed)
+        if not states:
+            return logits
+        return logits, (normed if states == "norm" else torch.cat([taken[i] for i in states], dim=-1))
+
+
+class _Layer:
+    """One decoder layer's weights: the model's modules, with q/k/v and gate/up concatenated."""
+
+    def __init__(self, layer):
+        attention, mlp = layer.self_attn, layer.mlp
+        self.qkv_weight, self.qkv_bias = _concatenated(attention.q_proj, attention.k_proj, attention.v_proj)
+        self.gate_up_weight, self.gate_up_bias = _concatenated(mlp.gate_proj, mlp.up_proj)
+        self.o_proj, self.down_proj = attention.o_proj, mlp.down_proj
+        self.norm_in, self.norm_post = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+        self.q_norm, self.k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+        self.head_dim, self.scaling = attention.head_dim, attention.scaling
+        self.q_width, self.kv_width = attention.q_proj.out_features, attention.k_proj.out_features
+
+    def __call__(self, hidden, normed, cos, sin, mask, cache, index: int, kernels: _Kernels, next_norm):
+        """(hidden, normed) -> the next layer's (hidden, its norm of it): `normed` is this layer's
+        input norm of `hidden`, computed where the previous layer added its residual."""
+        rows, n, _ = hidden.shape
+        mixed = F.linear(normed, self.qkv_weight, self.qkv_bias)
+        queries, keys, values = mixed.split([self.q_width, self.kv_width, self.kv_width], dim=-1)
+        queries, keys = queries.view(rows, n, -1, self.head_dim), keys.view(rows, n, -1, self.head_dim)
+        if self.q_norm is not None:  # Qwen 3: a norm over each head, before the rotation
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        queries, keys = kernels.rotate(queries.transpose(1, 2), keys.transpose(1, 2), cos, sin)
+        values = values.view(rows, n, -1, self.head_dim).transpose(1, 2)
+        pool_keys, pool_values = cache.update(keys, values, index)
+        attended = grouped_attention(queries, pool_keys, pool_values, mask, self.scaling, kernels)
+        hidden, normed = kernels.add_norm(hidden, self.o_proj(attended.transpose(1, 2).reshape(rows, n, -1)),
+                                          *self.norm_post)
+        gated = kernels.gated(F.linear(normed, self.gate_up_weight, self.gate_up_bias))
+        return kernels.add_norm(hidden, self.down_proj(gated), *next_norm)
+
+
+def grouped_attention(queries, keys, values, mask, scale: float, kernels: _Kernels) -> torch.Tensor:
+    """Attention of queries [rows, heads, n, d] over keys and values [rows, kv heads, cells, d] with an
+    additive mask [rows, 1, n, cells], each key head's group of query heads run as that head's
+    group × n queries (query head h reads key head h // group, as transformers' repeat_kv pairs them)."""
+    rows, heads, n, dim = queries.shape
+    group = heads // keys.shape[1]
+    grouped = queries.reshape(rows, keys.shape[1], group * n, dim)  # query g * n + j: head (kv, g), token j
+    grouped_mask = mask if n == 1 or group == 1 else mask.repeat(1, 1, group, 1)
+    return kernels.attend(grouped, keys, values, grouped_mask, scale).reshape(rows, heads, n, dim)
+
+
+def masked_softmax(scores, mask, scale: float):
+    """softmax(scores × scale + mask) in float32 at least, back in the scores' dtype."""
+    wide = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    return torch.softmax(wide * scale + mask, dim=-1).to(scores.dtype)
+
+
+def fused_attention(queries, keys, values, mask, scale: float) -> torch.Tensor:
+    """SDPA's kernel: for a prefill's many queries, whose scores two products would hold whole."""
+    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+
+
+def rotate(queries, keys, cos, sin):
+    """transformers' rotary embedding ([rows, heads, n, d] each; cos, sin [rows, n, d])."""
+    cos, sin = cos[:, None], sin[:, None]
+    return queries * cos + _rotated_half(queries) * sin, keys * cos + _rotated_half(keys) * sin
+
+
+def _rotated_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rms_norm(hidden, weight, eps: float):
+    """transformers' RMSNorm of these families, operation for operation (in float32 whatever the dtype)."""
+    dtype = hidden.dtype
+    wide = hidden.to(torch.float32)
+    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * wide.to(dtype)
+
+
+def add_norm(hidden, delta, weight, eps: float):
+    """The residual add, and the next norm of its sum."""
+    hidden = hidden + delta
+    return hidden, rms_norm(hidden, weight, eps)
+
+
+def _norm(module) -> tuple[torch.Tensor, float]:
+    return module.weight, module.variance_epsilon
+
+
+def gated(gate_up):
+    """silu(gate) * up, from the concatenated product."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class _Kernels:
+    """How a forward computes what lies between its matrix products. compiled: each elementwise step
+    one Inductor kernel (a GPU's graphs), else as written. products: attention as two batched products
+    around a softmax (a step's few queries over whole rows: a fused attention kernel runs one block
+    per head there and leaves most of a GPU idle); else SDPA's kernel (a prefill's many queries, whose
+    scores the products would hold whole)."""
+
+    def __init__(self, compiled: bool, products: bool):
+        if compiled:  # one entry per (rows, tokens) bucket: past dynamo's limit (8) a shape would run eagerly
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        wrap = (lambda f: torch.compile(f, dynamic=False, fullgraph=True)) if compiled else (lambda f: f)
+        self.rotate, self.add_norm, self.gated, self.softmax = map(wrap, (rotate, add_norm, gated, masked_softmax))
+        self.attend = self._products if products else fused_attention
+
+    def _products(self, queries, keys, values, mask, scale: float) -> torch.Tensor:
+        return self.softmax(queries @ keys.transpose(-1, -2), mask, scale) @ values
+
+
+def _concatenated(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several linear layers over the same input; each layer's own
+    parameters become views into it (the separate copies are freed)."""
+    with torch.no_grad():
+        weight = torch.cat([linear.weight for linear in linears])
+        # these families give all or none of a layer's projections a bias (`fused_refusal`)
+        bias = torch.cat([linear.bias for linear in linears]) if linears[0].bias is not None else None
+        start = 0
+        for linear in linears:
+            end = start + linear.out_features
+            linear.weight = torch.nn.Parameter(weight[start:end], requires_grad=False)
+            if linear.bias is not None:
+                linear.bias = torch.nn.Parameter(bias[start:end], requires_grad=False)
+            start = end
+    return weight, bias

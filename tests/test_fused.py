@@ -1,0 +1,140 @@
+"""The fused forward (`specdec.runtime.fused`), the static pool's GPU default for the Llama family: on the
+CPU in float64, every step equals transformers' forward on the same pool (logits, cached keys, the
+states heads read), every drafter's greedy text is plain decoding's, and every other architecture of
+the matrix is refused by name (it keeps transformers' forward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec
+from architectures import ARCHITECTURES
+from specdec.runtime.fused import FAMILIES, _Kernels, fused_refusal, grouped_attention, rms_norm
+from specdec.runtime.static import StaticHFModel
+from tiny import save_tiny_model
+
+PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
+COVERED = [arch for arch in ARCHITECTURES if ARCHITECTURES[arch](16, 1, 64).model_type in FAMILIES]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("fused")
+    dirs = {arch: str(save_tiny_model(root / arch, arch, seed=seed)) for seed, arch in enumerate(ARCHITECTURES)}
+    dirs |= {f"{arch}-near": str(save_tiny_model(root / f"{arch}-near", arch, seed=COVERED.index(arch), noise=0.005))
+             for arch in COVERED}
+    return dirs
+
+
+def pool(directory: str, fused: bool | None, attn_implementation: str = "sdpa") -> StaticHFModel:
+    eager = specdec.load_model(directory, device="cpu", dtype="float64", attn_implementation=attn_implementation)
+    return StaticHFModel(eager.model, eager.tokenizer, directory, backend="static", fused=fused)
+
+
+def test_the_families_it_covers_are_in_the_matrix():
+    assert set(COVERED) == {"llama", "mistral", "qwen2", "qwen3"}
+
+
+STEPS = [
+    lambda s: s.forward(PROMPT),
+    lambda s: s.forward([5, 6, 7, 8, 9], parents=[9, 9, 10, 12, 10]),  # a tree: 5 new entries, the 16 bucket
+    lambda s: (s.keep(10, [10, 12, 13]), s.forward([4], parents=[12]))[1],
+    lambda s: (s.truncate(8), s.forward([3, 3, 3]))[1],
+    lambda s: s.fork(9).forward([7, 1, 2, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9]),  # 18 new entries: the 64 bucket
+]
+
+
+@pytest.mark.parametrize("arch", COVERED)
+def test_each_step_equals_transformers_forward_on_the_pool(arch, saved):
+    """Prefill, a tree, compaction of its path, truncation, a fork and a chain: the same logits and
+    the same cached keys and values (Mistral's sliding window, Qwen 2's biases, Qwen 3's head norms,
+    grouped key heads in every one)."""
+    fused, reference = pool(saved[arch], fused=True), pool(saved[arch], fused=False)
+    assert fused.fused is not None and reference.fused is None
+    layer_calls = []  # transformers' decoder layers run only on the reference
+    for model in (fused, reference):
+        model.model.model.layers[0].register_forward_hook(lambda *_, model=model: layer_calls.append(model))
+    ours, theirs = fused.sequence(), reference.sequence()
+    for step in STEPS:
+        torch.testing.assert_close(step(ours), step(theirs), rtol=1e-10, atol=1e-10)
+    assert layer_calls and all(model is reference for model in layer_calls)
+    for (k1, v1), (k2, v2) in zip(ours.cache_tensors(), theirs.cache_tensors()):
+        torch.testing.assert_close(k1, k2, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(v1, v2, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("layers", [None, (1,)])
+def test_the_states_heads_read_are_transformers(saved, layers):
+    """The final norm's rows (a head's input) and decoder layers' inputs (an EAGLE-3 head's)."""
+    outputs = []
+    for fused in (True, False):
+        model = pool(saved["qwen3"], fused=fused)
+        model.keep_states(True, layers=layers)
+        sequence = model.sequence()
+        logits = [sequence.forward(PROMPT), sequence.forward([5, 6, 7], parents=[9, 10, 10])]
+        outputs.append((logits, sequence.states))
+    (ours, our_states), (theirs, their_states) = outputs
+    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(our_states, their_states, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("arch", COVERED)
+def test_every_drafter_writes_plain_decodings_greedy_text(arch, saved):
+    eager = specdec.load_model(saved[arch], device="cpu", dtype="float64")
+    plain = specdec.SpeculativeDecoder(eager).generate(PROMPT, max_new_tokens=40, temperature=0).tokens
+    fused = pool(saved[arch], fused=True)
+    near = specdec.load_model(saved[f"{arch}-near"], device="cpu", dtype="float64")
+    drafters = {"plain": None, "chain": specdec.ModelDrafter(near), "prompt lookup": specdec.PromptLookupDrafter(),
+                "tree": specdec.ModelDrafter(near, tree=specdec.TreeShape(nodes=8, width=2)),
+                "auto": specdec.AutoDrafter(specdec.ModelDrafter(near), specdec.PromptLookupDrafter())}
+    for name, drafter in drafters.items():
+        result = specdec.SpeculativeDecoder(fused, drafter, gamma=3).generate(PROMPT, max_new_tokens=40, temperature=0)
+        assert result.tokens == plain, f"{name} on the fused forward differs from plain greedy"
+
+
+@pytest.mark.parametrize("arch", [arch for arch in ARCHITECTURES if arch not in COVERED])
+def test_other_architectures_keep_transformers_forward_and_say_why(arch, saved):
+    model = specdec.load_model(saved[arch], device="cpu", dtype="float64").model
+    reason = fused_refusal(model)
+    assert reason is not None
+    try:
+        unfused = StaticHFModel(model, specdec.load_model(saved[arch], device="cpu").tokenizer, arch, backend="static")
+    except specdec.SpecDecError as error:  # no static pool at all (ALiBi, recurrent state ...): nothing to fuse
+        assert "no static cache" in str(error)
+        return
+    assert unfused.fused is None
+    with pytest.raises(specdec.SpecDecError, match="no fused forward"):
+        StaticHFModel(model, unfused.tokenizer, arch, backend="static", fused=True)
+
+
+def test_eager_attention_is_not_fused(saved):
+    """transformers' eager attention takes its softmax in float32: asked for, it is what runs."""
+    assert "its attention is eager" in fused_refusal(pool(saved["llama"], fused=False, attn_implementation="eager").model)
+
+
+def test_the_cpu_pool_is_unfused_unless_asked(saved):
+    model = pool(saved["llama"], fused=None)
+    assert model.fused is None and "GPU" in model.describe()
+
+
+@pytest.mark.parametrize("products", [True, False])
+def test_grouped_attention_equals_attention_over_repeated_key_heads(products):
+    """Each key head's group of query heads as its queries: transformers' repeat_kv pairing, for a tree's
+    masks, computed as a step computes it (two products around a softmax) and as a prefill does (SDPA)."""
+    generator = torch.Generator().manual_seed(0)
+    queries, keys, values = (torch.randn(shape, dtype=torch.float64, generator=generator)
+                             for shape in ((2, 8, 3, 16), (2, 2, 32, 16), (2, 2, 32, 16)))
+    mask = torch.where(torch.rand(2, 1, 3, 32, generator=generator) < 0.7, 0.0, float("-inf")).double()
+    mask[..., 0] = 0.0  # every query sees something
+    repeated = [t.repeat_interleave(4, dim=1) for t in (keys, values)]
+    expected = torch.nn.functional.scaled_dot_product_attention(queries, *repeated, attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(grouped_attention(queries, keys, values, mask, 0.25, _Kernels(False, products)), expected,
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_its_norm_is_the_models(saved):
+    model = specdec.load_model(saved["qwen2"], device="cpu", dtype="float64").model
+    norm = model.model.layers[0].input_layernorm
+    hidden = torch.randn(2, 3, norm.weight.shape[0], dtype=torch.float64)
+    assert torch.equal(rms_norm(hidden, norm.weight, norm.variance_epsilon), norm(hidden))
