@@ -17,7 +17,9 @@ Sections:
 4. the server's batch: 16 greedy rows stepped together on the eager path and on the compiled pool,
    tokens/s together and rows whose text departs from their lone text;
 5. last, as time allows: the 8B shape on Inductor's kernels, and HF generate with a static cache;
-6. the 8B shape's one-token step kernel by kernel (torch.profiler), transformers' forward and the fused one.
+6. the 8B shape's one-token step kernel by kernel (torch.profiler), transformers' forward and the fused one;
+7. drafting beside the 8B shape: a 1B-shaped draft model's step and an EAGLE-3 head's level against the
+   target's, and the speedups Leviathan's formula gives for acceptance rates measured on the CPU.
 """
 
 from __future__ import annotations
@@ -476,6 +478,105 @@ def kernel_kinds(profile, steps: int, weight_bytes: int) -> dict:
             "matrix products GB/s (weight bytes / their time)": weight_bytes / max(products, 1e-9) / 1e3}
 
 
+# per-token acceptance of a chain's first drafted token, measured on the CPU (benchmarks/RESULTS.md): Gemma 3
+# 270M's distilled draft on `complete` (greedy), the demo pair's draft model and its EAGLE-3-style head there
+ACCEPTANCE = {"Gemma 270M, distilled draft, complete": 0.37, "demo pair, draft model, complete": 0.70,
+              "demo pair, trained head, complete": 0.74}
+
+
+@section("7-8b-drafts", 90)
+def eight_b_drafts(until: float) -> dict:
+    """What drafting costs beside the 8B shape: a 1B-shaped draft model's step on its own fused pool and a
+    published-layout EAGLE-3 head's level (eager), each against the target's step, and the speedup
+    Leviathan et al.'s formula gives for the CPU's acceptance rates at those costs."""
+    model, tokenizer = shaped()
+    target = StaticHFModel(model, tokenizer, "8B-shaped", context=1024, fused=True)
+    target.warm_up()
+    costs = verify_costs(target)
+    results = {"target t(1) ms": costs["t(1) ms"], "t(k)/t(1)": {k: v for k, v in costs.items() if k != "t(1) ms"}}
+    draft = StaticHFModel(*llama_of_shape(LLAMA_1B, tokenizer), "1B-shaped", context=1024, fused=True)
+    draft.warm_up(tokens=(1,))
+    results["1B draft d(1)/t(1)"] = verify_costs(draft, (1,))["t(1) ms"] / costs["t(1) ms"]
+    del draft
+    head = eagle3_head(model)
+    results["EAGLE-3 head level h(1)/t(1)"] = head_level_ms(head) / costs["t(1) ms"]
+    results["predicted speedup (best gamma)"] = {
+        f"{name}, {drafter}": leviathan(alpha, results[key], results["t(k)/t(1)"])
+        for name, alpha in ACCEPTANCE.items()
+        for drafter, key in (("1B draft", "1B draft d(1)/t(1)"), ("EAGLE-3 head", "EAGLE-3 head level h(1)/t(1)"))}
+    note("## 7. Drafting beside the 8B shape\n" + json.dumps(results, indent=1))
+    return results
+
+
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256)
+
+
+def llama_of_shape(shape: dict, tokenizer) -> tuple:
+    """A random Llama of these shapes (tiny in the rehearsal), bf16 on the device, sdpa attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if SMALL:
+        shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=8192)
+    config = LlamaConfig(**shape, max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=500000.0,
+                         eos_token_id=None, pad_token_id=0, bos_token_id=None, attn_implementation="sdpa")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32 if SMALL else torch.bfloat16)
+    try:
+        with torch.device(DEVICE):
+            return LlamaForCausalLM(config).eval(), tokenizer
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def eagle3_head(model):
+    """An EAGLE-3 head of the published layout for this target (one decoder layer over 2 × hidden, a 32k draft
+    vocabulary, the target's embeddings), random weights."""
+    from specdec.runtime.eagle3 import Eagle3Config, Eagle3Net
+
+    config = model.config
+    head_config = Eagle3Config(hidden=config.hidden_size, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+                               head_dim=config.hidden_size // config.num_attention_heads, intermediate=config.intermediate_size,
+                               draft_vocab=min(32000, config.vocab_size), target_vocab=config.vocab_size,
+                               target_hidden=config.hidden_size, rms_eps=1e-5,
+                               rope={"rope_theta": 500000.0, "max_position_embeddings": 2048}, layers=None)
+    net = Eagle3Net(head_config, model.model.embed_tokens.weight)
+    return net.to(device=DEVICE, dtype=model.dtype).eval()
+
+
+@torch.inference_mode()
+def head_level_ms(net, cached: int = 160) -> float:
+    """One level of the head for one token over `cached` of its own entries (eager kernels), ms, median of 20."""
+    keys = torch.randn(cached, net.config.kv_heads, net.config.head_dim, device=DEVICE, dtype=net.dtype)
+    values = torch.randn_like(keys)
+    features = torch.randn(1, net.config.hidden, device=DEVICE, dtype=net.dtype)
+    token, position = torch.tensor([5], device=DEVICE), torch.tensor([cached], device=DEVICE)
+    allowed = torch.ones(1, cached + 1, dtype=torch.bool, device=DEVICE)
+    samples = []
+    for _ in range(25):
+        synchronize(DEVICE)
+        started = time.perf_counter()
+        new_keys, new_values, queries, residual = net.inputs(token, features, position)
+        logits, _ = net.outputs(queries, residual, torch.cat([keys, new_keys]), torch.cat([values, new_values]), allowed)
+        logits.argmax(-1)
+        synchronize(DEVICE)
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples[5:]) * 1e3
+
+
+def leviathan(alpha: float, draft_cost: float, verify: dict) -> dict:
+    """Leviathan et al.'s expected speedup of a chain of gamma drafts at per-token acceptance alpha:
+    (1 - alpha^(gamma+1)) / (1 - alpha) tokens per iteration, at gamma draft steps plus a verify of
+    gamma + 1 (its bucket's measured t(k)/t(1)) per iteration; the best gamma up to 15."""
+    best = (0.0, 0)
+    for gamma in range(1, 16):
+        bucket = next(k for k in sorted(verify, key=int) if int(k) >= gamma + 1)
+        tokens = (1 - alpha ** (gamma + 1)) / (1 - alpha)
+        best = max(best, (tokens / (gamma * draft_cost + verify[bucket]), gamma))
+    return {"speedup": round(best[0], 2), "gamma": best[1]}
+
+
 def verify_costs(model: StaticHFModel, buckets=BUCKETS) -> dict:
     """A forward of k tokens (each bucket) after 199 cached, against one token."""
     sequence = model.sequence()
@@ -516,6 +617,6 @@ if __name__ == "__main__":
     card = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU rehearsal"
     note(f"# GPU check: {card}, torch {torch.__version__}, compile backend {COMPILE}, {time.strftime('%Y-%m-%d %H:%M')}")
     chosen = os.environ.get("ONLY")  # e.g. ONLY=3: the sections whose names start so
-    for name, limit_s, function in sorted(SECTIONS, key=lambda entry: "163245".index(entry[0][0])):  # the 8B shape second, Inductor last
+    for name, limit_s, function in sorted(SECTIONS, key=lambda entry: "1637245".index(entry[0][0])):  # the 8B shape second, Inductor last
         if chosen is None or name.startswith(tuple(chosen.split(","))):
             run_section(name, limit_s, function)

@@ -64,7 +64,10 @@ class StaticHFModel(HFModel):
         self.compile_backend = backend
         # cell `capacity` is the scratch cell; the row is rounded up to 16 cells (attention kernels pad the mask
         # otherwise, every layer, every step); cells past the scratch one are never written nor seen
-        self.pool = _Pool(_cache_layout(self), max(1, rows), -(-(self.capacity + 1) // 16) * 16, self.torch_device)
+        # rows for the finished sequences a prefix cache keeps (KEPT_ROWS) from the start: a pool that grew later
+        # would capture every graph again (a GPU check found the default paying for it inside its verifies)
+        self.pool = _Pool(_cache_layout(self), max(1, rows) + KEPT_ROWS, -(-(self.capacity + 1) // 16) * 16,
+                          self.torch_device)
         self._holders: list[StaticSequence | None] = [None] * self.pool.rows  # who owns each row
         self._runner = None
         self.compile_seconds: dict[tuple[int, int], float] = {}  # (rows, tokens) -> seconds its first forward took
