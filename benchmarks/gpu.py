@@ -296,10 +296,13 @@ def server_batch(until: float) -> dict:
 def shaped_8b() -> tuple:
     """Llama-3-8B's shapes (untied output matrix, as Llama 3 8B's) with random weights built so that
     greedy choices are decisive, far from bfloat16's ties: token embeddings of unit scale, residual
-    branches scaled by 0.05 (the stream stays near the last token's embedding), and output row j the
-    embedding of token perm[j], so the next token after t is the j with perm[j] = t (its greedy text
-    walks a random permutation, far from any tie). Rows past the tokenizer's are zeroed, as HF generate
-    would otherwise pick ids specdec never sees."""
+    branches scaled by 0.05 (the stream stays near the last token's embedding), and the output row of
+    each word token (a space and 3+ lowercase letters) the embedding of the word before it in a random
+    cycle of them: its greedy text walks the cycle, far from any tie, and is text that tokenizes back
+    into the same tokens (so a prediction of it aligns: random ids round-trip 8 tokens at a time,
+    median). Other rows are zero, so HF generate never picks ids specdec does not see."""
+    import re
+
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO / "target")
@@ -323,9 +326,10 @@ def shaped_8b() -> tuple:
         embeddings, vocab = model.model.embed_tokens.weight, len(tokenizer)
         embeddings.normal_(0.0, 1.0)
         embeddings[vocab:] = 0
-        permutation = torch.randperm(vocab, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+        words = torch.tensor([i for i in range(vocab) if re.fullmatch(r" [a-z]{3,}", tokenizer.decode([i]))])
+        cycle = words[torch.randperm(len(words), generator=torch.Generator().manual_seed(0))].to(DEVICE)
         model.lm_head.weight.zero_()
-        model.lm_head.weight[:vocab] = embeddings[permutation]
+        model.lm_head.weight[cycle.roll(-1)] = embeddings[cycle]  # after word cycle[i] comes cycle[i + 1]
     return model.eval(), tokenizer
 
 

@@ -145,9 +145,10 @@ def test_graph_buffers_equal_plain_greedy(model_dirs, load64):
         assert specdec.SpeculativeDecoder(target, drafter, gamma=gamma).generate(PROMPT, max_new_tokens=NEW, temperature=0).tokens == want
     decoder = specdec.SpeculativeDecoder(target, tree, gamma=3)
     requests = [dict(prompt=prompt, max_new_tokens=10 + 2 * i, temperature=0.0) for i, prompt in enumerate(PROMPTS)]
-    for request, result in zip(requests, run_batch(decoder, requests, joins=[0, 1, 1, 3, 4])):
-        assert result.tokens == decoder.generate(**request).tokens
+    results = run_batch(decoder, requests, joins=[0, 1, 1, 3, 4])
     assert len(target.runner().shapes) >= 4  # rows and token buckets, each with its own buffers
+    for request, result in zip(requests, results):
+        assert result.tokens == decoder.generate(**request).tokens
 
 
 def test_a_released_sequence_is_refused(model_dirs):

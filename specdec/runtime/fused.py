@@ -7,10 +7,12 @@ Here, for the families that share Llama's layer:
   the model's own modules keep views into them, so no weight is held twice and its own forward still runs);
 - on a GPU the elementwise work between the matrix products is compiled by Inductor into one kernel
   each (`torch.compile` of the pure functions below): the residual add with the next norm, the query and
-  key rotations, the gated activation; the products, attention and the cache write stay as they are;
-- attention reads the pool's key and value heads where they are: a group of query heads sharing one
-  key head is run as that key head's queries (no copy of the keys per query head), the only way a
-  masked attention keeps SDPA off its math kernel;
+  key rotations, the gated activation, attention's softmax; the products and the cache write stay as they are;
+- attention reads the pool's key and value heads where they are: each key head's group of query heads
+  runs as that head's group × n queries (no copy of the keys per query head). A step's (the pool's
+  buckets) is two batched products around the softmax: SDPA's masked kernel runs one block per key head
+  there and left an H100 idle (45 µs a layer on an 8B shape, benchmarks/RESULTS.md). A prefill chunk's
+  is SDPA's, whose scores the products would hold whole;
 - the norms, the rotary embedding and the activation are the model's own modules or their
   arithmetic operation for operation, so the forward equals transformers' (tests: float64, every covered family).
 
