@@ -10,7 +10,7 @@ import torch
 
 import specdec
 from architectures import ARCHITECTURES
-from specdec.runtime.fused import FAMILIES, _Kernels, fused_refusal, grouped_attention, rms_norm
+from specdec.runtime.fused import FAMILIES, LLAMA, _Kernels, fused_refusal, gemma_rms_norm, grouped_attention, rms_norm
 from specdec.runtime.static import StaticHFModel
 from tiny import save_tiny_model
 
@@ -33,7 +33,7 @@ def pool(directory: str, fused: bool | None, attn_implementation: str = "sdpa") 
 
 
 def test_the_families_it_covers_are_in_the_matrix():
-    assert set(COVERED) == {"llama", "mistral", "qwen2", "qwen3"}
+    assert set(COVERED) == {"llama", "mistral", "qwen2", "qwen3", "gemma3"}
 
 
 STEPS = [
@@ -49,7 +49,8 @@ STEPS = [
 def test_each_step_equals_transformers_forward_on_the_pool(arch, saved):
     """Prefill, a tree, compaction of its path, truncation, a fork and a chain: the same logits and
     the same cached keys and values (Mistral's sliding window, Qwen 2's biases, Qwen 3's head norms,
-    grouped key heads in every one)."""
+    Gemma 3's sandwich norms, gelu, local and global layers with their own rotations; grouped key heads
+    in every one)."""
     fused, reference = pool(saved[arch], fused=True), pool(saved[arch], fused=False)
     assert fused.fused is not None and reference.fused is None
     layer_calls = []  # transformers' decoder layers run only on the reference
@@ -129,12 +130,16 @@ def test_grouped_attention_equals_attention_over_repeated_key_heads(products):
     mask[..., 0] = 0.0  # every query sees something
     repeated = [t.repeat_interleave(4, dim=1) for t in (keys, values)]
     expected = torch.nn.functional.scaled_dot_product_attention(queries, *repeated, attn_mask=mask, scale=0.25)
-    torch.testing.assert_close(grouped_attention(queries, keys, values, mask, 0.25, _Kernels(False, products)), expected,
+    torch.testing.assert_close(grouped_attention(queries, keys, values, mask, 0.25, _Kernels(LLAMA, False, products)), expected,
                                rtol=1e-12, atol=1e-12)
 
 
-def test_its_norm_is_the_models(saved):
-    model = specdec.load_model(saved["qwen2"], device="cpu", dtype="float64").model
-    norm = model.model.layers[0].input_layernorm
-    hidden = torch.randn(2, 3, norm.weight.shape[0], dtype=torch.float64)
-    assert torch.equal(rms_norm(hidden, norm.weight, norm.variance_epsilon), norm(hidden))
+@pytest.mark.parametrize("arch, norm", [("qwen2", rms_norm), ("gemma3", gemma_rms_norm)])
+def test_its_norms_are_the_models(saved, arch, norm):
+    model = specdec.load_model(saved[arch], device="cpu", dtype="float64").model
+    module = model.model.layers[0].input_layernorm
+    with torch.no_grad():
+        module.weight.normal_()
+    hidden = torch.randn(2, 3, module.weight.shape[0], dtype=torch.float64)
+    eps = getattr(module, "variance_epsilon", None) or module.eps
+    assert torch.equal(norm(hidden, module.weight, eps), module(hidden))

@@ -1,4 +1,5 @@
-"""A decoder forward written for the static pool, for the Llama family (Llama 2/3.x, Mistral, Qwen 2/2.5, Qwen 3).
+"""A decoder forward written for the static pool, for the Llama family (Llama 2/3.x, Mistral, Qwen 2/2.5, Qwen 3)
+and Gemma 3 (its text model: the same layer with a norm after attention and after the MLP as well).
 
 transformers' decoder layer launches dozens of small kernels per layer (three projections, norm,
 rotary, cache writes, gate and up apart, residual adds), each reading its inputs from memory again.
@@ -14,37 +15,80 @@ Here, for the families that share Llama's layer:
   there and left an H100 idle (45 µs a layer on an 8B shape, benchmarks/RESULTS.md). A prefill chunk's
   is SDPA's, whose scores the products would hold whole;
 - the norms, the rotary embedding and the activation are the model's own modules or their
-  arithmetic operation for operation, so the forward equals transformers' (tests: float64, every covered family).
+  arithmetic operation for operation (`Family`), so the forward equals transformers' (tests: float64,
+  every covered family).
 
 Every other model keeps transformers' forward on the pool (`fused_refusal` says why).
 """
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+def rms_norm(hidden, weight, eps: float):
+    """The Llama family's RMSNorm, operation for operation (in float32 whatever the dtype, weighted after)."""
+    dtype = hidden.dtype
+    wide = hidden.to(torch.float32)
+    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * wide.to(dtype)
+
+
+def gemma_rms_norm(hidden, weight, eps: float):
+    """Gemma's RMSNorm, operation for operation (in float32, weighted by 1 + weight before the cast back)."""
+    wide = hidden.float()
+    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return (wide * (1.0 + weight.float())).type_as(hidden)
+
+
+def gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a covered family's layer computes differently: its norm, its activation, and whether the
+    outputs of attention and of the MLP are normed before their residual add (Gemma 3's "sandwich")."""
+
+    norm: Callable
+    activation: Callable
+    activation_name: str
+    sandwich: bool = False
+
+
+LLAMA = Family(rms_norm, F.silu, "silu")
+FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA,
+            "gemma3_text": Family(gemma_rms_norm, gelu_tanh, "gelu_pytorch_tanh", sandwich=True)}
 
 
 def fused_refusal(model) -> str | None:
     """Why `model` (a transformers causal LM) has no fused forward, or None."""
     config = model.config
-    if config.model_type not in FAMILIES:
+    family = FAMILIES.get(config.model_type)
+    if family is None:
         return f"{config.model_type} is not among the families it covers ({', '.join(FAMILIES)})"
     implementation = getattr(config, "_attn_implementation", None)
     if implementation != "sdpa":
         return f"its attention is {implementation}; the fused forward computes sdpa's"
-    if config.hidden_act != "silu":
-        return f"its activation is {config.hidden_act}, not silu"
+    activation = getattr(config, "hidden_activation", None) or config.hidden_act
+    if activation != family.activation_name:
+        return f"its activation is {activation}, not {family.activation_name}"
+    if getattr(config, "attn_logit_softcapping", None) is not None or getattr(config, "use_bidirectional_attention", False):
+        return "its attention soft-caps its scores or sees later tokens"
     layer = model.model.layers[0]
     projections = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
     gate_up = (layer.mlp.gate_proj, layer.mlp.up_proj)
     if len({p.bias is None for p in projections}) > 1 or len({p.bias is None for p in gate_up}) > 1:
         return "some of its projections have biases and others not"
-    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope in ("dynamic", "longrope"):
-        return f"its {rope} rotary embedding changes with the context"
+    ropes = getattr(config, "rope_parameters", None) or {}
+    for rope in (ropes.values() if all(isinstance(v, dict) for v in ropes.values()) and ropes else [ropes]):
+        if rope.get("rope_type", "default") in ("dynamic", "longrope"):
+            return f"its {rope['rope_type']} rotary embedding changes with the context"
     return None
 
 
@@ -53,27 +97,38 @@ class FusedForward:
     or (logits, states) as `StaticHFModel._forward_logits` returns them."""
 
     def __init__(self, model, compiled: bool):
-        inner = model.model
+        inner, config = model.model, model.config
+        self.family = FAMILIES[config.model_type]
         self.embed, self.rotary, self.norm, self.head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
         self.layers = [_Layer(layer) for layer in inner.layers]
-        types = getattr(model.config, "layer_types", None) or ["full_attention"] * len(self.layers)
+        types = getattr(config, "layer_types", None) or ["full_attention"] * len(self.layers)
         self.layer_types = list(types)
+        # Gemma 3: one rotary embedding per layer type (local layers use another base)
+        self.rotary_by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.softcap = getattr(config, "final_logit_softcapping", None)
         # a compiled forward's shapes (the pool's buckets) against the rest (prefill chunks), run as written
-        self.kernels = {"bucketed": _Kernels(compiled, products=True), "other": _Kernels(False, products=False)}
+        self.kernels = {"bucketed": _Kernels(self.family, compiled, products=True),
+                        "other": _Kernels(self.family, False, products=False)}
 
     def __call__(self, tokens, positions, mask, cache, states=None, bucketed: bool = True):
         kernels = self.kernels["bucketed" if bucketed else "other"]
         hidden = self.embed(tokens)
-        cos, sin = self.rotary(hidden, positions)
+        if self.rotary_by_type:
+            rotations = {kind: self.rotary(hidden, positions, kind) for kind in set(self.layer_types)}
+        else:
+            rotations = dict.fromkeys(set(self.layer_types), self.rotary(hidden, positions))
         taken = {}  # layer -> its input, for states of layers
-        normed = rms_norm(hidden, *self.layers[0].norm_in)
+        normed = self.family.norm(hidden, *self.layers[0].norm_in)
         following = [layer.norm_in for layer in self.layers[1:]] + [_norm(self.norm)]
         for index, (layer, next_norm) in enumerate(zip(self.layers, following)):
             if isinstance(states, tuple) and index in states:
                 taken[index] = hidden
-            layer_mask = mask[self.layer_types[index]] if isinstance(mask, dict) else mask
-            hidden, normed = layer(hidden, normed, cos, sin, layer_mask, cache, index, kernels, next_norm)
+            kind = self.layer_types[index]
+            layer_mask = mask[kind] if isinstance(mask, dict) else mask
+            hidden, normed = layer(hidden, normed, *rotations[kind], layer_mask, cache, index, kernels, next_norm)
         logits = self.head(normed)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         if not states:
             return logits
         return logits, (normed if states == "norm" else torch.cat([taken[i] for i in states], dim=-1))
@@ -87,7 +142,12 @@ class _Layer:
         self.qkv_weight, self.qkv_bias = _concatenated(attention.q_proj, attention.k_proj, attention.v_proj)
         self.gate_up_weight, self.gate_up_bias = _concatenated(mlp.gate_proj, mlp.up_proj)
         self.o_proj, self.down_proj = attention.o_proj, mlp.down_proj
-        self.norm_in, self.norm_post = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+        self.norm_in = _norm(layer.input_layernorm)
+        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: attention's and the MLP's outputs normed too
+            self.norm_attended, self.norm_mlp_in = _norm(layer.post_attention_layernorm), _norm(layer.pre_feedforward_layernorm)
+            self.norm_mlp_out = _norm(layer.post_feedforward_layernorm)
+        else:  # the Llama family's "post attention" norm is the MLP's input norm
+            self.norm_attended, self.norm_mlp_in, self.norm_mlp_out = None, _norm(layer.post_attention_layernorm), None
         self.q_norm, self.k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
         self.head_dim, self.scaling = attention.head_dim, attention.scaling
         self.q_width, self.kv_width = attention.q_proj.out_features, attention.k_proj.out_features
@@ -105,10 +165,10 @@ class _Layer:
         values = values.view(rows, n, -1, self.head_dim).transpose(1, 2)
         pool_keys, pool_values = cache.update(keys, values, index)
         attended = grouped_attention(queries, pool_keys, pool_values, mask, self.scaling, kernels)
-        hidden, normed = kernels.add_norm(hidden, self.o_proj(attended.transpose(1, 2).reshape(rows, n, -1)),
-                                          *self.norm_post)
+        hidden, normed = kernels.residual(hidden, self.o_proj(attended.transpose(1, 2).reshape(rows, n, -1)),
+                                          self.norm_attended, self.norm_mlp_in)
         gated = kernels.gated(F.linear(normed, self.gate_up_weight, self.gate_up_bias))
-        return kernels.add_norm(hidden, self.down_proj(gated), *next_norm)
+        return kernels.residual(hidden, self.down_proj(gated), self.norm_mlp_out, next_norm)
 
 
 def grouped_attention(queries, keys, values, mask, scale: float, kernels: _Kernels) -> torch.Tensor:
@@ -144,28 +204,26 @@ def _rotated_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rms_norm(hidden, weight, eps: float):
-    """transformers' RMSNorm of these families, operation for operation (in float32 whatever the dtype)."""
-    dtype = hidden.dtype
-    wide = hidden.to(torch.float32)
-    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * wide.to(dtype)
-
-
-def add_norm(hidden, delta, weight, eps: float):
+def add_norm(hidden, delta, weight, eps: float, norm=rms_norm):
     """The residual add, and the next norm of its sum."""
     hidden = hidden + delta
-    return hidden, rms_norm(hidden, weight, eps)
+    return hidden, norm(hidden, weight, eps)
+
+
+def add_normed(hidden, delta, delta_weight, delta_eps: float, weight, eps: float, norm=gemma_rms_norm):
+    """Gemma 3's residual add of a normed output, and the next norm of the sum."""
+    hidden = hidden + norm(delta, delta_weight, delta_eps)
+    return hidden, norm(hidden, weight, eps)
 
 
 def _norm(module) -> tuple[torch.Tensor, float]:
-    return module.weight, module.variance_epsilon
+    return module.weight, getattr(module, "variance_epsilon", None) or module.eps
 
 
-def gated(gate_up):
-    """silu(gate) * up, from the concatenated product."""
+def gated(gate_up, activation=F.silu):
+    """activation(gate) * up, from the concatenated product."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return activation(gate) * up
 
 
 class _Kernels:
@@ -175,12 +233,21 @@ class _Kernels:
     per head there and leaves most of a GPU idle); else SDPA's kernel (a prefill's many queries, whose
     scores the products would hold whole)."""
 
-    def __init__(self, compiled: bool, products: bool):
+    def __init__(self, family: Family, compiled: bool, products: bool):
         if compiled:  # one entry per (rows, tokens) bucket: past dynamo's limit (8) a shape would run eagerly
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         wrap = (lambda f: torch.compile(f, dynamic=False, fullgraph=True)) if compiled else (lambda f: f)
-        self.rotate, self.add_norm, self.gated, self.softmax = map(wrap, (rotate, add_norm, gated, masked_softmax))
+        self.rotate, self.softmax = wrap(rotate), wrap(masked_softmax)
+        self.add_norm = wrap(partial(add_norm, norm=family.norm))
+        self.add_normed = wrap(partial(add_normed, norm=family.norm))
+        self.gated = wrap(partial(gated, activation=family.activation))
         self.attend = self._products if products else fused_attention
+
+    def residual(self, hidden, delta, delta_norm, next_norm):
+        """hidden + delta (normed first where the family norms it: `delta_norm`, else None), and the next norm."""
+        if delta_norm is None:
+            return self.add_norm(hidden, delta, *next_norm)
+        return self.add_normed(hidden, delta, *delta_norm, *next_norm)
 
     def _products(self, queries, keys, values, mask, scale: float) -> torch.Tensor:
         return self.softmax(queries @ keys.transpose(-1, -2), mask, scale) @ values
