@@ -78,8 +78,10 @@ def fused_refusal(model) -> str | None:
     activation = getattr(config, "hidden_activation", None) or config.hidden_act
     if activation != family.activation_name:
         return f"its activation is {activation}, not {family.activation_name}"
-    if getattr(config, "attn_logit_softcapping", None) is not None or getattr(config, "use_bidirectional_attention", False):
-        return "its attention soft-caps its scores or sees later tokens"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "its attention soft-caps its scores"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "its attention sees later tokens"
     layer = model.model.layers[0]
     projections = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
     gate_up = (layer.mlp.gate_proj, layer.mlp.up_proj)
@@ -144,8 +146,8 @@ class _Layer:
         self.o_proj, self.down_proj = attention.o_proj, mlp.down_proj
         self.norm_in = _norm(layer.input_layernorm)
         if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: attention's and the MLP's outputs normed too
-            self.norm_attended, self.norm_mlp_in = _norm(layer.post_attention_layernorm), _norm(layer.pre_feedforward_layernorm)
-            self.norm_mlp_out = _norm(layer.post_feedforward_layernorm)
+            self.norm_attended = _norm(layer.post_attention_layernorm)
+            self.norm_mlp_in, self.norm_mlp_out = _norm(layer.pre_feedforward_layernorm), _norm(layer.post_feedforward_layernorm)
         else:  # the Llama family's "post attention" norm is the MLP's input norm
             self.norm_attended, self.norm_mlp_in, self.norm_mlp_out = None, _norm(layer.post_attention_layernorm), None
         self.q_norm, self.k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
