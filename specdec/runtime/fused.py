@@ -147,7 +147,8 @@ class _Layer:
         self.norm_in = _norm(layer.input_layernorm)
         if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: attention's and the MLP's outputs normed too
             self.norm_attended = _norm(layer.post_attention_layernorm)
-            self.norm_mlp_in, self.norm_mlp_out = _norm(layer.pre_feedforward_layernorm), _norm(layer.post_feedforward_layernorm)
+            self.norm_mlp_in = _norm(layer.pre_feedforward_layernorm)
+            self.norm_mlp_out = _norm(layer.post_feedforward_layernorm)
         else:  # the Llama family's "post attention" norm is the MLP's input norm
             self.norm_attended, self.norm_mlp_in, self.norm_mlp_out = None, _norm(layer.post_attention_layernorm), None
         self.q_norm, self.k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
