@@ -1,4 +1,4 @@
-"""The fused forward (`specdec.runtime.fused`), the static pool's GPU default for the Llama family: on the
+"""The fused forward (`specdec.runtime.fused`), the static pool's GPU default for the Llama family and Gemma 3: on the
 CPU in float64, every step equals transformers' forward on the same pool (logits, cached keys, the
 states heads read), every drafter's greedy text is plain decoding's, and every other architecture of
 the matrix is refused by name (it keeps transformers' forward)."""
@@ -45,14 +45,17 @@ STEPS = [
 ]
 
 
+@pytest.mark.parametrize("attention", ["products", "sdpa"])
 @pytest.mark.parametrize("arch", COVERED)
-def test_each_step_equals_transformers_forward_on_the_pool(arch, saved):
+def test_each_step_equals_transformers_forward_on_the_pool(arch, attention, saved):
     """Prefill, a tree, compaction of its path, truncation, a fork and a chain: the same logits and
     the same cached keys and values (Mistral's sliding window, Qwen 2's biases, Qwen 3's head norms,
     Gemma 3's sandwich norms, gelu, local and global layers with their own rotations; grouped key heads
-    in every one)."""
+    in every one). sdpa: every forward as a prefill chunk past the largest bucket computes it."""
     fused, reference = pool(saved[arch], fused=True), pool(saved[arch], fused=False)
     assert fused.fused is not None and reference.fused is None
+    if attention == "sdpa":
+        fused.fused.kernels["bucketed"] = fused.fused.kernels["other"]
     layer_calls = []  # transformers' decoder layers run only on the reference
     for model in (fused, reference):
         model.model.model.layers[0].register_forward_hook(lambda *_, model=model: layer_calls.append(model))
