@@ -199,18 +199,18 @@ def demo_suites(until: float) -> dict:
                     stats.setdefault(f"{dtype} {suite}, {name}", []).append(result.stats)
                     equal.setdefault(f"{dtype} {name} = eager plain", []).append(tokens == want)
                     equal.setdefault(f"{dtype} {name} = compiled plain", []).append(tokens == got)
+        profiles[dtype] = what_the_default_read(strategies["default"])
     columns = list(dict.fromkeys(name for row in rows.values() for name in row))
     table = ["| dtype, suite | " + " | ".join(columns) + " |", "| --- |" + " ---: |" * len(columns)]
     for key, row in rows.items():
         table.append(f"| {key} | " + " | ".join(f"{1 / statistics.median(row[c]):.0f}" if row.get(c) else "-" for c in columns) + " |")
-        profiles[dtype] = what_the_default_read(strategies["default"])
     equality = {k: f"{sum(v)}/{len(v)}" for k, v in equal.items()}
     drafting = {key: drafting_of(each) for key, each in stats.items()}
     note("## 2. Demo pair, tokens/s (median over prompts)\n" + "\n".join(table) + "\n\ngreedy equality (prompts equal / prompts): "
          + json.dumps(equality) + "\n\nhow each strategy drafted: " + json.dumps(drafting, indent=1)
          + "\n\nthe cost profile it decided by (t(k)/t(1), draft d(k)/t(1)): " + json.dumps(profiles, indent=1))
     return {"tokens_per_s": {k: {n: [1 / s for s in v] for n, v in r.items()} for k, r in rows.items()}, "greedy_equal": equality,
-            "default drafting": drafting, "profiles": profiles}
+            "drafting": drafting, "profiles": profiles}
 
 
 def drafting_of(stats_list) -> dict:
