@@ -117,9 +117,17 @@ def test_eager_attention_is_not_fused(saved):
     assert "its attention is eager" in fused_refusal(pool(saved["llama"], fused=False, attn_implementation="eager").model)
 
 
-def test_the_cpu_pool_is_unfused_unless_asked(saved):
+def test_the_cpu_pool_is_unfused_unless_asked(saved, monkeypatch):
     model = pool(saved["llama"], fused=None)
     assert model.fused is None and "GPU" in model.describe()
+    monkeypatch.setenv("SPECDEC_FUSED", "on")
+    assert pool(saved["llama"], fused=None).fused is not None
+    assert pool(saved["gpt2"], fused=None).fused is None  # where it covers the model only
+    monkeypatch.setenv("SPECDEC_FUSED", "off")  # the escape hatch
+    assert "SPECDEC_FUSED=off" in pool(saved["llama"], fused=None).describe()
+    monkeypatch.setenv("SPECDEC_FUSED", "yes")
+    with pytest.raises(specdec.SpecDecError, match="SPECDEC_FUSED='yes': choose auto, on or off"):
+        pool(saved["llama"], fused=None)
 
 
 @pytest.mark.parametrize("products", [True, False])

@@ -23,6 +23,7 @@ Invariant (with `entries.SequenceEntries`'): entry i of a sequence sits in cell 
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -53,7 +54,8 @@ class StaticHFModel(HFModel):
 
     def __init__(self, model, tokenizer, path: str = "", context: int | None = None, backend: str = "graphs",
                  rows: int = 2, fused: bool | None = None):
-        """fused: the model's forward as `fused.FusedForward` (None: on a GPU, for the families it covers)."""
+        """fused: the model's forward as `fused.FusedForward` where it covers the model (None: as the
+        environment's SPECDEC_FUSED says, by default on a GPU; see `_why_unfused`)."""
         super().__init__(model, tokenizer, path)
         if backend not in COMPILE_BACKENDS:
             raise SpecDecError(f"unknown compile backend {backend!r}; choose one of {', '.join(COMPILE_BACKENDS)}")
@@ -72,11 +74,10 @@ class StaticHFModel(HFModel):
         self._runner = None
         self.compile_seconds: dict[tuple[int, int], float] = {}  # (rows, tokens) -> seconds its first forward took
         self._upload = _Uploader(self.torch_device)
-        self.unfused_because = fused_refusal(model) if fused is not False else "not asked for"
-        if fused and self.unfused_because:
-            raise SpecDecError(f"{path}: no fused forward ({self.unfused_because})")
-        if fused is None and not self.on_gpu:
-            self.unfused_because = "fused on GPUs only, unless asked for"
+        refusal = fused_refusal(model)
+        if fused and refusal:
+            raise SpecDecError(f"{path}: no fused forward ({refusal})")
+        self.unfused_because = _why_unfused(fused, refusal, self.on_gpu)
         # Inductor's kernels for its elementwise steps on a GPU; as written elsewhere (what the tests check)
         self.fused = None if self.unfused_because else FusedForward(model, compiled=self.on_gpu)
 
@@ -512,6 +513,26 @@ class _Uploader:
             self._copied = torch.cuda.Event()
             self._copied.record(torch.cuda.current_stream(self.device))
         return list(values.split([len(row) for row in rows]))
+
+
+def _why_unfused(fused: bool | None, refusal: str | None, on_gpu: bool) -> str | None:
+    """Why a pool runs transformers' forward, or None for the fused one. fused: asked for (True), not
+    (False), or as SPECDEC_FUSED says: "auto" (unset: on a GPU), "on" (the CPU too) or "off" (the escape
+    hatch, should the fused forward ever fail a model it claims)."""
+    if fused is False:
+        return "not asked for"
+    if refusal is not None:
+        return refusal
+    if fused:
+        return None
+    setting = os.environ.get("SPECDEC_FUSED", "auto").strip().lower()
+    if setting not in ("auto", "on", "off"):
+        raise SpecDecError(f"SPECDEC_FUSED={setting!r}: choose auto, on or off")
+    if setting == "off":
+        return "turned off by SPECDEC_FUSED=off"
+    if setting == "auto" and not on_gpu:
+        return "fused on GPUs only, unless asked for (SPECDEC_FUSED=on)"
+    return None
 
 
 def static_refusal(config) -> str | None:
