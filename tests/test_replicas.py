@@ -203,14 +203,27 @@ def test_two_replicas_answer_as_offline_and_keep_conversations_on_their_replica(
 
 
 def test_a_replica_killed_mid_load_loses_no_request_that_had_not_started(cluster, offline):
+    """Every try asserts that nothing is lost. Which replica a request lands on is Ray's choice, so a kill may
+    find its replica idle or its requests done (on a busy machine): up to three tries, until one kill meets
+    requests that had not finished and they are resubmitted."""
     deploy(cluster, "--replicas", "2")
+    for _ in range(3):
+        resubmitted = kill_mid_load(cluster, offline)
+        if resubmitted:
+            break
+        wait_for_replicas(2, 120)
+    assert resubmitted > 0, "in three tries no kill came while the victim held requests that were then resubmitted"
+
+
+def kill_mid_load(cluster: str, offline) -> int:
+    """Kill a replica once requests flow; every reply must still be whole and right, every stream end cleanly
+    (cut with an error event after a prefix of the right text, or whole). Returns how many replies were resubmitted."""
     prompts = PROMPTS * 2
+    flowing = threading.Event()  # set at any stream's first text: the replicas are decoding
     with ThreadPoolExecutor(len(prompts) + 4) as pool:
         whole = [pool.submit(complete, cluster, p, 160) for p in prompts]
-        started = [threading.Event() for _ in PROMPTS[:4]]
-        streams = [pool.submit(stream, cluster, p, 160, began) for p, began in zip(PROMPTS[:4], started)]
-        for began in started:  # requests are on the replicas: the kill comes mid-load, however busy the machine
-            assert began.wait(120), "a stream never began"
+        streams = [pool.submit(stream, cluster, p, 160, flowing) for p in PROMPTS[:4]]
+        assert flowing.wait(120), "no stream began"
         victim = replica_pids()[0]
         os.kill(victim, signal.SIGKILL)
         killed_at = time.time()
@@ -220,7 +233,6 @@ def test_a_replica_killed_mid_load_loses_no_request_that_had_not_started(cluster
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["text"] == offline.generate(prompt, max_new_tokens=160, temperature=0).text
     resubmitted = sum(int(reply.headers[RESUBMITS_HEADER.decode()]) > 0 for reply in replies)
-    assert resubmitted > 0, "the kill came while the victim held requests, and they were resubmitted"
     cut = []
     for prompt, (text, events) in zip(PROMPTS, streamed):
         assert events[-1] == "[DONE]", "every stream ends, none hangs"
@@ -234,6 +246,7 @@ def test_a_replica_killed_mid_load_loses_no_request_that_had_not_started(cluster
     assert victim not in replica_pids()
     print(f"{resubmitted} of {len(replies)} requests resubmitted, {sum(cut)} of {len(streamed)} streams cut; "
           f"replica replaced {time.time() - killed_at:.1f} s after the kill ({recovery:.1f} s after the last reply)")
+    return resubmitted
 
 
 def test_the_ingress_answers_malformed_bodies_as_one_process_does(cluster):
