@@ -52,18 +52,17 @@ def gelu_tanh(x):
 
 @dataclass(frozen=True)
 class Family:
-    """What a covered family's layer computes differently: its norm, its activation, and whether the
-    outputs of attention and of the MLP are normed before their residual add (Gemma 3's "sandwich")."""
+    """What a covered family computes differently: its norm's arithmetic and its activation (whether the
+    outputs of attention and of the MLP are normed too, Gemma 3's "sandwich", each layer's modules say)."""
 
     norm: Callable
     activation: Callable
     activation_name: str
-    sandwich: bool = False
 
 
 LLAMA = Family(rms_norm, F.silu, "silu")
 FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA,
-            "gemma3_text": Family(gemma_rms_norm, gelu_tanh, "gelu_pytorch_tanh", sandwich=True)}
+            "gemma3_text": Family(gemma_rms_norm, gelu_tanh, "gelu_pytorch_tanh")}
 
 
 def fused_refusal(model) -> str | None:
@@ -105,6 +104,8 @@ class FusedForward:
         self.layers = [_Layer(layer) for layer in inner.layers]
         types = getattr(config, "layer_types", None) or ["full_attention"] * len(self.layers)
         self.layer_types = list(types)
+        # each layer's output is normed by the next layer's input norm, the last one's by the final norm
+        self.next_norms = [layer.norm_in for layer in self.layers[1:]] + [_norm(self.norm)]
         # Gemma 3: one rotary embedding per layer type (local layers use another base)
         self.rotary_by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.softcap = getattr(config, "final_logit_softcapping", None)
@@ -118,11 +119,10 @@ class FusedForward:
         if self.rotary_by_type:
             rotations = {kind: self.rotary(hidden, positions, kind) for kind in set(self.layer_types)}
         else:
-            rotations = dict.fromkeys(set(self.layer_types), self.rotary(hidden, positions))
+            rotations = dict.fromkeys(self.layer_types, self.rotary(hidden, positions))
         taken = {}  # layer -> its input, for states of layers
         normed = self.family.norm(hidden, *self.layers[0].norm_in)
-        following = [layer.norm_in for layer in self.layers[1:]] + [_norm(self.norm)]
-        for index, (layer, next_norm) in enumerate(zip(self.layers, following)):
+        for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
             if isinstance(states, tuple) and index in states:
                 taken[index] = hidden
             kind = self.layer_types[index]
