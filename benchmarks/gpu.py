@@ -303,22 +303,13 @@ def shaped_8b() -> tuple:
     median). Other rows are zero, so HF generate never picks ids specdec does not see."""
     import re
 
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO / "target")
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=8192) if SMALL else dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
-    config = LlamaConfig(**shape, max_position_embeddings=2048, tie_word_embeddings=False, rope_theta=500000.0,
-                         eos_token_id=None, pad_token_id=0, bos_token_id=None, attn_implementation="sdpa")
-    dtype = torch.float32 if SMALL else torch.bfloat16
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(DEVICE):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
+    model = random_llama(shape, tied=False)
     with torch.no_grad():
         for name, weight in model.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -498,7 +489,8 @@ def eight_b_drafts(until: float) -> dict:
     target.warm_up()
     costs = verify_costs(target)
     results = {"target t(1) ms": costs["t(1) ms"], "t(k)/t(1)": {k: v for k, v in costs.items() if k != "t(1) ms"}}
-    draft = StaticHFModel(*llama_of_shape(LLAMA_1B, tokenizer), "1B-shaped", context=1024, fused=True)
+    draft = StaticHFModel(random_llama(LLAMA_1B_SMALL if SMALL else LLAMA_1B, tied=True), tokenizer, "1B-shaped",
+                          context=1024, fused=True)
     draft.warm_up(tokens=(1,))
     results["1B draft d(1)/t(1)"] = verify_costs(draft, (1,))["t(1) ms"] / costs["t(1) ms"]
     del draft
@@ -514,22 +506,21 @@ def eight_b_drafts(until: float) -> dict:
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256)
+LLAMA_1B_SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=8192)  # the rehearsal's
 
 
-def llama_of_shape(shape: dict, tokenizer) -> tuple:
-    """A random Llama of these shapes (tiny in the rehearsal), bf16 on the device, sdpa attention."""
+def random_llama(shape: dict, tied: bool):
+    """A random Llama of these shapes on the device, bf16 (float32 in the rehearsal), sdpa attention."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if SMALL:
-        shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=8192)
-    config = LlamaConfig(**shape, max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=500000.0,
+    config = LlamaConfig(**shape, max_position_embeddings=2048, tie_word_embeddings=tied, rope_theta=500000.0,
                          eos_token_id=None, pad_token_id=0, bos_token_id=None, attn_implementation="sdpa")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32 if SMALL else torch.bfloat16)
     try:
         with torch.device(DEVICE):
-            return LlamaForCausalLM(config).eval(), tokenizer
+            return LlamaForCausalLM(config).eval()
     finally:
         torch.set_default_dtype(previous)
 
