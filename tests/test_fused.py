@@ -1,4 +1,4 @@
-"""The fused forward (`specdec.runtime.fused`), the static pool's GPU default for the Llama family and Gemma 3: on the
+"""The fused forward (`specdec.runtime.fused`), the static pool's GPU default for the Llama family and Gemma 1-3: on the
 CPU in float64, every step equals transformers' forward on the same pool (logits, cached keys, the
 states heads read), every drafter's greedy text is plain decoding's, and every other architecture of
 the matrix is refused by name (it keeps transformers' forward)."""
@@ -27,13 +27,14 @@ def saved(tmp_path_factory) -> dict[str, str]:
     return dirs
 
 
-def pool(directory: str, fused: bool | None, attn_implementation: str = "sdpa") -> StaticHFModel:
+def pool(directory: str, fused: bool | None, attn_implementation: str | None = None) -> StaticHFModel:
+    """The model's static pool in float64, with its default attention (sdpa; Gemma 2's eager)."""
     eager = specdec.load_model(directory, device="cpu", dtype="float64", attn_implementation=attn_implementation)
     return StaticHFModel(eager.model, eager.tokenizer, directory, backend="static", fused=fused)
 
 
 def test_the_families_it_covers_are_in_the_matrix():
-    assert set(COVERED) == {"llama", "mistral", "qwen2", "qwen3", "gemma3"}
+    assert set(COVERED) == {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"}
 
 
 STEPS = [
@@ -50,8 +51,9 @@ STEPS = [
 def test_each_step_equals_transformers_forward_on_the_pool(arch, attention, saved):
     """Prefill, a tree, compaction of its path, truncation, a fork and a chain: the same logits and
     the same cached keys and values (Mistral's sliding window, Qwen 2's biases, Qwen 3's head norms,
-    Gemma 3's sandwich norms, gelu, local and global layers with their own rotations; grouped key heads
-    in every one). sdpa: every forward as a prefill chunk past the largest bucket computes it."""
+    Gemma's norms and gelu, Gemma 2 and 3's sandwich norms, Gemma 2's capped scores in eager attention,
+    local and global layers with their own rotations; grouped key heads in every one). sdpa: every forward
+    as a prefill chunk past the largest bucket computes it."""
     fused, reference = pool(saved[arch], fused=True), pool(saved[arch], fused=False)
     assert fused.fused is not None and reference.fused is None
     if attention == "sdpa":
@@ -145,7 +147,8 @@ def test_grouped_attention_equals_attention_over_repeated_key_heads(products):
                                rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("arch, norm", [("qwen2", rms_norm), ("gemma3", gemma_rms_norm)])
+@pytest.mark.parametrize("arch, norm", [("qwen2", rms_norm), ("gemma", gemma_rms_norm), ("gemma2", gemma_rms_norm),
+                                        ("gemma3", gemma_rms_norm)])
 def test_its_norms_are_the_models(saved, arch, norm):
     model = specdec.load_model(saved[arch], device="cpu", dtype="float64").model
     module = model.model.layers[0].input_layernorm

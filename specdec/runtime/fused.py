@@ -1,5 +1,6 @@
 """A decoder forward written for the static pool, for the Llama family (Llama 2/3.x, Mistral, Qwen 2/2.5, Qwen 3)
-and Gemma 3 (its text model: the same layer with a norm after attention and after the MLP as well).
+and Gemma (1: Llama's layer with Gemma's norm and activation; 2 and 3's text model: a norm after attention and
+after the MLP as well; 2: attention scores soft-capped, as transformers' eager attention computes them).
 
 transformers' decoder layer launches dozens of small kernels per layer (three projections, norm,
 rotary, cache writes, gate and up apart, residual adds), each reading its inputs from memory again.
@@ -58,11 +59,14 @@ class Family:
     norm: Callable
     activation: Callable
     activation_name: str
+    attention: str = "sdpa"  # the attention implementation whose arithmetic it computes (transformers' for the model)
 
 
 LLAMA = Family(rms_norm, F.silu, "silu")
-FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA,
-            "gemma3_text": Family(gemma_rms_norm, gelu_tanh, "gelu_pytorch_tanh")}
+GEMMA = Family(gemma_rms_norm, gelu_tanh, "gelu_pytorch_tanh")
+# Gemma 2 soft-caps its attention scores, which transformers computes in eager attention only
+FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "gemma": GEMMA,
+            "gemma2": Family(gemma_rms_norm, gelu_tanh, "gelu_pytorch_tanh", attention="eager"), "gemma3_text": GEMMA}
 
 
 def fused_refusal(model) -> str | None:
@@ -72,13 +76,13 @@ def fused_refusal(model) -> str | None:
     if family is None:
         return f"{config.model_type} is not among the families it covers ({', '.join(FAMILIES)})"
     implementation = getattr(config, "_attn_implementation", None)
-    if implementation != "sdpa":
-        return f"its attention is {implementation}; the fused forward computes sdpa's"
+    if implementation != family.attention:
+        return f"its attention is {implementation}; the fused forward computes {family.attention}'s"
     activation = getattr(config, "hidden_activation", None) or config.hidden_act
     if activation != family.activation_name:
         return f"its activation is {activation}, not {family.activation_name}"
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        return "its attention soft-caps its scores"
+    if getattr(config, "attn_logit_softcapping", None) is not None and implementation == "sdpa":
+        return "its attention soft-caps its scores, which transformers' sdpa attention does not"
     if getattr(config, "use_bidirectional_attention", False):
         return "its attention sees later tokens"
     layer = model.model.layers[0]
@@ -109,9 +113,11 @@ class FusedForward:
         # Gemma 3: one rotary embedding per layer type (local layers use another base)
         self.rotary_by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.softcap = getattr(config, "final_logit_softcapping", None)
-        # a compiled forward's shapes (the pool's buckets) against the rest (prefill chunks), run as written
-        self.kernels = {"bucketed": _Kernels(self.family, compiled, products=True),
-                        "other": _Kernels(self.family, False, products=False)}
+        # a compiled forward's shapes (the pool's buckets) against the rest (prefill chunks), run as written;
+        # scores soft-capped (Gemma 2) are the products' everywhere: SDPA's kernel cannot cap them
+        scores_cap = getattr(config, "attn_logit_softcapping", None)
+        self.kernels = {"bucketed": _Kernels(self.family, compiled, products=True, scores_cap=scores_cap),
+                        "other": _Kernels(self.family, False, products=scores_cap is not None, scores_cap=scores_cap)}
 
     def __call__(self, tokens, positions, mask, cache, states=None, bucketed: bool = True):
         kernels = self.kernels["bucketed" if bucketed else "other"]
@@ -130,7 +136,7 @@ class FusedForward:
             hidden, normed = layer(hidden, normed, *rotations[kind], layer_mask, cache, index, kernels, next_norm)
         logits = self.head(normed)
         if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+            logits = soft_capped(logits, self.softcap)
         if not states:
             return logits
         return logits, (normed if states == "norm" else torch.cat([taken[i] for i in states], dim=-1))
@@ -185,10 +191,19 @@ def grouped_attention(queries, keys, values, mask, scale: float, kernels: _Kerne
     return kernels.attend(grouped, keys, values, grouped_mask, scale).reshape(rows, heads, n, dim)
 
 
-def masked_softmax(scores, mask, scale: float):
-    """softmax(scores × scale + mask) in float32 at least, back in the scores' dtype."""
-    wide = scores.to(torch.promote_types(scores.dtype, torch.float32))
-    return torch.softmax(wide * scale + mask, dim=-1).to(scores.dtype)
+def masked_softmax(scores, mask, scale: float, cap: float | None = None, eager: bool = False):
+    """softmax(scores × scale + mask) in float32 at least, back in the scores' dtype; the scaled scores
+    soft-capped first where the family caps them. eager: as transformers' eager attention computes it
+    (Gemma 2's), the softmax in float32 whatever the dtype (a float64 model's too)."""
+    wide = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
+    if cap is not None:
+        wide = soft_capped(wide, cap)
+    return torch.softmax(wide + mask, dim=-1, dtype=torch.float32 if eager else None).to(scores.dtype)
+
+
+def soft_capped(x, cap: float):
+    """cap · tanh(x / cap): Gemma 2's and 3's soft cap (of attention scores, of logits)."""
+    return torch.tanh(x / cap) * cap
 
 
 def fused_attention(queries, keys, values, mask, scale: float) -> torch.Tensor:
@@ -234,13 +249,14 @@ class _Kernels:
     one Inductor kernel (a GPU's graphs), else as written. products: attention as two batched products
     around a softmax (a step's few queries over whole rows: a fused attention kernel runs one block
     per head there and leaves most of a GPU idle); else SDPA's kernel (a prefill's many queries, whose
-    scores the products would hold whole)."""
+    scores the products would hold whole). scores_cap: the products' scores soft-capped (Gemma 2)."""
 
-    def __init__(self, family: Family, compiled: bool, products: bool):
+    def __init__(self, family: Family, compiled: bool, products: bool, scores_cap: float | None = None):
         if compiled:  # one entry per (rows, tokens) bucket: past dynamo's limit (8) a shape would run eagerly
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         wrap = (lambda f: torch.compile(f, dynamic=False, fullgraph=True)) if compiled else (lambda f: f)
-        self.rotate, self.softmax = wrap(rotate), wrap(masked_softmax)
+        self.rotate = wrap(rotate)
+        self.softmax = wrap(partial(masked_softmax, cap=scores_cap, eager=family.attention == "eager"))
         self.add_norm = wrap(partial(add_norm, norm=family.norm))
         self.add_normed = wrap(partial(add_normed, norm=family.norm))
         self.gated = wrap(partial(gated, activation=family.activation))
