@@ -19,7 +19,9 @@ Sections:
 5. last, as time allows: the 8B shape on Inductor's kernels, and HF generate with a static cache;
 6. the 8B shape's one-token step kernel by kernel (torch.profiler), transformers' forward and the fused one;
 7. drafting beside the 8B shape: a 1B-shaped draft model's step and an EAGLE-3 head's level against the
-   target's, and the speedups Leviathan's formula gives for acceptance rates measured on the CPU.
+   target's, and the speedups Leviathan's formula gives for acceptance rates measured on the CPU;
+8. every family the fused forward covers, on the device's compiled kernels: a random model of each (float32),
+   its logits and greedy text against transformers' forward on the same pool, and t(1) both ways.
 """
 
 from __future__ import annotations
@@ -593,6 +595,59 @@ def verify_costs(model: StaticHFModel, buckets=BUCKETS) -> dict:
         sequence.release()
 
 
+# a small model of each covered family (`fused.FAMILIES`): 8 layers of 1024, grouped key heads, float32
+FAMILY_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                    num_key_value_heads=4, head_dim=64, vocab_size=32000)
+FAMILY_SHAPE_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=32000)  # the rehearsal's
+FAMILY_OPTIONS = {"mistral": dict(sliding_window=64), "gemma2": dict(sliding_window=64, query_pre_attn_scalar=64),
+                  "gemma3_text": dict(sliding_window=64, query_pre_attn_scalar=64)}
+
+
+@section("8-families", 150)
+def families(until: float) -> dict:
+    """Each family the fused forward covers, as the device compiles it: the same random model's pool with
+    the fused forward and with transformers', in hand-captured graphs: the largest logit difference in a
+    4-token step after a prompt (against the logits' spread), whether 64 greedy tokens agree (a random model's near-ties may
+    part them: where they first part is said), t(1) and t(16)/t(1) both ways, and each warm-up."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from specdec.api import SpeculativeDecoder
+    from specdec.runtime.fused import FAMILIES
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO / "target")
+    prompt, results = fresh_prompts(len(tokenizer), (100,))[0], {}
+    for model_type in FAMILIES:
+        if time.monotonic() > until - 25:
+            note(f"- 8. {model_type}: skipped (time)")
+            continue
+        config = AutoConfig.for_model(model_type, **(FAMILY_SHAPE_SMALL if SMALL else FAMILY_SHAPE),
+                                      **FAMILY_OPTIONS.get(model_type, {}), max_position_embeddings=2048,
+                                      pad_token_id=0, bos_token_id=None, eos_token_id=None)
+        config._attn_implementation = FAMILIES[model_type].attention
+        with torch.device(DEVICE):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        row, logits, texts = {}, [], []
+        for fused in (False, True):
+            pool = StaticHFModel(model, tokenizer, model_type, context=1024, backend=COMPILE, fused=fused)
+            way = "fused" if fused else "transformers"
+            row[f"{way}: warm-up s"] = round(pool.warm_up(tokens=(1, 4, 16)), 2)
+            sequence = pool.sequence()
+            sequence.forward(prompt)  # a prefill chunk; then a step of the 4 bucket, the compiled kernels'
+            logits.append(sequence.forward(prompt[:4]))
+            sequence.release()
+            texts.append(SpeculativeDecoder(pool, None).generate(prompt, max_new_tokens=64, temperature=0).tokens)
+            costs = verify_costs(pool, (1, 16))
+            row[f"{way}: t(1) ms"], row[f"{way}: t(16)/t(1)"] = costs["t(1) ms"], costs[16]
+        row["largest logit difference / logits' std"] = float((logits[0] - logits[1]).abs().max() / logits[0].std())
+        parted = next((i for i, (a, b) in enumerate(zip(*texts)) if a != b), None)
+        row["greedy equal (64 tokens)"] = "yes" if parted is None else f"no: parted at token {parted}"
+        results[model_type] = row
+        note(f"- 8. {model_type}: " + json.dumps(row))
+        del model
+    return results
+
+
 def read_bandwidth() -> float:
     """GB/s of summing a large buffer on the device."""
     size = (64 if SMALL else 4096) * 2**20
@@ -612,6 +667,6 @@ if __name__ == "__main__":
     card = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU rehearsal"
     note(f"# GPU check: {card}, torch {torch.__version__}, compile backend {COMPILE}, {time.strftime('%Y-%m-%d %H:%M')}")
     chosen = os.environ.get("ONLY")  # e.g. ONLY=3: the sections whose names start so
-    for name, limit_s, function in sorted(SECTIONS, key=lambda entry: "1637245".index(entry[0][0])):  # the 8B shape second, Inductor last
+    for name, limit_s, function in sorted(SECTIONS, key=lambda entry: "16372458".index(entry[0][0])):  # the 8B shape second, Inductor last
         if chosen is None or name.startswith(tuple(chosen.split(","))):
             run_section(name, limit_s, function)

@@ -6,7 +6,8 @@
 #   device run: bash benchmarks/gpu_call.sh   (carry [".whl"], timeout_s 580)
 # Results come back in $OUT: summary.md, one JSON per section, profile tables.
 # Every section together overruns one call: name them (the sections' numbers, gpu.py's docstring), e.g. the
-# call issue 43 leaves for the next device session: ONLY=2,7,3,6 BUDGET_S=480 bash benchmarks/gpu_call.sh
+# calls issue 43 leaves for the next device session, two of them (timeout_s 540 each):
+#   ONLY=2,7,8 BUDGET_S=480 bash benchmarks/gpu_call.sh     then     ONLY=3,6 BUDGET_S=480 bash benchmarks/gpu_call.sh
 set -uo pipefail
 mkdir -p "${OUT:=/tmp/gpu-out}"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
