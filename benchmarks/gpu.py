@@ -608,8 +608,9 @@ FAMILY_OPTIONS = {"mistral": dict(sliding_window=64), "gemma2": dict(sliding_win
 def families(until: float) -> dict:
     """Each family the fused forward covers, as the device compiles it: the same random model's pool with
     the fused forward and with transformers', in hand-captured graphs: the largest logit difference in a
-    4-token step after a prompt (against the logits' spread), whether 64 greedy tokens agree (a random model's near-ties may
-    part them: where they first part is said), t(1) and t(16)/t(1) both ways, and each warm-up."""
+    4-token step after a prompt (against the logits' spread), whether 64 greedy tokens agree (a random
+    model's near-ties may part them: where they first part is said), t(1) and t(16)/t(1) both ways, and
+    each warm-up."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from specdec.api import SpeculativeDecoder
