@@ -294,6 +294,8 @@ class Engine:
 
 def _checked(draft: Draft, gamma: int, vocab_size: int, sampling: SamplingParams) -> Draft:
     """The draft, its drafter's contract checked: a broken drafter would silently break losslessness."""
+    if not len(draft):  # nothing drafted: nothing to check (most steps of a default that finds nothing to draft)
+        return draft
     tree.check_parents(draft.parents)
     if draft.depth > gamma:
         raise ValueError(f"the drafter proposed {draft.depth} tokens deep; at most {gamma} were asked for")

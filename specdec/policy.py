@@ -101,6 +101,11 @@ class NodePolicy(Protocol):
     def accept_probability(self, source: tuple) -> float:
         ...
 
+    def chain_values(self, kind: str, length: int, at_least: int = 0) -> list[float]:
+        """Each of a chain source's first `length` nodes' chance that it and every node before it are
+        accepted, while at least NEGLIGIBLE (and for `at_least` nodes whatever they are)."""
+        ...
+
     def model_rate(self) -> float:
         ...
 
@@ -396,12 +401,8 @@ class CostAwarePolicy:
         budget = self.budget()
         if "model" in self.probes and budget.take_level(self.model_rate(), 1):  # the budget is this check's own
             return True
-        for kind in self.probes.keys() & CHAIN_PRIORS.keys():
-            first, each_next = self.accept_probability((kind, 0)), self.accept_probability((kind, 1))
-            values = [first * each_next ** position for position in range(self.max_depth)]
-            if budget.best_prefix(values):
-                return True
-        return False
+        return any(budget.best_prefix(self.chain_values(kind, self.max_depth))
+                   for kind in self.probes.keys() & CHAIN_PRIORS.keys())
 
     # ---- the credit: probes of every source together take at most EXPLORE_SHARE of decoding's time.
     # A probe is made when it is due (`Probe`) and the credit pays for it: where a verify is nearly
@@ -445,6 +446,17 @@ class CostAwarePolicy:
         if kind == "model":
             return observed.rate(self.model_prior * (index + 0.5) / BINS, weight=4)
         return observed.rate(self.chain_priors[kind][min(index, 1)], weight=2)
+
+    def chain_values(self, kind: str, length: int, at_least: int = 0) -> list[float]:
+        # a chain's nodes after its first share one estimate (`_acceptance`): asked twice, not once a node
+        first, each_next = self.accept_probability((kind, 0)), self.accept_probability((kind, 1))
+        values, value = [], first
+        for position in range(length):
+            if value < NEGLIGIBLE and position >= at_least:
+                break
+            values.append(value)
+            value *= each_next
+        return values
 
     def model_rate(self) -> float:
         """Acceptance of the draft model's nodes over all confidences: the guess for a level not drafted yet."""

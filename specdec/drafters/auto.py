@@ -125,12 +125,10 @@ class AutoDrafter:
         """A chain source's best prefix (all its values are known at once), or more when the policy
         probes the source. Where a chain spells what is in the tree already it shares its nodes;
         where it leaves them it branches (if a branch is left)."""
-        values, value = [], 1.0
-        for position in range(len(chain)):
-            value *= policy.accept_probability((kind, position))
-            values.append(value)
+        probe = policy.probe_tokens(kind)
+        values = policy.chain_values(kind, len(chain), at_least=probe)
         parent = -1
-        for position, token in enumerate(chain[: budget.take_chain(values, at_least=policy.probe_tokens(kind))]):
+        for position, token in enumerate(chain[: budget.take_chain(values, at_least=probe)]):
             existing = nodes.child(parent, token)
             if existing is not None:
                 nodes.sources[existing].append((kind, position))
