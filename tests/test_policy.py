@@ -253,6 +253,26 @@ def test_observing_counts_every_child_of_a_reached_node():
     assert policy.accept_probability(("lookup", 5)) == policy.accept_probability(("lookup", 1))
 
 
+@pytest.mark.parametrize("at_least", [0, 8, 40])
+def test_a_chains_values_are_its_estimates_multiplied_node_by_node(at_least):
+    """`chain_values` (two estimates asked) against the slow reference: each node's estimate asked and
+    multiplied in, cut where a value falls below NEGLIGIBLE, but never before `at_least` nodes (a probe)."""
+    from specdec.policy import NEGLIGIBLE
+    from specdec.types import Draft, VerifyResult
+
+    policy = CostAwarePolicy(STEEP, sampled=True)
+    policy.update(Draft(torch.tensor([5, 6]), None, torch.tensor([-1, 0]), [[("lookup", 0)], [("lookup", 1)]]),
+                  VerifyResult(1, [5, 8], path=[0]))  # the next-token estimate moves off its prior
+    reference, value = [], 1.0
+    for position in range(40):
+        value *= policy.accept_probability(("lookup", position))
+        reference.append(value)
+    kept = next(i for i, v in enumerate(reference) if v < NEGLIGIBLE)
+    assert 1 < kept < 40
+    assert policy.chain_values("lookup", 40, at_least) == reference[: max(kept, at_least)]
+    assert policy.chain_values("lookup", 3, at_least) == reference[:3]
+
+
 def test_batch_depth_drops_drafting_when_verify_rows_are_not_free():
     flat_then_linear = costs.Profile(target={1: 1.0, 8: 1.0, 16: 2.0, 1024: 128.0}, draft={1: 0.1, 64: 6.4})
     depth = BatchDepth(flat_then_linear, max_gamma=8, models_draft=True)  # α: its prior, 0.6
