@@ -1,5 +1,5 @@
-"""The fused forward (`specdec.runtime.fused`), the static pool's GPU default for the Llama family and Gemma 1-3: on the
-CPU in float64, every step equals transformers' forward on the same pool (logits, cached keys, the
+"""The fused forward (`specdec.runtime.fused`), the static pool's GPU default for the Llama family and Gemma 1-3:
+on the CPU in float64, every step equals transformers' forward on the same pool (logits, cached keys, the
 states heads read), every drafter's greedy text is plain decoding's, and every other architecture of
 the matrix is refused by name (it keeps transformers' forward)."""
 

@@ -25,7 +25,7 @@ Every other model keeps transformers' forward on the pool (`fused_refusal` says 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable
 
@@ -66,7 +66,7 @@ LLAMA = Family(rms_norm, F.silu, "silu")
 GEMMA = Family(gemma_rms_norm, gelu_tanh, "gelu_pytorch_tanh")
 # Gemma 2 soft-caps its attention scores, which transformers computes in eager attention only
 FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "gemma": GEMMA,
-            "gemma2": Family(gemma_rms_norm, gelu_tanh, "gelu_pytorch_tanh", attention="eager"), "gemma3_text": GEMMA}
+            "gemma2": replace(GEMMA, attention="eager"), "gemma3_text": GEMMA}
 
 
 def fused_refusal(model) -> str | None:
