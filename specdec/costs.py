@@ -41,17 +41,26 @@ class Profile:
         return self.contention < CONTENDED
 
     def verify(self, k: float) -> float:
-        """t_target(k), interpolated."""
+        """t_target(k), interpolated: the forward alone."""
         return interpolate(self.target, k)
 
-    def verifies(self, ks: list[float]) -> list[float]:
-        """`verify` at each k (a chain's every prefix is weighed at once: `policy.Budget.best_prefix`)."""
-        return interpolate_all(self.target, ks)
+    def step(self, k: float) -> float:
+        """An engine iteration's verify phase scoring k tokens: the target's forward and the engine's
+        own work (sampling, verification, bookkeeping)."""
+        return self.verify(k) + self.step_overhead
+
+    def steps(self, ks: list[float]) -> list[float]:
+        """`step` at each k (a chain's every prefix is weighed at once: `policy.Budget.best_prefix`)."""
+        return [t + self.step_overhead for t in interpolate_all(self.target, ks)]
 
     def draft_level(self, rows: float) -> float:
         """One draft level for `rows` rows of a batch: one forward, and each row's own work (0 without a
         draft model)."""
         return interpolate(self.draft, rows) + rows * self.level_overhead if self.draft else 0.0
+
+    def reading(self, unread: int) -> float:
+        """What the draft model's reading `unread` committed tokens adds to its next level's forward."""
+        return interpolate(self.draft, unread) - interpolate(self.draft, 1) if self.draft and unread > 1 else 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -66,37 +75,77 @@ class Profile:
 
 
 @dataclass
-class LiveCosts(Profile):
-    """A profile whose verify costs follow what decoding pays.
+class Factors:
+    """How the times decoding pays compare with a measured curve: a factor per size class (k in
+    [2^c, 2^(c+1))), each class following its last ~MEMORY observations (within [1/CLAMP, CLAMP]
+    each: a stall does not swing it), interpolated between the classes seen in log k and beyond
+    them the nearest's."""
 
-    The measured curve times each size alone, after a short context; decoding pays more for a
+    MEMORY: ClassVar[int] = 32
+    CLAMP: ClassVar[float] = 16.0
+    # a class has moved once its factor or mean k has moved by more than this (0.5%) since `mark`:
+    # every step moves them a little, and a step's host time should be a plain one's
+    MOVED: ClassVar[float] = 0.005
+    classes: dict[int, list[float]] = field(default_factory=dict)  # class -> [seen, mean log factor, mean k]
+    _marked: dict[int, tuple[float, float]] = field(default_factory=dict)  # class -> (log factor, k) at `mark`
+
+    def record(self, k: float, factor: float) -> bool:
+        """One observation at size k; whether its class has moved since `mark`."""
+        size_class = int(k).bit_length() - 1
+        entry = self.classes.setdefault(size_class, [0, 0.0, 0.0])
+        entry[0] += 1
+        weight = 1 / min(entry[0], self.MEMORY)
+        entry[1] += weight * (math.log(min(max(factor, 1 / self.CLAMP), self.CLAMP)) - entry[1])
+        entry[2] += weight * (k - entry[2])
+        marked = self._marked.get(size_class)
+        return marked is None or abs(entry[1] - marked[0]) > self.MOVED or abs(entry[2] / marked[1] - 1) > self.MOVED
+
+    def mark(self) -> None:
+        """What the factors are now is what was used: `record` tells moves from here."""
+        self._marked = {c: (log_factor, k) for c, (_, log_factor, k) in self.classes.items()}
+
+    def at(self, ks) -> list[float]:
+        """The factor at each k (1 before anything was seen)."""
+        if not self.classes:
+            return [1.0] * len(ks)
+        points = sorted((math.log(mean_k), log_factor) for _, log_factor, mean_k in self.classes.values())
+        xs, ys = [x for x, _ in points], [y for _, y in points]
+        factors = []
+        for k in ks:
+            x = min(max(math.log(max(k, 1)), xs[0]), xs[-1])  # beyond the classes seen: the nearest
+            i = bisect.bisect_left(xs, x)
+            y = ys[i] if xs[i] == x else ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+            factors.append(math.exp(y))
+        return factors
+
+
+@dataclass
+class LiveCosts(Profile):
+    """A profile whose costs follow what decoding pays.
+
+    The measured curves time each size alone, after a short context; decoding pays more for a
     verify than that curve says (llama.cpp rebuilds its graph whenever the batch shape changes,
     a long context makes attention dear, cache edits and verification add to the forward) and
     often less for a plain step (its graph is reused), and the plain steps right after a drafting
-    one pay for it too (see `observe`). So each engine step's verify phase (tokens the target
-    scored, seconds) is compared with the curve, as a factor per size
-    class (k in [2^c, 2^(c+1))), each class following its last ~MEMORY steps. t(k) is the curve
-    scaled by the factor at k (interpolated between the classes seen, in log k; beyond them, the
-    nearest) over the factor at k = 1: the curve's scale stays, so draft levels and the step
-    overhead, measured on the same scale, stay comparable; its shape becomes decoding's. Decisions
-    that follow timings are still lossless (docs/design.md, pitfall 14, rules out only unverified target
-    probabilities). A seeded request under the default drafter draws by position, so its text does
-    not follow them (`SpeculativeDecoder.request`); a fixed drafter's with gamma "auto" may."""
+    one pay for it too (see `observe`). The draft model's forwards, between the target's, find
+    caches the target has filled and a context as long. So each engine step's verify phase
+    (tokens the target scored, seconds) is compared with `Profile.step`, as `Factors` per size
+    class, and each proposal's draft-model forwards with the draft curve and level overhead, as
+    one factor. t(k) is the measured step scaled by the factor at k over the factor at k = 1, and
+    a draft level by the draft's factor over the same: a plain step stays what was measured, and
+    the rest keeps its ratio to it as decoding pays it. Decisions that follow timings are still
+    lossless (docs/design.md, pitfall 14, rules out only unverified target probabilities). A
+    seeded request under the default drafter draws by position, so its text does not follow them
+    (`SpeculativeDecoder.request`); a fixed drafter's with gamma "auto" may."""
 
-    MEMORY: ClassVar[int] = 32
     AFTERMATH: ClassVar[int] = 16
-    # one step's factor is taken within [1/CLAMP, CLAMP]: a stall does not swing the estimate
-    CLAMP: ClassVar[float] = 16.0
-    # the curve is reshaped once a class's factor or mean k has moved by more than this (0.5%) since
-    # the last shaping: every step moves them a little, and a step's host time should be a plain one's
-    RESHAPE: ClassVar[float] = 0.005
-    # size class -> [steps seen, mean log factor, mean k]
-    _classes: dict[int, list[float]] = field(default_factory=dict, repr=False)
+    _steps: Factors = field(default_factory=Factors, repr=False)  # the verify phases against `Profile.step`
+    _drafts: Factors = field(default_factory=Factors, repr=False)  # the draft model's forwards (one class)
     # the last drafting step: tokens, seconds so far, plain steps after it
     _drafted: tuple[int, float, int] | None = field(default=None, repr=False)
     _curve: dict[int, float] | None = field(default=None, repr=False)  # t(k) as decoding pays it, at the measured sizes
-    _shaped_by: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)  # (log factor, k) per class
-    _measured_one: float | None = field(default=None, repr=False)  # the measured curve's t(1) (`_measured`)
+    _draft_scale: float | None = field(default=None, repr=False)  # the draft's factor over the plain step's
+    _plain: float | None = field(default=None, repr=False)  # the measured `Profile.step(1)`, read every plain step
 
     @classmethod
     def of(cls, profile: Profile) -> LiveCosts:
@@ -110,7 +159,8 @@ class LiveCosts(Profile):
         the drafting step that caused it, and only steady plain steps teach the plain cost."""
         if tokens < 1 or seconds <= 0:
             return
-        steady = self._measured(1) * math.exp(self._classes[0][1]) if 0 in self._classes else None
+        plain = self._steps.classes.get(0)  # read every step: the class itself, not `Factors.at`
+        steady = self._measured(1) * math.exp(plain[1]) if plain is not None else None
         drafted = self._drafted
         if (drafted is not None and tokens == 1 and steady is not None and drafted[2] < self.AFTERMATH
                 and seconds > 1.05 * steady):
@@ -124,58 +174,62 @@ class LiveCosts(Profile):
         else:
             self._drafted = (tokens, seconds, 0)  # recorded once the plain steps after it are steady again
 
+    def observe_draft(self, forwards: list[tuple[int, int]], seconds: float) -> None:
+        """A proposal's draft-model forwards (tokens, rows of each) took `seconds`, the drafter's work
+        between them included."""
+        expected = sum(interpolate(self.draft, tokens) + rows * self.level_overhead for tokens, rows in forwards)
+        if self.draft and expected > 0 and seconds > 0 and self._drafts.record(1, seconds / expected):
+            self._moved()
+
     def _record(self, tokens: int, seconds: float) -> None:
-        factor = min(max(seconds / self._measured(tokens), 1 / self.CLAMP), self.CLAMP)
-        entry = self._classes.setdefault(tokens.bit_length() - 1, [0, 0.0, 0.0])
-        entry[0] += 1
-        weight = 1 / min(entry[0], self.MEMORY)
-        entry[1] += weight * (math.log(factor) - entry[1])
-        entry[2] += weight * (tokens - entry[2])
-        shaped = self._shaped_by.get(tokens.bit_length() - 1)
-        if shaped is None or abs(entry[1] - shaped[0]) > self.RESHAPE or abs(entry[2] / shaped[1] - 1) > self.RESHAPE:
-            self._curve = None
-            self.revision += 1
+        if self._steps.record(tokens, seconds / self._measured(tokens)):
+            self._moved()
+
+    def _moved(self) -> None:
+        self._curve = self._draft_scale = None
+        self.revision += 1
 
     def _measured(self, tokens: int) -> float:
-        """The measured curve's t(tokens) (`Profile.verify`); t(1), read every plain step, is kept."""
+        """The measured `Profile.step(tokens)`; step(1), read every plain step, is kept."""
         if tokens != 1:
-            return Profile.verify(self, tokens)
-        if self._measured_one is None:
-            self._measured_one = Profile.verify(self, 1)
-        return self._measured_one
+            return Profile.step(self, tokens)
+        if self._plain is None:
+            self._plain = Profile.step(self, 1)
+        return self._plain
 
     def factor(self, k: float) -> float:
-        """The observed factor at k (1 before any step was seen)."""
-        return self._factors([k])[0]
+        """The observed factor of a verify of k (1 before any step was seen)."""
+        return self._steps.at([k])[0]
 
-    def _factors(self, ks) -> list[float]:
-        """`factor` at each k: the classes' (log mean k, log factor), interpolated in log k."""
-        if not self._classes:
-            return [1.0] * len(ks)
-        points = sorted((math.log(mean_k), log_factor) for _, log_factor, mean_k in self._classes.values())
-        xs, ys = [x for x, _ in points], [y for _, y in points]
-        factors = []
-        for k in ks:
-            x = min(max(math.log(max(k, 1)), xs[0]), xs[-1])  # beyond the classes seen: the nearest
-            i = bisect.bisect_left(xs, x)
-            y = ys[i] if xs[i] == x else ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-            factors.append(math.exp(y))
-        return factors
-
-    def verify(self, k: float) -> float:
+    def step(self, k: float) -> float:
         return interpolate(self._shaped(), k)
 
-    def verifies(self, ks: list[float]) -> list[float]:
+    def steps(self, ks: list[float]) -> list[float]:
         return interpolate_all(self._shaped(), ks)
 
+    def draft_level(self, rows: float) -> float:
+        return Profile.draft_level(self, rows) * self._scale()
+
+    def reading(self, unread: int) -> float:
+        return Profile.reading(self, unread) * self._scale()
+
     def _shaped(self) -> dict[int, float]:
-        """The measured sizes' times, reshaped: made again once `_record` moved a class."""
+        """The measured sizes' steps, reshaped: made again once `_record` moved a class."""
         if self._curve is None:
             sizes = sorted(self.target)
-            at_one, *factors = self._factors([1, *sizes])
-            self._curve = {size: self.target[size] * f / at_one for size, f in zip(sizes, factors)}
-            self._shaped_by = {c: (log_factor, k) for c, (_, log_factor, k) in self._classes.items()}
+            at_one, *factors = self._steps.at([1, *sizes])
+            self._curve = {size: Profile.step(self, size) * f / at_one for size, f in zip(sizes, factors)}
+            self._steps.mark()
         return self._curve
+
+    def _scale(self) -> float:
+        """The draft's factor over a plain step's (1 before a draft forward was seen: it is taken to
+        have moved as the target's did)."""
+        if self._draft_scale is None:
+            seen = bool(self._drafts.classes)
+            self._draft_scale = self._drafts.at([1])[0] / self._steps.at([1])[0] if seen else 1.0
+            self._drafts.mark()
+        return self._draft_scale
 
 
 def interpolate(costs: dict[int, float], k: float) -> float:

@@ -24,7 +24,7 @@ from itertools import accumulate, takewhile
 from typing import Protocol, runtime_checkable
 
 from specdec.analysis import expected_tokens, speedup
-from specdec.costs import Profile, interpolate
+from specdec.costs import Profile
 from specdec.errors import SpecDecError
 from specdec.tree import trials
 from specdec.types import Draft, VerifyResult
@@ -96,6 +96,12 @@ class NodePolicy(Protocol):
         ...
 
     def budget(self) -> Budget:
+        ...
+
+    def may_pay(self, kind: str) -> bool:
+        """Whether a source is worth weighing this iteration from an empty budget: a probe of it is
+        due, or its first nodes could pay (a source that could not is not looked at: its nodes would
+        not be taken)."""
         ...
 
     def accept_probability(self, source: tuple) -> float:
@@ -184,7 +190,7 @@ class BatchDepth:
 
     def rate(self, batch: int, gamma: int) -> float:
         """Expected tokens per second for the batch at depth γ (`analysis.speedup` over a one-second step)."""
-        verify = self.profile.verify(batch * (gamma * self.width + 1)) + self.profile.step_overhead
+        verify = self.profile.step(batch * (gamma * self.width + 1))
         drafting = gamma * self.profile.draft_level(batch) if gamma and self.models_draft else 0.0
         return speedup(batch * expected_tokens(self.alpha, gamma), drafting, verify)
 
@@ -228,13 +234,13 @@ class Budget:
     seconds: float = 0.0
 
     def __post_init__(self):
-        self.seconds = (self.profile.verify(self.verify_size) + self.profile.step_overhead) / self.batch
+        self.seconds = self.profile.step(self.verify_size) / self.batch
 
     def added_cost(self, nodes: int, now: float | None = None) -> float:
         """Seconds `nodes` more nodes cost this row (every row adding as many: the batch's verify grows
         B-fold); `now`: the verify's cost as it stands, where it was read already."""
-        now = self.profile.verify(self.verify_size) if now is None else now
-        return max(1e-9 * nodes, (self.profile.verify(self.verify_size + self.batch * nodes) - now) / self.batch)
+        now = self.profile.step(self.verify_size) if now is None else now
+        return max(1e-9 * nodes, (self.profile.step(self.verify_size + self.batch * nodes) - now) / self.batch)
 
     @property
     def level_cost(self) -> float:
@@ -255,7 +261,7 @@ class Budget:
         values = list(takewhile(lambda value: value >= NEGLIGIBLE, values))
         gained = [0.0, *accumulate(values)]
         # t(verify + batch · count) for every count at once; a count's added cost as `added_cost` computes it
-        now, *after = self.profile.verifies([self.verify_size + self.batch * count for count in range(len(values) + 1)])
+        now, *after = self.profile.steps([self.verify_size + self.batch * count for count in range(len(values) + 1)])
         added = [0.0] + [max(1e-9 * count, (t - now) / self.batch) for count, t in enumerate(after, 1)]
         rates = [(self.tokens + gained[count]) / (self.seconds + added[count]) for count in range(len(values) + 1)]
         return max(range(len(values) + 1), key=lambda count: (rates[count], -count))
@@ -336,7 +342,8 @@ class CostAwarePolicy:
         self.batch = 1
         self.probes = {kind: Probe(PROBE_MODEL_EVERY if kind == "model" else PROBE_CHAIN_EVERY) for kind in sources}
         self.pays, self.pays_for = False, 0  # whether some source could pay, and for how many more iterations (`depth`)
-        self._pays_for_key: tuple | None = None  # what `pays` was last computed from (`_some_source_pays`)
+        self.paying: frozenset[str] | None = None  # those sources (`_paying_sources`; None: not asked yet)
+        self._pays_for_key: tuple | None = None  # what `paying` was last computed from (`_paying_sources`)
         self.credit = 0.0  # seconds the probes may still take: EXPLORE_SHARE of each iteration accrues
         self._accruals: dict[int, float] = {}  # batch -> credit per iteration (`_accrual`)
         if shared is not None:
@@ -353,10 +360,7 @@ class CostAwarePolicy:
         return probe.due
 
     def catch_up_cost(self, unread: int) -> float:
-        profile = self.profile
-        if not profile.draft or unread <= 1:
-            return 0.0
-        return interpolate(profile.draft, unread) - interpolate(profile.draft, 1)
+        return self.profile.reading(unread)
 
     def probe_tokens(self, kind: str) -> int:
         """Tokens of a chain source's chain this iteration drafts at least (when it has one)."""
@@ -378,31 +382,35 @@ class CostAwarePolicy:
             if probe.due:  # due only once the credit could pay for it (a model probe's reading is asked later)
                 cost = self._model_probe_cost(0) if kind == "model" else self._chain_probe_cost()
                 probe.due = self._affords(probe, cost, spend=False)
-        if any(probe.due for probe in self.probes.values()):
-            return self.max_depth
         if not self.pays_for:
             key = self._pays_key()
             if key != self._pays_for_key:  # the finding is a function of these: computed again only when they move
-                self.pays, self._pays_for_key = self._some_source_pays(), key
+                self.paying, self._pays_for_key = self._paying_sources(), key
+                self.pays = bool(self.paying)
             self.pays_for = QUIET_FOR
         self.pays_for -= 1
-        return self.max_depth if self.pays else 0
+        return self.max_depth if self.pays or any(probe.due for probe in self.probes.values()) else 0
 
     def _pays_key(self) -> tuple:
-        """Everything `_some_source_pays` reads: the batch, the costs' revision and each source's estimates."""
+        """Everything `_paying_sources` reads: the batch, the costs' revision and each source's estimates."""
         chains = sorted(self.probes.keys() & CHAIN_PRIORS.keys())
         return (self.batch, self.profile.revision, self.model_rate() if "model" in self.probes else None,
                 *(self.accept_probability((kind, index)) for kind in chains for index in (0, 1)))
 
-    def _some_source_pays(self) -> bool:
-        """Whether a source's first nodes pay from an empty budget, by the estimates alone (as the
+    def _paying_sources(self) -> frozenset[str]:
+        """The sources whose first nodes pay from an empty budget, by the estimates alone (as the
         drafter decides, and before it reads a chain's tokens or the model's distribution: their
-        values are what count). A level of the draft model counts without its catching up."""
-        budget = self.budget()
-        if "model" in self.probes and budget.take_level(self.model_rate(), 1):  # the budget is this check's own
-            return True
-        return any(budget.best_prefix(self.chain_values(kind, self.max_depth))
-                   for kind in self.probes.keys() & CHAIN_PRIORS.keys())
+        values are what count). A level of the draft model counts without its catching up, a chain at
+        the longest: a shorter one pays only if some prefix of the longest does."""
+        model = {"model"} if "model" in self.probes and self.budget().take_level(self.model_rate(), 1) else set()
+        return frozenset(model | {kind for kind in self.probes.keys() & CHAIN_PRIORS.keys()
+                                  if self.budget().best_prefix(self.chain_values(kind, self.max_depth))})
+
+    def may_pay(self, kind: str) -> bool:
+        """As `depth` last found (held as it holds it), or a probe of the source is due; before any
+        `depth`, every source."""
+        probe = self.probes.get(kind)
+        return self.paying is None or kind in self.paying or (probe is not None and probe.due)
 
     # ---- the credit: probes of every source together take at most EXPLORE_SHARE of decoding's time.
     # A probe is made when it is due (`Probe`) and the credit pays for it: where a verify is nearly
@@ -414,9 +422,8 @@ class CostAwarePolicy:
         live costs keep its scale, so it is a function of the batch alone, kept per batch)."""
         accrual = self._accruals.get(self.batch)
         if accrual is None:
-            profile = self.profile
-            accrual = self._accruals[self.batch] = max(1e-12, EXPLORE_SHARE * (
-                interpolate(profile.target, self.batch) + profile.step_overhead) / self.batch)
+            accrual = self._accruals[self.batch] = max(1e-12, EXPLORE_SHARE * Profile.step(self.profile, self.batch)
+                                                       / self.batch)
         return accrual
 
     def _affords(self, probe: Probe, cost: float, spend: bool = True) -> bool:

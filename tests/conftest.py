@@ -23,7 +23,8 @@ os.environ["SPECDEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdec-profiles-")
 CHEAP_VERIFY = costs.Profile(target={1: 1.0, 4: 1.05, 8: 1.15, 16: 1.5, 64: 4.0}, draft={1: 0.12, 4: 0.13, 16: 0.2, 64: 0.5},
                              step_overhead=0.05, level_overhead=0.01)
 measured_profile = profiling.profile
-live_observe = costs.LiveCosts.observe  # the real one, for the tests of it (the fixture below makes it a no-op)
+# the real ones, for the tests of them (the fixture below makes them no-ops)
+live_observe, live_observe_draft = costs.LiveCosts.observe, costs.LiveCosts.observe_draft
 
 
 @pytest.fixture(autouse=True)
@@ -33,6 +34,7 @@ def cheap_verify_profile(monkeypatch):
     depend on timing. `test_policy` checks the live correction (`costs.LiveCosts`) itself."""
     monkeypatch.setattr(profiling, "profile", lambda target, draft=None, refresh=False: CHEAP_VERIFY)
     monkeypatch.setattr(costs.LiveCosts, "observe", lambda self, tokens, seconds: None)
+    monkeypatch.setattr(costs.LiveCosts, "observe_draft", lambda self, forwards, seconds: None)
 
 ARCHS = ["llama", "qwen2", "gpt2", "neox", "mistral"]
 # weight noise that makes "<arch>-near" agree with its target's argmax often, but not always

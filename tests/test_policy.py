@@ -14,7 +14,7 @@ import torch
 
 import specdec
 import specdec.drafters.auto as auto_module
-from conftest import CHEAP_VERIFY, live_observe, measured_profile, reference_greedy
+from conftest import CHEAP_VERIFY, live_observe, live_observe_draft, measured_profile, reference_greedy
 from specdec import costs, profiling
 from specdec.drafters import AutoDrafter, ModelDrafter, PromptLookupDrafter
 from specdec.drafters.base import DraftRequest
@@ -370,28 +370,42 @@ def test_interpolation():
 
 
 def live_costs() -> costs.LiveCosts:
-    """A profile that believes a verify of 8 costs 1.6 single ones, with the real `observe`
-    (the suite's fixture makes it a no-op elsewhere)."""
-    live = costs.LiveCosts.of(costs.Profile(target={1: 1.0, 8: 1.6, 64: 8.0}, draft={1: 0.1}, step_overhead=0.05))
-    live.observe = live_observe.__get__(live)
+    """A profile that believes a verify of 8 costs 1.6 single ones (and 0.05 s of the engine's own
+    work each step), with the real `observe` and `observe_draft` (the suite's fixture makes them
+    no-ops elsewhere)."""
+    live = costs.LiveCosts.of(costs.Profile(target={1: 1.0, 8: 1.6, 64: 8.0}, draft={1: 0.1, 8: 0.2},
+                                            step_overhead=0.05, level_overhead=0.01))
+    live.observe, live.observe_draft = live_observe.__get__(live), live_observe_draft.__get__(live)
     return live
 
 
 def test_live_costs_take_the_shape_decoding_pays():
-    """Steps seen at k = 1 and k = 8 reshape the curve: t(8) / t(1) becomes what the steps took,
-    on the profile's scale (t(1), draft levels and overhead unchanged); sizes between the seen
-    ones are interpolated, sizes beyond follow the curve from the nearest; a stall moves it little."""
+    """Steps seen at k = 1 and k = 8 reshape the curve of steps (forward and engine work): t(8) / t(1)
+    becomes what the steps took, on the profile's scale (a plain step as measured); sizes between
+    the seen ones are interpolated, sizes beyond follow the curve from the nearest; a stall moves it
+    little."""
     live = live_costs()
-    assert live.verify(8) == pytest.approx(1.6)  # nothing seen yet: the curve as measured
+    assert live.step(8) == pytest.approx(1.65)  # nothing seen yet: the curve as measured, its overhead included
     for _ in range(40):
-        live.observe(1, 0.5)  # plain steps reuse their graph: cheaper than the curve's t(1)
-        live.observe(8, 2.0)  # a verify of 8 pays for a rebuilt graph: 4 plain steps, not 1.6
-    assert live.verify(1) == 1.0 and live.draft_level(1) == pytest.approx(0.1) and live.step_overhead == 0.05
-    assert live.verify(8) == pytest.approx(4.0)
-    assert 1.0 < live.verify(4) < live.verify(8) < live.verify(16) and live.verify(64) == pytest.approx(8.0 * 4.0 / 1.6)
+        live.observe(1, 0.525)  # plain steps reuse their graph: half the measured step
+        live.observe(8, 2.1)  # a verify of 8 pays for a rebuilt graph: 4 plain steps, not 1.6
+    assert live.step(1) == pytest.approx(1.05) and live.step(8) == pytest.approx(4.2)
+    assert 1.05 < live.step(4) < live.step(8) < live.step(16)
+    assert live.step(64) == pytest.approx(8.05 * (2.1 / 1.65) / 0.5)
     live.observe(1, 100.0)  # a stall
-    assert live.verify(8) > 3.0
-    assert costs.LiveCosts.of(costs.Profile(target={1: 1.0})).verify(1) == 1.0
+    assert live.step(8) > 3.0
+    assert costs.LiveCosts.of(costs.Profile(target={1: 1.0})).step(1) == 1.0
+
+
+def test_a_step_that_pays_what_was_measured_leaves_the_costs_as_measured():
+    """A verify phase holds the engine's own work: steps that take the profile's forward plus its
+    overhead are as measured, the overhead counted once."""
+    live = live_costs()
+    for _ in range(40):
+        live.observe(1, 1.05)
+        live.observe(8, 1.65)
+    assert live.factor(1) == pytest.approx(1.0) and live.factor(8) == pytest.approx(1.0)
+    assert live.step(1) == pytest.approx(1.05) and live.step(8) == pytest.approx(1.65)
 
 
 def test_the_plain_steps_after_a_draft_charge_their_slowness_to_the_draft():
@@ -400,17 +414,48 @@ def test_the_plain_steps_after_a_draft_charge_their_slowness_to_the_draft():
     steady ones, and the excess is the drafting step's cost, not a plain step's."""
     live = live_costs()
     for _ in range(40):
-        live.observe(1, 1.0)
+        live.observe(1, 1.05)
     for _ in range(40):
-        live.observe(8, 2.0)
-        live.observe(1, 2.5)  # 1.5 + 0.5 seconds more than a steady plain step, then steady again
-        live.observe(1, 1.5)
-        live.observe(1, 1.0)
-    assert live.verify(1) == 1.0 and live.factor(1) == pytest.approx(1.0)
-    assert live.verify(8) == pytest.approx(4.0)
-    live.observe(8, 2.0)
-    live.observe(8, 2.0)  # a drafting step after a drafting one: charged as it is
-    assert live.verify(8) < 4.0
+        live.observe(8, 2.1)
+        live.observe(1, 2.55)  # 1.5 + 0.5 seconds more than a steady plain step, then steady again
+        live.observe(1, 1.55)
+        live.observe(1, 1.05)
+    assert live.step(1) == pytest.approx(1.05) and live.factor(1) == pytest.approx(1.0)
+    assert live.step(8) == pytest.approx(4.1)
+    live.observe(8, 2.1)
+    live.observe(8, 2.1)  # a drafting step after a drafting one: charged as it is
+    assert live.step(8) < 4.1
+
+
+def test_the_draft_models_forwards_follow_what_decoding_pays():
+    """A draft level costs what the draft model's forwards took while decoding (their levels' own
+    work included), relative to a plain step as decoding pays it; before any was seen, it moves as
+    the plain step did. Reading unread text moves with it."""
+    live = live_costs()
+    for _ in range(40):
+        live.observe(1, 0.525)  # plain steps at half the measured cost
+    assert live.draft_level(1) == pytest.approx(0.11) and live.step(1) == pytest.approx(1.05)
+    revision = live.revision
+    forwards = [(3, 1), (1, 1)]  # a level reading two committed tokens more, then one
+    expected = (0.1 + 0.1 * 2 / 7 + 0.01) + (0.1 + 0.01)
+    for _ in range(40):
+        live.observe_draft(forwards, 0.75 * expected)  # half as dear again as the plain steps, relatively
+    assert live.revision > revision
+    assert live.draft_level(1) == pytest.approx(0.11 * 1.5)
+    assert live.reading(9) == pytest.approx((0.2 * 9 / 8 - 0.1) * 1.5)
+    assert live.step(1) == pytest.approx(1.05)  # the target's curve is the target's
+
+
+def test_a_proposal_reports_its_draft_forwards_to_the_live_costs(model_dirs):
+    """The default and a draft model's trees at gamma "auto" tell the costs their draft model's forwards."""
+    for tree in (None, 3):
+        decoder = specdec.load(model_dirs["llama"], draft=model_dirs["llama-draft"], tree=tree, device="cpu")
+        live, seen = decoder.profile(), []
+        live.observe_draft = lambda forwards, seconds: seen.append((forwards, seconds))
+        result = decoder.generate("a b c d e f", max_new_tokens=12, temperature=0)
+        assert seen and all(seconds > 0 and all(tokens >= rows >= 1 for tokens, rows in forwards)
+                            for forwards, seconds in seen)
+        assert sum(len(forwards) for forwards, _ in seen) <= result.stats.draft_forwards
 
 
 def test_dear_verifies_seen_while_decoding_stop_the_policy_drafting():
@@ -428,6 +473,35 @@ def test_dear_verifies_seen_while_decoding_stop_the_policy_drafting():
         for _ in range(8):
             live.observe(k, 0.5 * k)
     assert chain_length() == 0
+
+
+def test_sources_that_could_not_pay_are_not_searched_and_the_drafts_stay_the_same(model_dirs, monkeypatch):
+    """Where only a copy could pay from an empty budget (a dear verify: lookup's and the model's
+    priors do not pay), the default searches the text only when its last COPY_MATCH tokens occur
+    earlier, and asks nothing of the draft model: every step's draft is what weighing every source
+    would have made."""
+    dear = costs.Profile(target={1: 1.0, 2: 1.6, 8: 3.0, 64: 20.0}, draft={1: 0.1, 8: 0.2}, step_overhead=0.05)
+    monkeypatch.setattr(profiling, "profile", lambda target, draft=None, refresh=False: dear)
+    searches = []
+    search = auto_module.lookup_match
+    monkeypatch.setattr(auto_module, "lookup_match", lambda *args: searches.append(1) or search(*args))
+
+    def run(weigh_all: bool, prompt: str, temperature: float):
+        with monkeypatch.context() as patch:
+            if weigh_all:
+                patch.setattr(CostAwarePolicy, "may_pay", lambda self, kind: True)
+            decoder = specdec.load(model_dirs["llama"], draft=model_dirs["llama-draft"], device="cpu")
+            searches.clear()
+            result = decoder.generate(prompt, max_new_tokens=40, temperature=temperature, seed=3)
+            return (result.tokens, result.stats.drafters, result.stats.tree_nodes), len(searches)
+
+    saved = 0
+    for prompt in ("a b c d e f g h", "ab cd ab cd ab cd ab cd"):
+        for temperature in (0, 0.8):
+            (fast, searched), (full, all_searched) = run(False, prompt, temperature), run(True, prompt, temperature)
+            assert fast == full
+            saved += all_searched - searched
+    assert saved > 0
 
 
 def test_the_engine_reports_each_step_to_the_live_costs(model_dirs):
@@ -512,10 +586,10 @@ def probed_share(policy: CostAwarePolicy, iterations: int) -> tuple[float, int]:
         model = policy.probe_model(unread) if "model" in policy.probes else False
         chain = policy.probe_tokens("lookup")
         nodes = int(model) + chain
-        step = profile.verify(1 + nodes) + profile.step_overhead
+        step = profile.step(1 + nodes)
         if model:
             step += policy.catch_up_cost(unread) + profile.draft_level(1)
-        plain += profile.verify(1) + profile.step_overhead
+        plain += profile.step(1)
         spent += step
         probes += bool(nodes)
         unread = 1 if model else unread + 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafters.prompt_lookup import lookup_continuation
+from specdec.drafters.prompt_lookup import lookup_continuation, lookup_match, repeats
 from specdec.sampling import RandomStreams, probs_from_logits, sample
 from specdec.params import SamplingParams
 
@@ -145,3 +145,17 @@ def test_lookup_searches_in_c_as_the_slow_reference_does(context, max_tokens):
     assert lookup_continuation(context, max_tokens) == slow_lookup(context, max_tokens)
     straddling = [256, 0, 5, 1]  # packed: 00 01 00 00 | 00 00 00 00 | ...: the bytes of id 1 (01 00 00 00) at offset 1
     assert lookup_continuation(straddling, 2) == [] == slow_lookup(straddling, 2)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40) | st.lists(st.integers(0, 2**24), max_size=40), st.integers(1, 6))
+def test_a_match_that_runs_n_tokens_back_needs_the_last_n_tokens_earlier(context, n):
+    """`repeats` is the slow check (the last n tokens somewhere before, ending before the last token),
+    and a looked-up match whose text runs n or more tokens back is found only where it says so: the
+    default skips the search when only a copy could pay and nothing repeats."""
+    slow = any(context[start : start + n] == context[-n:] for start in range(len(context) - n)) if len(context) > n else False
+    assert repeats(context, n) == slow
+    if lookup_match(context, 8)[1] >= n:
+        assert repeats(context, n)
+    straddling = [256, 0, 0, 7, 1, 0]  # the bytes of (1, 0) lie at offset 1, across ids 256 and 0: not a match
+    assert not repeats(straddling, 2) and repeats([256, 0, 0, 1, 0, 7, 1, 0], 2)

@@ -24,15 +24,15 @@ already, and a chosen column becomes a target id only when it becomes a node.
 
 from __future__ import annotations
 
-from functools import cache
-from typing import Sequence
+from functools import cache, partial
+from typing import Callable, Sequence
 
 import torch
 
 from specdec.config import TREE_WIDTH
-from specdec.drafters.base import DraftRequest, DraftSlot, DraftTree, VocabColumns
+from specdec.drafters.base import DraftRequest, DraftSlot, DraftTree, VocabColumns, draft_timing
 from specdec.drafters.model import CATCH_UP, ModelDrafter, pick_children
-from specdec.drafters.prompt_lookup import PromptLookupDrafter, lookup_match
+from specdec.drafters.prompt_lookup import PromptLookupDrafter, lookup_match, repeats
 from specdec.policy import COPY_MATCH, MAX_DEPTH, Budget, NodePolicy, confidence_bin
 from specdec.sampling import ranked
 from specdec.runtime import CausalLM
@@ -101,7 +101,8 @@ class AutoDrafter:
         self.model.observe(slot, first, states)
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft | Exception]:
-        return forward_together(self.model.model if self.model else None, [self._grow(request) for request in requests])
+        return forward_together(self.model.model if self.model else None, [self._grow(request) for request in requests],
+                                draft_timing(requests))
 
     def _grow(self, request: DraftRequest):
         """One row's draft, as a generator of its draft-model forwards (see `forward_together`)."""
@@ -110,16 +111,35 @@ class AutoDrafter:
             raise ValueError("the auto drafter is shaped node by node by a policy (`NodePolicy`: gamma 'auto')")
         budget, nodes = policy.budget(), DraftTree(self.model.columns if self.model is not None else VocabColumns())
         depth = min(request.max_tokens, self.max_lookup)
-        chains = [(source.kind, source.proposal(request.context, depth)) for source in request.chains]
+        # each source's chain as (kind, chain), asked for only where it may be drafted: once a node is
+        # taken, or where the source could pay from an empty budget (else none of its nodes would be)
+        sources = [(source.kind, partial(_proposal, source, request.context, depth)) for source in request.chains]
         if self.lookup is not None:
-            chain, matched = lookup_match(request.context, depth, self.lookup.max_ngram, self.lookup.min_ngram)
-            chains.append(("copy" if copying(matched, request.generated) else "lookup", chain))
+            sources.append(self._looked_up(request, depth, policy))
         # the likeliest source first: where chains differ, the later ones branch (while branches are left)
-        for kind, chain in sorted(chains, key=lambda c: -policy.accept_probability((c[0], 0))):
-            self._add_chain(nodes, kind, chain, policy, budget)
-        if self.model is not None and (self.trees or not nodes.tokens):
+        for kind, propose in sorted(sources, key=lambda s: -policy.accept_probability((s[0], 0))):
+            if nodes.tokens or policy.may_pay(kind):
+                kind, chain = propose()
+                self._add_chain(nodes, kind, chain, policy, budget)
+        if self.model is not None and (self.trees or not nodes.tokens) and (nodes.tokens or policy.may_pay("model")):
             yield from self._grow_model(nodes, request, policy, budget)
         return nodes.draft()
+
+    def _looked_up(self, request: DraftRequest, depth: int,
+                   policy: NodePolicy) -> tuple[str, Callable[[], tuple[str, list[int]]]]:
+        """Prompt lookup as a source: its kind ("copy" or "lookup", `copying`) and what gives its chain.
+        The search runs at once where lookup could pay or a copy could: one needs the context's last
+        COPY_MATCH tokens earlier in it (`repeats`); else it is "lookup", searched if a node is taken."""
+        context, generated = request.context, request.generated
+
+        def search() -> tuple[str, list[int]]:
+            chain, matched = lookup_match(context, depth, self.lookup.max_ngram, self.lookup.min_ngram)
+            return "copy" if copying(matched, generated) else "lookup", chain
+
+        if policy.may_pay("lookup") or (policy.may_pay("copy") and generated and repeats(context, COPY_MATCH)):
+            found = search()
+            return found[0], lambda: found
+        return "lookup", search
 
     def _add_chain(self, nodes: DraftTree, kind: str, chain: list[int], policy: NodePolicy, budget: Budget) -> None:
         """A chain source's best prefix (all its values are known at once), or more when the policy
@@ -206,6 +226,10 @@ class AutoDrafter:
                 drawn_from = None
             grown.append(nodes.add(columns.token(column), parent, drawn_from, value, source))
         return grown
+
+
+def _proposal(source, context: Sequence[int], depth: int) -> tuple[str, list[int]]:
+    return source.kind, source.proposal(context, depth)
 
 
 def copying(matched: int, generated: int) -> bool:

@@ -9,6 +9,7 @@ import torch
 
 from specdec import tree
 from specdec.config import TreeShape
+from specdec.costs import LiveCosts
 from specdec.policy import NodePolicy
 from specdec.runtime import CausalLM
 from specdec.types import Draft
@@ -269,6 +270,21 @@ class DraftTree:
         if extra:
             columns = torch.cat([columns, torch.tensor(extra, dtype=torch.long)])
         return probs, columns
+
+
+def draft_timing(requests: Sequence[DraftRequest]) -> Callable[[list[tuple[int, int]], float], None] | None:
+    """Where a proposal's rows follow live costs (their policy's profile: one for a batch that
+    shares it), what takes its draft-model forwards' times (`runtime.forward_together`); else None."""
+    live = {id(p): p for p in (getattr(request.policy, "profile", None) for request in requests)
+            if isinstance(p, LiveCosts)}
+    if not live:
+        return None
+
+    def observe(forwards: list[tuple[int, int]], seconds: float) -> None:
+        for costs in live.values():
+            costs.observe_draft(forwards, seconds)
+
+    return observe
 
 
 def attempt(work):

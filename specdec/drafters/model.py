@@ -30,7 +30,8 @@ import torch
 
 from specdec import tree
 from specdec.config import INNER_GAMMA, TreeShape
-from specdec.drafters.base import ContextDrafter, DraftRequest, DraftSlot, DraftTree, VocabColumns, empty_draft
+from specdec.drafters.base import (ContextDrafter, DraftRequest, DraftSlot, DraftTree, VocabColumns, draft_timing,
+                                    empty_draft)
 from specdec.errors import check_integer
 from specdec.runtime import CausalLM, check_same_vocabulary, require_trees
 from specdec.runtime import base as runtime
@@ -173,7 +174,7 @@ class ModelDrafter:
             slot.forwards += 1
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft | Exception]:
-        return forward_together(self.model, [self._grow(request) for request in requests])
+        return forward_together(self.model, [self._grow(request) for request in requests], draft_timing(requests))
 
     def _grow(self, request: DraftRequest):
         """One row's draft, as a generator of its draft-model forwards (see `forward_together`)."""

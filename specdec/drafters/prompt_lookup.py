@@ -77,6 +77,20 @@ def lookup_match(context: Sequence[int], max_tokens: int, max_ngram: int = 3, mi
     return continuation, matched
 
 
+def repeats(context: Sequence[int], n: int) -> bool:
+    """Whether the context's last n tokens occur earlier in it, ending before its last token: a
+    looked-up match that runs n tokens back (`lookup_match`'s `matched` >= n) needs one."""
+    if len(context) <= n:
+        return False
+    corpus, pattern = packed(context[:-1]), packed(context[-n:])
+    limit = len(corpus)
+    while (at := corpus.rfind(pattern, 0, limit)) >= 0:
+        if at % 4 == 0:
+            return True
+        limit = at + len(pattern) - 1  # bytes of two neighbouring ids: look further left
+    return False
+
+
 class PromptLookupDrafter(ContextDrafter):
     """Point-mass drafts: the verifier accepts each with the target's own probability of it."""
 

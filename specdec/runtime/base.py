@@ -13,8 +13,9 @@ path computed alone before trees are used there.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Protocol, Sequence as Seq
+from typing import Callable, Protocol, Sequence as Seq
 
 import torch
 
@@ -176,12 +177,14 @@ def forward_each(feeds: Seq[Feed]) -> list[torch.Tensor]:
             for feed in feeds]
 
 
-def forward_together(model: CausalLM, growers: list) -> list:
+def forward_together(model: CausalLM, growers: list, timed: Callable[[list[tuple[int, int]], float], None] | None = None
+                     ) -> list:
     """Run generators side by side, batching their forwards: each yields Feeds of `model` (one at a
     time) and is sent back the logits; whatever is waiting goes into one `forward_batch`. Returns
     what each generator returns, or the exception it raised (its row ends there, the others go on);
-    a failed forward raises."""
-    results, waiting = [None] * len(growers), {}
+    a failed forward raises. `timed`, where given, is told each forward's (tokens, rows) and the
+    seconds from the first forward to the generators' end (their work between forwards included)."""
+    results, waiting, forwards = [None] * len(growers), {}, []
 
     def advance(i: int, logits) -> None:
         try:
@@ -195,10 +198,16 @@ def forward_together(model: CausalLM, growers: list) -> list:
 
     for i in range(len(growers)):
         advance(i, None)
+    started = time.perf_counter()
     while waiting:
         order = list(waiting)
-        for i, logits in zip(order, model.forward_batch([waiting[i] for i in order])):
+        feeds = [waiting[i] for i in order]
+        if timed is not None:
+            forwards.append((sum(len(feed.tokens) for feed in feeds), len(feeds)))
+        for i, logits in zip(order, model.forward_batch(feeds)):
             advance(i, logits)
+    if timed is not None and forwards:
+        timed(forwards, time.perf_counter() - started)
     return results
 
 
