@@ -177,8 +177,10 @@ class LiveCosts(Profile):
     def observe_draft(self, forwards: list[tuple[int, int]], seconds: float) -> None:
         """A proposal's draft-model forwards (tokens, rows of each) took `seconds`, the drafter's work
         between them included."""
+        if not self.draft or seconds <= 0:
+            return
         expected = sum(interpolate(self.draft, tokens) + rows * self.level_overhead for tokens, rows in forwards)
-        if self.draft and expected > 0 and seconds > 0 and self._drafts.record(1, seconds / expected):
+        if expected > 0 and self._drafts.record(1, seconds / expected):
             self._moved()
 
     def _record(self, tokens: int, seconds: float) -> None:

@@ -341,8 +341,10 @@ class CostAwarePolicy:
         self.acceptance: dict[tuple, Acceptance] = {}
         self.batch = 1
         self.probes = {kind: Probe(PROBE_MODEL_EVERY if kind == "model" else PROBE_CHAIN_EVERY) for kind in sources}
-        self.pays, self.pays_for = False, 0  # whether some source could pay, and for how many more iterations (`depth`)
-        self.paying: frozenset[str] | None = None  # those sources (`_paying_sources`; None: not asked yet)
+        # the sources that could pay (`_paying_sources`; None: not asked yet), and for how many more iterations
+        # that finding stands (`depth`)
+        self.paying: frozenset[str] | None = None
+        self.pays_for = 0
         self._pays_for_key: tuple | None = None  # what `paying` was last computed from (`_paying_sources`)
         self.credit = 0.0  # seconds the probes may still take: EXPLORE_SHARE of each iteration accrues
         self._accruals: dict[int, float] = {}  # batch -> credit per iteration (`_accrual`)
@@ -386,10 +388,9 @@ class CostAwarePolicy:
             key = self._pays_key()
             if key != self._pays_for_key:  # the finding is a function of these: computed again only when they move
                 self.paying, self._pays_for_key = self._paying_sources(), key
-                self.pays = bool(self.paying)
             self.pays_for = QUIET_FOR
         self.pays_for -= 1
-        return self.max_depth if self.pays or any(probe.due for probe in self.probes.values()) else 0
+        return self.max_depth if self.paying or any(probe.due for probe in self.probes.values()) else 0
 
     def _pays_key(self) -> tuple:
         """Everything `_paying_sources` reads: the batch, the costs' revision and each source's estimates."""

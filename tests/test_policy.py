@@ -444,6 +444,10 @@ def test_the_draft_models_forwards_follow_what_decoding_pays():
     assert live.draft_level(1) == pytest.approx(0.11 * 1.5)
     assert live.reading(9) == pytest.approx((0.2 * 9 / 8 - 0.1) * 1.5)
     assert live.step(1) == pytest.approx(1.05)  # the target's curve is the target's
+    no_draft = costs.LiveCosts.of(costs.Profile(target={1: 1.0}))
+    no_draft.observe_draft = live_observe_draft.__get__(no_draft)
+    no_draft.observe_draft([(1, 1)], 0.5)  # a profile without a draft curve has nothing to correct
+    assert no_draft.draft_level(1) == 0.0 and not no_draft._drafts.classes
 
 
 def test_a_proposal_reports_its_draft_forwards_to_the_live_costs(model_dirs):
