@@ -83,9 +83,11 @@ class Factors:
 
     MEMORY: ClassVar[int] = 32
     CLAMP: ClassVar[float] = 16.0
-    # a class has moved once its factor or mean k has moved by more than this (0.5%) since `mark`:
-    # every step moves them a little, and a step's host time should be a plain one's
-    MOVED: ClassVar[float] = 0.005
+    # a class has moved once its factor or mean k has moved by more than this (2%) since `mark`: every
+    # step moves them a little (a plain step's time jitters by more than 0.5% every few steps), and
+    # what is computed again from a move (the curve, whether each source pays) should cost a step
+    # that drafts nothing next to nothing; no decision turns on 2% of a cost
+    MOVED: ClassVar[float] = 0.02
     classes: dict[int, list[float]] = field(default_factory=dict)  # class -> [seen, mean log factor, mean k]
     _marked: dict[int, tuple[float, float]] = field(default_factory=dict)  # class -> (log factor, k) at `mark`
 

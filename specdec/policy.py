@@ -18,6 +18,7 @@ given everything before it, and the verifiers' guarantee holds for any tree the 
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from itertools import accumulate, takewhile
@@ -44,13 +45,14 @@ EXPLORE_SHARE = 0.02  # the most of decoding's time that all probes together may
 # right than a looked-up match, a match in this text likelier than one in earlier requests' history.
 # "copy" is lookup where the text before the match repeats the last COPY_MATCH tokens or more: copying.
 # On the demo pair's greedy text a copy's first token was right 84-100% of the time, a lookup's after a
-# match of one token 12-26%; sampled (T 0.7), a point mass is accepted with the target's probability of
-# it: copies 69-91%, the next ones less often (SAMPLED_PRIORS)
+# match of one token 12-26%; sampled, a point mass is accepted with the target's probability of it: at T 0.7,
+# over the bench's six suites (859 copies, two runs), a copy's first token 59-61% of the time, each next one
+# 68-71% (greedy: 90% and 95%; benchmarks/RESULTS.md, "Sampled copies")
 # "forced": what a constraint's grammar forces next (`constraints.Forced`): p_c puts nearly all its mass there
 # (all of it unless the model could spell the same text in other tokens the grammar allows too)
 CHAIN_PRIORS = {"lookup": (0.5, 0.8), "copy": (0.85, 0.95), "prediction": (0.7, 0.9), "history": (0.4, 0.8),
                 "forced": (0.95, 0.95)}
-SAMPLED_PRIORS = {"lookup": (0.3, 0.7), "copy": (0.7, 0.8), "prediction": (0.7, 0.9), "history": (0.3, 0.7),
+SAMPLED_PRIORS = {"lookup": (0.3, 0.7), "copy": (0.6, 0.7), "prediction": (0.7, 0.9), "history": (0.3, 0.7),
                   "forced": (0.9, 0.9)}
 # a node drawn from the draft model is accepted less often than its confidence says: the demo pair's
 # chains were accepted 0.35-0.53 at T 0.7 where greedy 0.50-0.79 (edit aside), about 0.7 times as often
@@ -346,6 +348,8 @@ class CostAwarePolicy:
         self.paying: frozenset[str] | None = None
         self.pays_for = 0
         self._pays_for_key: tuple | None = None  # what `paying` was last computed from (`_paying_sources`)
+        self.steady_for = 0  # iterations `depth` answers as it last did without looking again (`_steady_for`)
+        self._answer = 0  # what it last answered
         self.credit = 0.0  # seconds the probes may still take: EXPLORE_SHARE of each iteration accrues
         self._accruals: dict[int, float] = {}  # batch -> credit per iteration (`_accrual`)
         if shared is not None:
@@ -376,9 +380,13 @@ class CostAwarePolicy:
         pay for a node (then the drafter is not asked: a step that drafts nothing costs what a
         plain one does), else max_depth and the drafter shapes the draft node by node."""
         if batch != self.batch:
-            self.pays_for = 0  # a row's share of the verify moved
+            self.pays_for = self.steady_for = 0  # a row's share of the verify moved
         self.batch = batch
         self.credit += self._accrual()
+        if self.steady_for:  # nothing it reads has moved since it last looked (`_steady_for`)
+            self.steady_for -= 1
+            self.pays_for -= 1
+            return self._answer
         for kind, probe in self.probes.items():
             probe.start(kind == "model" or self.explore)
             if probe.due:  # due only once the credit could pay for it (a model probe's reading is asked later)
@@ -390,7 +398,21 @@ class CostAwarePolicy:
                 self.paying, self._pays_for_key = self._paying_sources(), key
             self.pays_for = QUIET_FOR
         self.pays_for -= 1
-        return self.max_depth if self.paying or any(probe.due for probe in self.probes.values()) else 0
+        due = any(probe.due for probe in self.probes.values())
+        self._answer = self.max_depth if self.paying or due else 0
+        self.steady_for = 0 if due else self._steady_for()
+        return self._answer
+
+    def _steady_for(self) -> int:
+        """For how many of the next iterations `depth` would answer as now, with no probe due, if
+        they draft nothing (`update` ends the count when one does): while the finding of which
+        sources pay stands (`pays_for`) and before any probe's wait is over (each probe's idle count
+        grows by one an iteration, the credit as it accrues). So the steps that draft nothing, most
+        of them where little pays, spend almost no time here: host time is what they add to a
+        plain step."""
+        waits = [math.ceil(max(probe.wait, probe.not_before)) - probe.idle - 1
+                 for kind, probe in self.probes.items() if kind == "model" or self.explore]
+        return max(0, min([self.pays_for, *waits]))
 
     def _pays_key(self) -> tuple:
         """Everything `_paying_sources` reads: the batch, the costs' revision and each source's estimates."""
@@ -473,6 +495,8 @@ class CostAwarePolicy:
 
     def update(self, draft: Draft, result: VerifyResult) -> None:
         """Every node whose parent was reached was a trial of its sources: accepted iff on the path."""
+        if len(draft):
+            self.steady_for = 0  # a source was drafted: its probe starts over, and `depth` looks again
         for kind, probe in self.probes.items():
             probe.observe(any(k == kind for node in draft.sources or () for k, _ in node))
         if not len(draft) or draft.sources is None:

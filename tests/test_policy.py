@@ -555,6 +555,49 @@ def test_probes_back_off_until_the_source_pays_of_its_own_accord():
     assert policy.probes["model"].wait == 8  # not a probe: the model drafted of its own accord
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("profile", [
+    costs.Profile(target={1: 1.0, 2: 1.7, 4: 2.0, 8: 3.8, 16: 4.7, 64: 14.0}, draft={1: 0.18, 16: 0.5}, step_overhead=0.1),
+    costs.Profile(target={1: 1.0, 2: 1.3, 4: 1.8, 8: 2.8, 16: 4.8, 64: 17.0}, draft={1: 0.3, 16: 1.0}),
+], ids=["llama.cpp CPU", "gentler"])
+def test_depth_answers_at_once_what_looking_again_would(profile, sampled):
+    """`depth` answers the iterations its last finding stands for without looking again
+    (`_steady_for`). A policy that looks every iteration answers the same, probes the same and lets
+    the same sources be weighed, over many steps, some drafting (accepted or not), with live costs
+    moving and the batch changing now and then; and the shortcut is taken most of the time."""
+    import random
+
+    from specdec.types import Draft, VerifyResult
+
+    policies = [CostAwarePolicy(costs.LiveCosts.of(profile), sources=("model", "lookup", "copy"), sampled=sampled)
+                for _ in range(2)]
+    policies[1]._steady_for = lambda: 0  # looks every iteration
+    rng, shortcuts, changes, answered_0, paying = random.Random(7), 0, 0, 0, None
+    for step in range(4000):
+        batch = 2 if step % 500 > 490 else 1
+        shortcuts += bool(policies[0].steady_for)
+        seen = []
+        for policy in policies:
+            depth = policy.depth(batch)
+            weighed = [policy.may_pay(kind) for kind in ("model", "lookup", "copy")] if depth else []
+            seen.append((depth, weighed, depth and policy.probe_model(3), depth and policy.probe_tokens("lookup")))
+        assert seen[0] == seen[1], step
+        changes += policies[0].paying != paying
+        paying, answered_0 = policies[0].paying, answered_0 + (not seen[0][0])
+        depth, weighed, probed_model, probed_lookup = seen[0]
+        copies = 4 if weighed and weighed[2] and rng.random() < 0.2 else 0  # the text copies now and then
+        sources = [[("model", 7)]] * bool(probed_model) + [[("lookup", i)] for i in range(probed_lookup)] + \
+            [[("copy", i)] for i in range(copies)]
+        draft = Draft(torch.arange(len(sources)), None, torch.arange(len(sources)) - 1, sources)
+        copying = step // 400 % 2 == 0  # the text copies for a while, then stops (and no source pays)
+        accepted = rng.randint(0, len(sources)) if copying else 0
+        seconds = profile.step(1 + len(sources)) * rng.uniform(0.8, 1.3)
+        for policy in policies:
+            policy.update(draft, VerifyResult(accepted, [1] * (accepted + 1), path=list(range(accepted))))
+            policy.profile.observe(1 + len(sources), seconds)
+    assert shortcuts > 2000 and changes > 4 and 500 < answered_0 < 3500, (shortcuts, changes, answered_0)
+
+
 def test_dear_probes_of_the_draft_model_are_made_rarely():
     """A probe of the draft model waits until the credit (EXPLORE_SHARE of each iteration) pays for
     it: where verifies are nearly flat, on schedule (PROBE_MODEL_EVERY); where one more verified

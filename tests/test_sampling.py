@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
-from specdec.drafters.prompt_lookup import lookup_continuation, lookup_match, repeats
+from specdec.drafters.prompt_lookup import Ngrams, lookup_continuation, lookup_match
 from specdec.sampling import RandomStreams, probs_from_logits, sample
 from specdec.params import SamplingParams
 
@@ -148,14 +150,17 @@ def test_lookup_searches_in_c_as_the_slow_reference_does(context, max_tokens):
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.lists(st.integers(0, 3), max_size=40) | st.lists(st.integers(0, 2**24), max_size=40), st.integers(1, 6))
-def test_a_match_that_runs_n_tokens_back_needs_the_last_n_tokens_earlier(context, n):
-    """`repeats` is the slow check (the last n tokens somewhere before, ending before the last token),
-    and a looked-up match whose text runs n or more tokens back is found only where it says so: the
-    default skips the search when only a copy could pay and nothing repeats."""
-    slow = any(context[start : start + n] == context[-n:] for start in range(len(context) - n)) if len(context) > n else False
-    assert repeats(context, n) == slow
-    if lookup_match(context, 8)[1] >= n:
-        assert repeats(context, n)
-    straddling = [256, 0, 0, 7, 1, 0]  # the bytes of (1, 0) lie at offset 1, across ids 256 and 0: not a match
-    assert not repeats(straddling, 2) and repeats([256, 0, 0, 1, 0, 7, 1, 0], 2)
+@given(st.lists(st.integers(0, 3), max_size=40) | st.lists(st.integers(0, 2**24), max_size=40), st.integers(1, 6),
+       st.lists(st.integers(1, 5), max_size=8))
+def test_a_match_that_runs_n_tokens_back_needs_the_last_n_tokens_earlier(context, n, steps):
+    """`Ngrams.repeats` is the slow check (the last n tokens somewhere before, ending before the last
+    token) at every length the text grows through, however far each step grows it, and a looked-up
+    match whose text runs n or more tokens back is found only where it says so: the default skips the
+    search when only a copy could pay and nothing repeats."""
+    ngrams = Ngrams(n)
+    for length in [min(grown, len(context)) for grown in accumulate(steps)] + [len(context)]:
+        text = context[:length]
+        slow = len(text) > n and any(text[start : start + n] == text[-n:] for start in range(len(text) - n))
+        assert ngrams.repeats(text) == slow
+        if lookup_match(text, 8)[1] >= n:
+            assert slow

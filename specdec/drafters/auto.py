@@ -30,9 +30,9 @@ from typing import Callable, Sequence
 import torch
 
 from specdec.config import TREE_WIDTH
-from specdec.drafters.base import DraftRequest, DraftSlot, DraftTree, VocabColumns, draft_timing
+from specdec.drafters.base import DraftRequest, DraftSlot, DraftTree, VocabColumns, draft_timing, empty_draft
 from specdec.drafters.model import CATCH_UP, ModelDrafter, pick_children
-from specdec.drafters.prompt_lookup import PromptLookupDrafter, lookup_match, repeats
+from specdec.drafters.prompt_lookup import Ngrams, PromptLookupDrafter, lookup_match
 from specdec.policy import COPY_MATCH, MAX_DEPTH, Budget, NodePolicy, confidence_bin
 from specdec.sampling import ranked
 from specdec.runtime import CausalLM
@@ -84,7 +84,9 @@ class AutoDrafter:
         self.trees = self.trees and all(model.tree_refusal() is None for model in models)
 
     def open(self, prompt: Sequence[int]) -> DraftSlot:
-        return self.model.open(prompt) if self.model else DraftSlot()
+        slot = self.model.open(prompt) if self.model else DraftSlot()
+        slot.ngrams = Ngrams(COPY_MATCH) if self.lookup is not None else None
+        return slot
 
     def prefill(self, slot: DraftSlot, budget: int | None = None) -> bool:
         return self.model.prefill(slot, budget) if self.model and not self.lazy else True
@@ -109,13 +111,16 @@ class AutoDrafter:
         policy = request.policy
         if not _shapes_nodes(type(policy)):
             raise ValueError("the auto drafter is shaped node by node by a policy (`NodePolicy`: gamma 'auto')")
-        budget, nodes = policy.budget(), DraftTree(self.model.columns if self.model is not None else VocabColumns())
         depth = min(request.max_tokens, self.max_lookup)
         # each source's chain as (kind, chain), asked for only where it may be drafted: once a node is
         # taken, or where the source could pay from an empty budget (else none of its nodes would be)
         sources = [(source.kind, partial(_proposal, source, request.context, depth)) for source in request.chains]
         if self.lookup is not None:
             sources.append(self._looked_up(request, depth, policy))
+        kinds = [kind for kind, _ in sources] + (["model"] if self.model is not None else [])
+        if not any(map(policy.may_pay, kinds)):
+            return empty_draft()  # no first node could be taken: the most common step, kept cheap
+        budget, nodes = policy.budget(), DraftTree(self.model.columns if self.model is not None else VocabColumns())
         # the likeliest source first: where chains differ, the later ones branch (while branches are left)
         for kind, propose in sorted(sources, key=lambda s: -policy.accept_probability((s[0], 0))):
             if nodes.tokens or policy.may_pay(kind):
@@ -129,14 +134,14 @@ class AutoDrafter:
                    policy: NodePolicy) -> tuple[str, Callable[[], tuple[str, list[int]]]]:
         """Prompt lookup as a source: its kind ("copy" or "lookup", `copying`) and what gives its chain.
         The search runs at once where lookup could pay or a copy could: one needs the context's last
-        COPY_MATCH tokens earlier in it (`repeats`); else it is "lookup", searched if a node is taken."""
+        COPY_MATCH tokens earlier in it (`Ngrams.repeats`); else it is "lookup", searched if a node is taken."""
         context, generated = request.context, request.generated
 
         def search() -> tuple[str, list[int]]:
             chain, matched = lookup_match(context, depth, self.lookup.max_ngram, self.lookup.min_ngram)
             return "copy" if copying(matched, generated) else "lookup", chain
 
-        if policy.may_pay("lookup") or (policy.may_pay("copy") and generated and repeats(context, COPY_MATCH)):
+        if policy.may_pay("lookup") or (policy.may_pay("copy") and generated and request.slot.ngrams.repeats(context)):
             found = search()
             return found[0], lambda: found
         return "lookup", search

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -21,6 +21,7 @@ class DraftSlot:
     """A drafter's state for one generation. forwards: model forwards this generation has cost."""
 
     forwards: int = 0
+    ngrams: Any = None  # the committed text's n-grams, where a drafter looks it up (`prompt_lookup.Ngrams`)
 
 
 @dataclass
@@ -272,15 +273,14 @@ class DraftTree:
         return probs, columns
 
 
-def draft_timing(requests: Sequence[DraftRequest]) -> Callable[[list[tuple[int, int]], float], None] | None:
-    """Where a proposal's rows follow live costs (their policy's profile: one for a batch that
-    shares it), what takes its draft-model forwards' times (`runtime.forward_together`); else None."""
-    live = {id(p): p for p in (getattr(request.policy, "profile", None) for request in requests)
-            if isinstance(p, LiveCosts)}
-    if not live:
-        return None
+def draft_timing(requests: Sequence[DraftRequest]) -> Callable[[list[tuple[int, int]], float], None]:
+    """What takes a proposal's draft-model forwards' times (`runtime.forward_together`) to the rows'
+    live costs (their policy's profile, where it is `LiveCosts`: one for a batch that shares it).
+    Looked for only once a forward was timed: most proposals make none."""
 
     def observe(forwards: list[tuple[int, int]], seconds: float) -> None:
+        live = {id(p): p for p in (getattr(request.policy, "profile", None) for request in requests)
+                if isinstance(p, LiveCosts)}
         for costs in live.values():
             costs.observe_draft(forwards, seconds)
 

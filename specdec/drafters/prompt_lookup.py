@@ -77,18 +77,22 @@ def lookup_match(context: Sequence[int], max_tokens: int, max_ngram: int = 3, mi
     return continuation, matched
 
 
-def repeats(context: Sequence[int], n: int) -> bool:
-    """Whether the context's last n tokens occur earlier in it, ending before its last token: a
-    looked-up match that runs n tokens back (`lookup_match`'s `matched` >= n) needs one."""
-    if len(context) <= n:
-        return False
-    corpus, pattern = packed(context[:-1]), packed(context[-n:])
-    limit = len(corpus)
-    while (at := corpus.rfind(pattern, 0, limit)) >= 0:
-        if at % 4 == 0:
-            return True
-        limit = at + len(pattern) - 1  # bytes of two neighbouring ids: look further left
-    return False
+class Ngrams:
+    """The n-grams of one generation's committed text, indexed as it grows (it only grows): whether
+    its last n tokens occur earlier, ending before its last token (`repeats`), in time that does not
+    grow with the text. A looked-up match that runs n tokens back (`lookup_match`'s `matched` >= n)
+    needs one; the default asks nearly every step where only a copy could pay."""
+
+    def __init__(self, n: int):
+        self.n, self.seen, self.indexed = n, set(), n  # indexed: the n-grams ending before it are in `seen`
+
+    def repeats(self, context: Sequence[int]) -> bool:
+        """For the text followed so far, grown to `context`."""
+        n = self.n
+        for end in range(self.indexed, len(context)):  # each n-gram that ends before the last token
+            self.seen.add(tuple(context[end - n : end]))
+        self.indexed = max(self.indexed, len(context))
+        return len(context) > n and tuple(context[-n:]) in self.seen
 
 
 class PromptLookupDrafter(ContextDrafter):
