@@ -161,13 +161,13 @@ class LiveCosts(Profile):
         the drafting step that caused it, and only steady plain steps teach the plain cost."""
         if tokens < 1 or seconds <= 0:
             return
-        plain = self._steps.classes.get(0)  # read every step: the class itself, not `Factors.at`
-        steady = self._measured(1) * math.exp(plain[1]) if plain is not None else None
         drafted = self._drafted
-        if (drafted is not None and tokens == 1 and steady is not None and drafted[2] < self.AFTERMATH
-                and seconds > 1.05 * steady):
-            self._drafted = (drafted[0], drafted[1] + seconds - steady, drafted[2] + 1)
-            return
+        if drafted is not None and tokens == 1 and drafted[2] < self.AFTERMATH:
+            plain = self._steps.classes.get(0)  # the class itself, not `Factors.at`
+            steady = self._measured(1) * math.exp(plain[1]) if plain is not None else math.inf
+            if seconds > 1.05 * steady:
+                self._drafted = (drafted[0], drafted[1] + seconds - steady, drafted[2] + 1)
+                return
         if drafted is not None:
             self._record(drafted[0], drafted[1])
             self._drafted = None

@@ -61,7 +61,8 @@ SAMPLED_MODEL_PRIOR = 0.7
 COPY_MATCH = 4  # matched tokens that make a looked-up continuation "copy" (`prompt_lookup.lookup_match`)
 CHAIN_MEMORY = 16  # chain sources' estimates follow recent outcomes closely: text starts and stops copying
 SOURCES = ("model", *CHAIN_PRIORS)  # every source the default drafter knows
-QUIET_FOR = 8  # iterations a finding of whether some source pays stands (nothing drafted meanwhile changes it much)
+QUIET_FOR = 32  # iterations a finding of which sources pay stands while nothing is drafted (only the costs, which
+# drift slowly, could move it; a verified draft moves the estimates, and the finding is made again at once)
 NEGLIGIBLE = 0.005  # a chain's nodes less likely than this to be accepted are never weighed (`Budget.best_prefix`)
 
 
@@ -495,11 +496,14 @@ class CostAwarePolicy:
 
     def update(self, draft: Draft, result: VerifyResult) -> None:
         """Every node whose parent was reached was a trial of its sources: accepted iff on the path."""
-        if len(draft):
-            self.steady_for = 0  # a source was drafted: its probe starts over, and `depth` looks again
+        if not len(draft):  # nothing was tried: every probe waits one iteration more
+            for probe in self.probes.values():
+                probe.observe(False)
+            return
+        self.steady_for = 0  # a source was drafted: its probe starts over, and `depth` looks again
         for kind, probe in self.probes.items():
             probe.observe(any(k == kind for node in draft.sources or () for k, _ in node))
-        if not len(draft) or draft.sources is None:
+        if draft.sources is None:
             return
         self.pays_for = 0  # the estimates move: whether a source pays is asked again
         for node, accepted in trials(draft.parents, result.path):

@@ -30,7 +30,8 @@ from typing import Callable, Sequence
 import torch
 
 from specdec.config import TREE_WIDTH
-from specdec.drafters.base import DraftRequest, DraftSlot, DraftTree, VocabColumns, draft_timing, empty_draft
+from specdec.drafters.base import (DraftRequest, DraftSlot, DraftTree, VocabColumns, attempt, draft_timing,
+                                   empty_draft)
 from specdec.drafters.model import CATCH_UP, ModelDrafter, pick_children
 from specdec.drafters.prompt_lookup import Ngrams, PromptLookupDrafter, lookup_match
 from specdec.policy import COPY_MATCH, MAX_DEPTH, Budget, NodePolicy, confidence_bin
@@ -39,6 +40,8 @@ from specdec.runtime import CausalLM
 from specdec.runtime.base import forward_together
 from specdec.types import Draft
 
+
+Proposal = Callable[[], tuple[str, list[int]]]  # a chain source's (kind, chain), asked for when needed
 
 class AutoDrafter:
     """Prompt lookup and/or a draft model (a chain-mode `ModelDrafter`, whose slots it uses), shaped
@@ -103,23 +106,34 @@ class AutoDrafter:
         self.model.observe(slot, first, states)
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft | Exception]:
-        return forward_together(self.model.model if self.model else None, [self._grow(request) for request in requests],
-                                draft_timing(requests))
+        # most steps, where little pays, no source could take a first node: those rows end here
+        plans = [attempt(partial(self._sources, request)) for request in requests]
+        drafts = [plan if isinstance(plan, Exception) else empty_draft() for plan in plans]
+        growing = [i for i, plan in enumerate(plans) if isinstance(plan, list)]
+        if growing:
+            grown = forward_together(self.draft_model, [self._grow(requests[i], plans[i]) for i in growing],
+                                     draft_timing([requests[i] for i in growing]))
+            for i, draft in zip(growing, grown):
+                drafts[i] = draft
+        return drafts
 
-    def _grow(self, request: DraftRequest):
-        """One row's draft, as a generator of its draft-model forwards (see `forward_together`)."""
+    def _sources(self, request: DraftRequest) -> list[tuple[str, Proposal]] | None:
+        """Each chain source of the row as (kind, what gives its chain), asked for only where it may be
+        drafted (once a node is taken, or where the source could pay from an empty budget: else none of
+        its nodes would be); None where no source, the draft model included, could take a first node."""
         policy = request.policy
         if not _shapes_nodes(type(policy)):
             raise ValueError("the auto drafter is shaped node by node by a policy (`NodePolicy`: gamma 'auto')")
         depth = min(request.max_tokens, self.max_lookup)
-        # each source's chain as (kind, chain), asked for only where it may be drafted: once a node is
-        # taken, or where the source could pay from an empty budget (else none of its nodes would be)
         sources = [(source.kind, partial(_proposal, source, request.context, depth)) for source in request.chains]
         if self.lookup is not None:
             sources.append(self._looked_up(request, depth, policy))
         kinds = [kind for kind, _ in sources] + (["model"] if self.model is not None else [])
-        if not any(map(policy.may_pay, kinds)):
-            return empty_draft()  # no first node could be taken: the most common step, kept cheap
+        return sources if any(map(policy.may_pay, kinds)) else None
+
+    def _grow(self, request: DraftRequest, sources: list[tuple[str, Proposal]]):
+        """One row's draft, as a generator of its draft-model forwards (see `forward_together`)."""
+        policy = request.policy
         budget, nodes = policy.budget(), DraftTree(self.model.columns if self.model is not None else VocabColumns())
         # the likeliest source first: where chains differ, the later ones branch (while branches are left)
         for kind, propose in sorted(sources, key=lambda s: -policy.accept_probability((s[0], 0))):
@@ -131,7 +145,7 @@ class AutoDrafter:
         return nodes.draft()
 
     def _looked_up(self, request: DraftRequest, depth: int,
-                   policy: NodePolicy) -> tuple[str, Callable[[], tuple[str, list[int]]]]:
+                   policy: NodePolicy) -> tuple[str, Proposal]:
         """Prompt lookup as a source: its kind ("copy" or "lookup", `copying`) and what gives its chain.
         The search runs at once where lookup could pay or a copy could: one needs the context's last
         COPY_MATCH tokens earlier in it (`Ngrams.repeats`); else it is "lookup", searched if a node is taken."""
