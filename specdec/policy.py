@@ -47,7 +47,7 @@ EXPLORE_SHARE = 0.02  # the most of decoding's time that all probes together may
 # On the demo pair's greedy text a copy's first token was right 84-100% of the time, a lookup's after a
 # match of one token 12-26%; sampled, a point mass is accepted with the target's probability of it: at T 0.7,
 # over the bench's six suites (859 copies, two runs), a copy's first token 59-61% of the time, each next one
-# 68-71% (greedy: 90% and 95%; benchmarks/RESULTS.md, "Sampled copies")
+# 68-71% (greedy: 90% and 95%; benchmarks/RESULTS.md, "Steps that draft nothing, and sampled copies")
 # "forced": what a constraint's grammar forces next (`constraints.Forced`): p_c puts nearly all its mass there
 # (all of it unless the model could spell the same text in other tokens the grammar allows too)
 CHAIN_PRIORS = {"lookup": (0.5, 0.8), "copy": (0.85, 0.95), "prediction": (0.7, 0.9), "history": (0.4, 0.8),

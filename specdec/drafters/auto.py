@@ -43,6 +43,7 @@ from specdec.types import Draft
 
 Proposal = Callable[[], tuple[str, list[int]]]  # a chain source's (kind, chain), asked for when needed
 
+
 class AutoDrafter:
     """Prompt lookup and/or a draft model (a chain-mode `ModelDrafter`, whose slots it uses), shaped
     by the `NodePolicy` each request carries. width: children per node and nodes per level of

@@ -1,0 +1,86 @@
+"""Plain decoding against the default alone, where the default seldom drafts (sampled, on llama.cpp's CPU
+kernels): an ABBA A/B of the two on the same prompts and seeds, the order alternating, and where each
+step's host time goes (the engine's phases and the policy's and drafter's calls, timed in place).
+
+    taskset -c 1 python benchmarks/nothing_drafted.py --suite prose extract --repeats 6
+    taskset -c 1 python benchmarks/nothing_drafted.py --suite agent --target $G --mode greedy
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import random
+import statistics
+import time
+from dataclasses import replace
+
+from specdec import costs, engine, policy, profiling
+from specdec.bench.runner import BenchConfig, build_strategies, sampling_for, suite_prompts
+from specdec.drafters import auto
+
+# (owner, attribute): what is timed, per step
+TIMED = [(engine.Engine, "step"), (engine.Engine, "_gamma"), (engine.Engine, "_drafts"), (engine.Engine, "_advance"),
+         (engine, "_verify"), (policy.CostAwarePolicy, "depth"), (policy.CostAwarePolicy, "update"),
+         (costs.LiveCosts, "observe"), (auto.AutoDrafter, "propose"), (auto.AutoDrafter, "accept")]
+
+
+def timing(seconds: dict, calls: collections.Counter, who: list[str]) -> None:
+    """Wrap each TIMED callable: seconds and calls by (strategy, name)."""
+    for owner, name in TIMED:
+        function = getattr(owner, name)
+
+        def timed(*args, __function=function, __name=name, **kwargs):
+            started = time.perf_counter()
+            try:
+                return __function(*args, **kwargs)
+            finally:
+                seconds[who[0], __name] += time.perf_counter() - started
+                calls[who[0], __name] += 1
+
+        setattr(owner, name, functools.wraps(function)(timed))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=None, help="a GGUF file (default: the demo pair)")
+    parser.add_argument("--suite", nargs="+", default=["prose", "extract"])
+    parser.add_argument("--limit", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--mode", choices=["greedy", "sampled"], default="sampled")
+    args = parser.parse_args()
+    config = BenchConfig.quick(target=args.target, suites=tuple(args.suite), limit=args.limit, max_new_tokens=96,
+                               temperature=0.7, top_k=0, peers=False)
+    config = replace(config, runtime=replace(config.runtime, threads=1))
+    target, draft, every = build_strategies(config)
+    plain, default = (next(s for s in every if s.name == name) for name in ("plain", "default (auto)"))
+    prompts, sampling = suite_prompts(config, target), sampling_for(args.mode, config)
+    profiling.profile(target, draft)
+    for strategy in (plain, default):  # warm-up
+        strategy.run(next(iter(prompts.values()))[0][0][-16:], sampling, 0)
+    seconds, calls, who = collections.defaultdict(float), collections.Counter(), [""]
+    timing(seconds, calls, who)
+    for suite, tasks in prompts.items():
+        ratios, same = [], 0
+        for repeat in range(args.repeats):
+            for i, (ids, reference, answer) in enumerate(tasks):
+                runs = {}
+                for strategy in (plain, default) if (repeat + i) % 2 == 0 else (default, plain):
+                    who[0] = strategy.name
+                    runs[strategy.name] = strategy.run(ids, sampling, i + 100 * repeat, reference, answer)
+                a, b = runs[plain.name], runs[default.name]
+                same += a.tokens == b.tokens
+                ratios.append((a.stats.total_seconds / len(a.tokens)) / (b.stats.total_seconds / len(b.tokens)))
+        medians = sorted(statistics.median(random.choices(ratios, k=len(ratios))) for _ in range(2000))
+        print(f"{suite}, {args.mode}: the default against plain, median {statistics.median(ratios):.3f} (95% "
+              f"interval {medians[50]:.3f}-{medians[1949]:.3f}), {len(ratios)} pairs, {same} with the same text")
+    print("host time per step (us), every suite together:")
+    for name in sorted({name for _, name in seconds}):
+        cells = [f"{strategy}: {seconds[strategy, name] / calls[strategy, 'step'] * 1e6:7.1f}"
+                 for strategy in (plain.name, default.name) if calls[strategy, name]]
+        print(f"  {name:10} " + "   ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
