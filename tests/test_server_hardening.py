@@ -125,9 +125,11 @@ def test_sigterm_stops_specdec_serve_within_its_timeout(model_dirs):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(process, url)
-        body = {"model": MODEL, "prompt": "hi", "max_tokens": 40, "temperature": 1.0}
-        with ThreadPoolExecutor(12) as pool:  # far more work than one second: most wait in the queue
-            streams = [pool.submit(stream, url, {**body, "seed": i}) for i in range(12)]
+        # far more work than the 0.5 s before the signal and the 1 s after it, however fast the machine
+        # (12 streams of 40 tokens all finished in time once): most wait in the queue (it holds 16)
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 60, "temperature": 1.0}
+        with ThreadPoolExecutor(16) as pool:
+            streams = [pool.submit(stream, url, {**body, "seed": i}) for i in range(16)]
             time.sleep(0.5)
             process.send_signal(signal.SIGTERM)
             signalled = time.time()
