@@ -584,7 +584,7 @@ def test_depth_answers_at_once_what_looking_again_would(profile, sampled):
         assert seen[0] == seen[1], step
         changes += policies[0].paying != paying
         paying, answered_0 = policies[0].paying, answered_0 + (not seen[0][0])
-        depth, weighed, probed_model, probed_lookup = seen[0]
+        _, weighed, probed_model, probed_lookup = seen[0]
         copies = 4 if weighed and weighed[2] and rng.random() < 0.2 else 0  # the text copies now and then
         sources = [[("model", 7)]] * bool(probed_model) + [[("lookup", i)] for i in range(probed_lookup)] + \
             [[("copy", i)] for i in range(copies)]
