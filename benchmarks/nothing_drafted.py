@@ -4,6 +4,7 @@ step's host time goes (the engine's phases and the policy's and drafter's calls,
 
     taskset -c 1 python benchmarks/nothing_drafted.py --suite prose extract --repeats 6
     taskset -c 1 python benchmarks/nothing_drafted.py --suite agent --target $G --mode greedy
+    taskset -c 1 python benchmarks/nothing_drafted.py --suite chat agent --backend transformers
 """
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--mode", choices=["greedy", "sampled"], default="sampled")
+    parser.add_argument("--backend", choices=["auto", "transformers", "llamacpp"], default="auto")
     args = parser.parse_args()
     config = BenchConfig.quick(target=args.target, suites=tuple(args.suite), limit=args.limit, max_new_tokens=96,
                                temperature=0.7, top_k=0, peers=False)
-    config = replace(config, runtime=replace(config.runtime, threads=1))
+    config = replace(config, runtime=replace(config.runtime, threads=1, backend=args.backend))
     target, draft, every = build_strategies(config)
     plain, default = (next(s for s in every if s.name == name) for name in ("plain", "default (auto)"))
     prompts, sampling = suite_prompts(config, target), sampling_for(args.mode, config)

@@ -14,6 +14,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -125,12 +126,17 @@ def test_sigterm_stops_specdec_serve_within_its_timeout(model_dirs):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(process, url)
-        # far more work than the 0.5 s before the signal and the 1 s after it, however fast the machine
-        # (12 streams of 40 tokens all finished in time once): most wait in the queue (it holds 16)
+        # far more work than the 1 s after the signal, however fast the machine (12 streams of 40 tokens all
+        # finished in time once): most wait in the queue (it holds 16)
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 60, "temperature": 1.0}
         with ThreadPoolExecutor(16) as pool:
             streams = [pool.submit(stream, url, {**body, "seed": i}) for i in range(16)]
-            time.sleep(0.5)
+            # signal once every stream is admitted (a fixed wait lost one to "shutting down" on a busy machine)
+            admitted = SimpleNamespace(url=url)
+            deadline = time.time() + 30
+            while metric(admitted, 'specdec_requests_total{endpoint="/v1/completions",status="200"}') < 16:
+                assert time.time() < deadline, "the 16 streams were not admitted"
+                time.sleep(0.05)
             process.send_signal(signal.SIGTERM)
             signalled = time.time()
             assert process.wait(timeout=10) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
