@@ -64,7 +64,7 @@ def main() -> None:
     seconds, calls, who = collections.defaultdict(float), collections.Counter(), [""]
     timing(seconds, calls, who)
     for suite, tasks in prompts.items():
-        ratios, same = [], 0
+        ratios, same, drafters, trials = [], 0, collections.Counter(), collections.defaultdict(lambda: [0, 0])
         for repeat in range(args.repeats):
             for i, (ids, reference, answer) in enumerate(tasks):
                 runs = {}
@@ -73,10 +73,18 @@ def main() -> None:
                     runs[strategy.name] = strategy.run(ids, sampling, i + 100 * repeat, reference, answer)
                 a, b = runs[plain.name], runs[default.name]
                 same += a.tokens == b.tokens
+                drafters.update(b.stats.drafters)
+                for source, (reached, accepted) in b.stats.source_trials.items():
+                    trials[source][0] += reached
+                    trials[source][1] += accepted
                 ratios.append((a.stats.total_seconds / len(a.tokens)) / (b.stats.total_seconds / len(b.tokens)))
         medians = sorted(statistics.median(random.choices(ratios, k=len(ratios))) for _ in range(2000))
         print(f"{suite}, {args.mode}: the default against plain, median {statistics.median(ratios):.3f} (95% "
               f"interval {medians[50]:.3f}-{medians[1949]:.3f}), {len(ratios)} pairs, {same} with the same text")
+        steps = sum(drafters.values())
+        print("  the default's steps by drafter: "
+              + ", ".join(f"{name} {n / steps:.1%}" for name, n in drafters.most_common())
+              + "; accepted/reached by source: " + ", ".join(f"{source} {a}/{r}" for source, (r, a) in trials.items()))
     print("host time per step (us), every suite together:")
     for name in sorted({name for _, name in seconds}):
         cells = [f"{strategy}: {seconds[strategy, name] / calls[strategy, 'step'] * 1e6:7.1f}"
