@@ -343,6 +343,9 @@ class CostAwarePolicy:
         self.profile, self.max_depth, self.explore, self.shared = profile, max_depth, explore, shared
         self.chain_priors = SAMPLED_PRIORS if sampled else CHAIN_PRIORS
         self.model_prior = SAMPLED_MODEL_PRIOR if sampled and not keyed else 1.0  # times a node's confidence
+        # its verifier tries a node's children in order, each against what the earlier ones left
+        # (`verify_tree`): a child is tried only once its earlier siblings are rejected (`tree.trials`)
+        self.tries_in_order = sampled and not keyed
         self.acceptance: dict[tuple, Acceptance] = {}
         self.batch = 1
         self.probes = {kind: Probe(PROBE_MODEL_EVERY if kind == "model" else PROBE_CHAIN_EVERY) for kind in sources}
@@ -497,7 +500,7 @@ class CostAwarePolicy:
         return (sum(a.accepted for a in rates) + self.model_prior * 0.6 * 4) / (sum(a.offered for a in rates) + 4)
 
     def update(self, draft: Draft, result: VerifyResult) -> None:
-        """Every node whose parent was reached was a trial of its sources: accepted iff on the path."""
+        """Every node verification tried was a trial of its sources: accepted iff on the path."""
         if not len(draft):  # nothing was tried: every probe waits one iteration more
             for probe in self.probes.values():
                 probe.observe(False)
@@ -508,7 +511,7 @@ class CostAwarePolicy:
         if draft.sources is None:
             return
         self.pays_for = 0  # the estimates move: whether a source pays is asked again
-        for node, accepted in trials(draft.parents, result.path):
+        for node, accepted in trials(draft.parents, result.path, self.tries_in_order):
             for source in draft.sources[node]:
                 self._acceptance(source).observe(1, accepted)
 

@@ -57,11 +57,19 @@ def child(parents: list[int], tokens: list[int], node: int, token: int) -> int |
     return next((i for i, (parent, t) in enumerate(zip(parents, tokens)) if parent == node and t == token), None)
 
 
-def trials(parents: torch.Tensor, path: list[int]) -> list[tuple[int, bool]]:
+def trials(parents: torch.Tensor, path: list[int], in_order: bool = False) -> list[tuple[int, bool]]:
     """Every node that verification reached (a child of the root or of an accepted node), and
-    whether it was accepted (on the accepted `path`)."""
-    accepted = set(path)
-    return [(node, node in accepted) for parent in [-1, *path] for node in children(parents, parent)]
+    whether it was accepted (on the accepted `path`). in_order: the verifier tries a node's children
+    one after another until one is accepted (`verify.verify_tree`, sampling), so the children after
+    the accepted one were never tried; else (greedy, keyed) every child of a reached node was a trial:
+    it is accepted iff it spells the target's token, whatever its siblings."""
+    accepted, tried = set(path), []
+    for parent in [-1, *path]:
+        for node in children(parents, parent):
+            tried.append((node, node in accepted))
+            if in_order and node in accepted:
+                break
+    return tried
 
 
 def entries(parents: torch.Tensor, root: int) -> torch.Tensor:

@@ -36,12 +36,13 @@ def draft_table() -> Conditional:
 
 def trained_policy(depth: int, probing: bool = False) -> CostAwarePolicy:
     """A policy that has seen outcomes: confident draft nodes (max q >= 0.6) are usually accepted,
-    unsure ones almost never, lookup's first token half the time; so whether a model node is drawn
-    depends on q, which depends on what was drawn before it. probing: both sources' probes are due."""
+    unsure ones almost never, lookup's first token a third of the time; so whether a model node is
+    drawn depends on q, which depends on what was drawn before it (beside a looked-up token too: it
+    leaves two thirds of the root). probing: both sources' probes are due."""
     policy = CostAwarePolicy(STEEP, max_depth=depth)
     for index in range(10):
         policy._acceptance(("model", index)).observe(40, 36 if index >= 6 else 0)
-    policy._acceptance(("lookup", 0)).observe(10, 5)
+    policy._acceptance(("lookup", 0)).observe(10, 3)
     policy._acceptance(("lookup", 1)).observe(10, 2)
     if probing:
         for probe in policy.probes.values():
@@ -251,6 +252,43 @@ def test_observing_counts_every_child_of_a_reached_node():
     # every position after the first shares one estimate: a next token given the one before was accepted
     assert policy.accept_probability(("lookup", 1)) == pytest.approx((0 + 0.8 * 2) / 3)
     assert policy.accept_probability(("lookup", 5)) == policy.accept_probability(("lookup", 1))
+
+
+def test_sampling_a_child_after_the_accepted_one_was_never_tried():
+    """`verify_tree` tries a node's children in order until one is accepted: when sampling, a child
+    after the accepted one is no trial (greedy, above, it is: it did not spell the target's token)."""
+    from specdec.types import Draft, VerifyResult
+
+    draft = Draft(torch.tensor([5, 6, 7]), None, torch.tensor([-1, -1, 0]), [[("lookup", 0)], [("model", 9)], [("lookup", 1)]])
+    for path, tried in (([0], {("lookup", 0): (1, 1), ("lookup", 1): (1, 0)}),
+                        ([1], {("lookup", 0): (1, 0), ("model", 9): (1, 1)})):
+        policy = CostAwarePolicy(STEEP, sampled=True)
+        policy.update(draft, VerifyResult(1, [int(draft.tokens[path[0]]), 8], path=path))
+        assert {source: (a.offered, a.accepted) for source, a in policy.acceptance.items() if a.offered} == tried
+    keyed = CostAwarePolicy(STEEP, sampled=True, keyed=True)  # keyed draws accept the child spelling the target's token
+    keyed.update(draft, VerifyResult(1, [5, 8], path=[0]))
+    assert keyed.acceptance[("model", 9)].offered == 1
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["sampled", "greedy"])
+def test_a_model_child_beside_a_looked_up_one_is_worth_what_that_one_leaves(temperature):
+    """Sampling, the draft model's child of the root is tried only once the looked-up child before it is
+    rejected: its value is what the looked-up one leaves of the root's, times its estimate. Greedy,
+    siblings spell different tokens and each is accepted with its own chance, whatever the others."""
+    from specdec.drafters.base import DraftTree
+
+    drafter = AutoDrafter(ModelDrafter(TableLM(draft_table(), DRAFTER_PROMPT)), PromptLookupDrafter())
+    policy = CostAwarePolicy(costs.Profile(target={1: 1.0, 64: 1.0}), sampled=temperature > 0)  # every node pays
+    request = DraftRequest(drafter.open(DRAFTER_PROMPT), list(DRAFTER_PROMPT), 3, SamplingParams(temperature=temperature),
+                           torch.Generator().manual_seed(0), policy)
+    nodes = DraftTree()
+    looked_up = nodes.add(2, -1, None, 0.6, ("copy", 0))
+    assert nodes.unclaimed(-1) == pytest.approx(0.4) and nodes.unclaimed(looked_up) == pytest.approx(0.6)
+    q = torch.tensor([0.2, 0.3, 0.5])
+    grown = drafter._add_level(nodes, [-1], q[None], 1, 2, request, policy, policy.budget())  # greedy: 2 and 1
+    drawn = next(node for node in grown if node != looked_up)
+    estimate = policy.accept_probability(("model", confidence_bin(0.5 if temperature else float(q[1]))))
+    assert nodes.values[drawn] == pytest.approx((0.4 if temperature else 1.0) * estimate)
 
 
 @pytest.mark.parametrize("at_least", [0, 8, 40])

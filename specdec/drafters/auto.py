@@ -11,7 +11,9 @@ client's prediction, earlier requests' history). Each iteration, per row:
    children of the best nodes (a dynamic tree, as in EAGLE-2); for a seeded sampled request
    (`DraftRequest.noise`) the same tree with children ranked by the noise the target's tokens will
    be drawn with; when sampling otherwise, a chain drawn from q.
-   A node's value is its parent's times the policy's acceptance estimate for its source.
+   A node's value is its parent's times the policy's acceptance estimate for its source; when
+   sampling, a drawn child beside a looked-up one is tried only once that one is rejected, so its
+   value is what its earlier siblings leave of its parent's (`DraftTree.unclaimed`).
 
 Both sources' nodes share one tree: in greedy mode a token both propose is one node; when sampling,
 a lookup token is a point mass, and the draft model's child beside it is drawn from q with the
@@ -223,9 +225,11 @@ class AutoDrafter:
                     source = ("model", confidence_bin(float(q[column])))
                     candidates.append((nodes.value(parent) * policy.accept_probability(source), parent, column, q,
                                        source))
-            else:  # the decision is taken on q before anything is drawn from it
+            else:  # the decision is taken on q before anything is drawn from it; it is tried after the parent's
+                # children so far (a looked-up token), once they are rejected
                 source = ("model", confidence_bin(float(q.max())))
-                candidates.append((nodes.value(parent) * policy.accept_probability(source), parent, None, q, source))
+                value = nodes.unclaimed(parent) * policy.accept_probability(source)
+                candidates.append((value, parent, None, q, source))
         grown = []
         for value, parent, column, q, source in sorted(candidates, key=lambda c: -c[0]):
             existing = nodes.child(parent, columns.token(column)) if column is not None else None

@@ -200,7 +200,8 @@ class DraftTree:
     distribution it was drawn from (None: a point mass; else over `columns`), its value, and the
     sources that proposed it. A value is a probability of the node's whole path (the draft
     model's, or the policy's estimate that it is accepted): a child's never exceeds its parent's,
-    and the root's is 1."""
+    and the root's is 1. Siblings are accepted in disjoint events: where the verifier tries them in
+    order (sampling), a later child can have only what the earlier ones left (`unclaimed`)."""
 
     columns: VocabColumns = field(default_factory=VocabColumns)
     tokens: list[int] = field(default_factory=list)
@@ -222,6 +223,10 @@ class DraftTree:
 
     def value(self, node: int) -> float:
         return 1.0 if node < 0 else self.values[node]
+
+    def unclaimed(self, node: int) -> float:
+        """The chance that verification reaches `node` and rejects every child it has so far."""
+        return max(0.0, self.value(node) - sum(v for v, p in zip(self.values, self.parents) if p == node))
 
     def child(self, parent: int, token: int) -> int | None:
         return tree.child(self.parents, self.tokens, parent, token)
