@@ -234,7 +234,7 @@ def test_confidence_bins_and_priors():
     assert [confidence_bin(p) for p in (0.0, 0.09, 0.5, 0.99, 1.0)] == [0, 0, 5, 9, 9]
     policy = CostAwarePolicy(STEEP)
     assert policy.accept_probability(("model", 9)) == pytest.approx(0.95)
-    assert policy.accept_probability(("lookup", 0)) == pytest.approx(0.5)
+    assert policy.accept_probability(("lookup", 0)) == pytest.approx(0.4)
     assert policy.accept_probability(("lookup", 3)) == pytest.approx(0.8)  # a next token, given the one before was accepted
 
 
@@ -247,7 +247,7 @@ def test_observing_counts_every_child_of_a_reached_node():
     policy.update(draft, VerifyResult(1, [5, 8], path=[0]))
     counts = {source: (a.offered, a.accepted) for source, a in policy.acceptance.items()}
     assert counts == {("lookup", 0): (1, 1), ("model", 9): (1, 0), ("lookup", 1): (1, 0)}
-    assert policy.accept_probability(("lookup", 0)) == pytest.approx((1 + 0.5 * 2) / 3)
+    assert policy.accept_probability(("lookup", 0)) == pytest.approx((1 + 0.4 * 2) / 3)
     assert policy.accept_probability(("model", 9)) == pytest.approx((0 + 0.95 * 4) / 5)
     # every position after the first shares one estimate: a next token given the one before was accepted
     assert policy.accept_probability(("lookup", 1)) == pytest.approx((0 + 0.8 * 2) / 3)
