@@ -50,7 +50,7 @@ def main() -> None:
     target, _, strategies = build_strategies(config)
     plain = next(s for s in strategies if s.name == "plain")
     prompts, sampling = suite_prompts(config, target), sampling_for(args.mode, config)
-    counts = collections.Counter()  # (suite, kind, first/next) -> [trials, right]
+    counts = collections.Counter()  # (suite, kind, "first"/"next", "trials"/"right") -> count
     for suite, tasks in prompts.items():
         for seed in range(args.seeds if args.mode == "sampled" else 1):
             for i, (ids, reference, answer) in enumerate(tasks):
@@ -58,6 +58,7 @@ def main() -> None:
                 for kind, position, right in trials(list(ids), generated):
                     counts[suite, kind, position, "trials"] += 1
                     counts[suite, kind, position, "right"] += right
+
     def rate(suites, kind: str, position: str) -> str:
         right, total = (sum(counts[suite, kind, position, what] for suite in suites) for what in ("right", "trials"))
         return f"{right / max(total, 1):.2f} ({total})"
