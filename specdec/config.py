@@ -31,7 +31,9 @@ SERVER_DECODER = {"prefix_cache": SERVER_PREFIX_TOKENS, "share_acceptance": True
 HISTORY_TOKENS = 200_000  # the default drafter's history, per tenant: ~0.8 MB, a search of a few hundred µs at worst
 DEFAULT_BATCH = {"cpu": 16, "gpu": 64}  # a server's generations at once (`ServeConfig.batch`)
 BACKENDS = ("auto", "transformers", "llamacpp")
-OUTPUT_LAYERS = ("auto", "specdec", "llama.cpp")  # who computes a GGUF model's logits on the CPU (see cpu_head)
+# who computes a GGUF model's logits on the CPU (see cpu_head); "split": llama.cpp's for a one-row forward,
+# specdec's for more
+OUTPUT_LAYERS = ("auto", "specdec", "llama.cpp", "split")
 COMPILE_CHOICES = ("auto", "on", "off", "graphs", "inductor", "aot_eager", "static")  # see RuntimeConfig.compile
 
 
@@ -522,7 +524,8 @@ RUNTIME_OPTIONS: dict[str, Option] = {
                         metavar="DIR"),
     "output_layer": Option(_text, "GGUF on the CPU: who computes the logits from the final norm. "
                                   "auto (default): specdec's kernel where it runs (a Q8_0 or Q6_K output matrix, "
-                                  "AVX-512 VNNI), agrees with llama.cpp and is faster; else llama.cpp",
+                                  "AVX-512 VNNI), agrees with llama.cpp and is faster, for the forwards it is faster "
+                                  "at (split: verifies only, llama.cpp's for one-row forwards); else llama.cpp",
                            choices=OUTPUT_LAYERS),
     "batch_invariant": Option(parse_flag, "GGUF: kernels that give a token the same logits in a batch of any size "
                                           "(checked at load), so greedy speculation equals plain greedy decoding "

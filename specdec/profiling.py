@@ -213,14 +213,15 @@ def cache_key(target: CausalLM, draft: CausalLM | None) -> str:
 
 
 def model_identity(model: CausalLM) -> dict:
-    """What makes a model's costs what they are: its files, backend, threads, device and dtype."""
+    """What makes a model's costs what they are: its files, backend, threads, device, dtype and output layer."""
     path = Path(model.path)
     files = ([path] if path.is_file()
              else sorted(p for p in path.glob("*") if p.suffix in (".json", ".safetensors", ".bin", ".gguf")))
     stamps = [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files if p.exists()]
     return {"path": str(path.resolve()), "files": stamps, "backend": model.backend, "dtype": model.dtype,
             "device": str(model.device), "threads": model.threads or torch.get_num_threads(),
-            "compiled": model.compile_backend, "context": model.max_length}  # a static row attends over all of it
+            "compiled": model.compile_backend, "context": model.max_length,  # a static row attends over all of it
+            "output_layer": model.output_layer}
 
 
 def _plain_step(target: CausalLM) -> float:

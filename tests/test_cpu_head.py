@@ -12,10 +12,12 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
 import specdec
 from specdec import ModelDrafter, PromptLookupDrafter, SpeculativeDecoder, TreeShape
 from specdec.runtime import cpu_head
+from specdec.runtime.llamacpp import head_rows_for
 from specdec.params import SamplingParams
 from test_llamacpp import ALPHA, PROMPTS, REPEATING, SAMPLES, chi_square, pruned_joint
 
@@ -133,12 +135,13 @@ def test_bad_shapes_are_errors_not_crashes():
 @pytest.fixture(scope="module", params=["gguf-q8_0", "gguf-wide-q6_k"], ids=["Q8_0 output", "Q6_K output"])
 def pair(request, gguf_models):
     """A target with specdec's output layer (the Q8_0 demo draft; a random 256-wide model whose
-    output matrix is Q6_K), the same file with llama.cpp's, and a perturbed demo draft to draft."""
+    output matrix is Q6_K), the same file with llama.cpp's, with the two split (llama.cpp's for a
+    one-row forward, specdec's for more), and a perturbed demo draft to draft."""
     if cpu_head.unavailable() is not None:
         pytest.skip(cpu_head.unavailable())
     load = lambda key, layer="auto": specdec.load_model(gguf_models[key], threads=1, output_layer=layer)
-    return {"ours": load(request.param, "specdec"), "theirs": load(request.param, "llama.cpp"), "near": load("gguf-near"),
-            "trained": request.param == "gguf-q8_0"}
+    return {"ours": load(request.param, "specdec"), "theirs": load(request.param, "llama.cpp"),
+            "split": load(request.param, "split"), "near": load("gguf-near"), "trained": request.param == "gguf-q8_0"}
 
 
 def test_its_logits_are_llama_cpps_up_to_float_rounding(pair):
@@ -153,13 +156,48 @@ def test_its_logits_are_llama_cpps_up_to_float_rounding(pair):
     assert float((ours.logits - theirs.logits).abs().max()) < 1e-4 * float(theirs.logits.abs().max())
 
 
+def test_split_takes_llama_cpps_for_one_row_and_specdecs_for_more(pair):
+    ours, theirs, split = pair["ours"], pair["theirs"], pair["split"]
+    assert split.output_layer == "split" and "verifies' output layer by specdec" in split.describe()
+    assert [split.output_layer_for(rows) for rows in (1, 2, 9)] == ["llama.cpp", "specdec", "specdec"]
+    tokens = ours.tokenizer.encode(PROMPTS[2])
+    logits = {}
+    for name, model in (("ours", ours), ("theirs", theirs), ("split", split)):
+        sequence = model.sequence()
+        logits[name, "prefill"] = sequence.forward(tokens[:-3], last=1)  # one row of logits
+        logits[name, "verify"] = sequence.forward(tokens[-3:])  # three rows
+        sequence.release()
+    assert torch.equal(logits["split", "prefill"], logits["theirs", "prefill"])
+    assert torch.equal(logits["split", "verify"], logits["ours", "verify"])
+    assert not torch.equal(logits["ours", "prefill"], logits["theirs", "prefill"])  # the two do differ
+
+
+def test_auto_splits_the_output_layer_only_where_llama_cpps_is_faster_at_one_row_alone():
+    def seconds(specdec_1, specdec_8):
+        return {("llama.cpp", 1): 1.0, ("llama.cpp", 8): 4.0, ("specdec", 1): specdec_1, ("specdec", 8): specdec_8}
+
+    assert head_rows_for(seconds(0.9, 2.0), batch_invariant=False) == (1, None)
+    rows, why = head_rows_for(seconds(1.2, 2.0), batch_invariant=False)
+    assert rows == 2 and "1200.00 vs 1000.00 ms at 1 rows" in why
+    assert head_rows_for(seconds(1.2, 2.0), batch_invariant=True)[0] is None  # one output layer for every shape
+    assert head_rows_for(seconds(0.9, 5.0), batch_invariant=False)[0] is None
+    assert head_rows_for(seconds(1.2, 5.0), batch_invariant=False)[0] is None
+
+
+@needs_head
+def test_a_split_output_layer_cannot_be_batch_invariant(gguf_models):
+    with pytest.raises(specdec.SpecDecError, match="cannot be batch-invariant"):
+        specdec.load_model(gguf_models["gguf-q8_0"], threads=1, output_layer="split", batch_invariant=True)
+
+
 def test_auto_keeps_llama_cpps_where_the_kernel_cannot_run_and_specdec_refuses(gguf_models):
     # the first reason found is given: on a CPU without AVX-512 VNNI that one, before the matrix type is read
     reason = cpu_head.unavailable() or "neither Q8_0 nor Q6_K"
     model = specdec.load_model(gguf_models["gguf-f16"], threads=1)
     assert model.output_layer == "llama.cpp" and reason in model.output_layer_note
-    with pytest.raises(specdec.SpecDecError, match="specdec.s output layer cannot run .* " + re.escape(reason)):
-        specdec.load_model(gguf_models["gguf-f16"], threads=1, output_layer="specdec")
+    for layer in ("specdec", "split"):
+        with pytest.raises(specdec.SpecDecError, match="specdec.s output layer cannot run .* " + re.escape(reason)):
+            specdec.load_model(gguf_models["gguf-f16"], threads=1, output_layer=layer)
     with pytest.raises(specdec.SpecDecError, match="unknown output layer"):
         specdec.load_model(gguf_models["gguf-f16"], threads=1, output_layer="gpu")
     done = subprocess.run([sys.executable, "-m", "specdec", "generate", "hi", "--target", gguf_models["gguf-f16"], "--output-layer", "specdec"],
@@ -168,8 +206,9 @@ def test_auto_keeps_llama_cpps_where_the_kernel_cannot_run_and_specdec_refuses(g
 
 
 @needs_head
-def test_greedy_speculation_with_it_equals_plain_greedy_for_every_drafter(pair):
-    target, near = pair["ours"], pair["near"]
+@pytest.mark.parametrize("layer", ["ours", "split"])
+def test_greedy_speculation_with_it_equals_plain_greedy_for_every_drafter(pair, layer):
+    target, near = pair[layer], pair["near"]
     drafters = {"chain": (ModelDrafter(near), 4), "tree": (ModelDrafter(near, tree=TreeShape(nodes=8, width=2)), 4),
                 "staged": (ModelDrafter(near, inner=PromptLookupDrafter(), inner_gamma=4), 3), "prompt lookup": (PromptLookupDrafter(), 8)}
     for prompt in PROMPTS + [REPEATING]:
@@ -184,10 +223,11 @@ def test_greedy_speculation_with_it_equals_plain_greedy_for_every_drafter(pair):
 @needs_head
 @pytest.mark.statistical
 @pytest.mark.parametrize("kind", ["chain", "tree"])
-def test_sampled_speculation_with_it_keeps_the_target_distribution(pair, kind):
+@pytest.mark.parametrize("layer", ["ours", "split"])
+def test_sampled_speculation_with_it_keeps_the_target_distribution(pair, kind, layer):
     if not pair["trained"]:  # the output layer is the same code for both types; the kernel tests cover Q6_K's arithmetic
         pytest.skip("a random model's near-uniform joint over 8k tokens leaves the chi-square no cells")
-    target, near = pair["ours"], pair["near"]
+    target, near = pair[layer], pair["near"]
     drafter = ModelDrafter(near) if kind == "chain" else ModelDrafter(near, tree=TreeShape(nodes=6, width=2))
     decoder, setting = SpeculativeDecoder(target, drafter, gamma=2), dict(temperature=1.0)
     prompt = target.tokenizer.encode("def f(x):")
@@ -210,7 +250,7 @@ def test_the_breakdown_times_every_kind_of_op(gguf_models):
     result = breakdown(model, sizes=(1, 4), repeats=2)
     for k in (1, 4):
         assert all(result[k][kind] > 0 for kind in (*CATEGORIES, "forward"))
-        assert ("output layer (specdec)" in result[k]) == (model.output_layer == "specdec")
+        assert ("output layer (specdec)" in result[k]) == (model.output_layer_for(k) == "specdec")
     table = format_breakdown(result)
     assert "| output layer |" in table and "k = 4" in table
 

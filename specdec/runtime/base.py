@@ -106,7 +106,8 @@ class CausalLM(Protocol):
     max_sequence_ids: int | None  # ids its sequences and their tree branches share (llama.cpp); None: no limit
     batch_invariant: bool  # a row's logits are bitwise the same in a batch of any size (checked at load)
     threads: int | None  # CPU threads its forwards use; None: torch's, process-wide
-    output_layer: str | None  # who computes a GGUF model's logits: "specdec" (`cpu_head`) or "llama.cpp"; None: its own
+    output_layer: str | None  # who computes a GGUF model's logits: "specdec" (`cpu_head`), "llama.cpp" or "split"
+    # (llama.cpp's for a one-row forward, specdec's for more); None: its own
     compile_backend: str | None  # how a static pool's forwards run (`static.COMPILE_BACKENDS`); None: eagerly
     compile_seconds: dict[tuple[int, int], float]  # (rows, tokens) -> seconds that shape's first forward took
     columns: torch.Tensor | None  # [columns]: each logit column's target id (`PrunedVocab`); None: every id in order

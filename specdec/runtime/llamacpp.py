@@ -108,8 +108,10 @@ class LlamaCppModel(base.CheckedTrees):
         self._memory = lib.llama_get_memory(self._context)
         self._batch = lib.llama_batch_init(BATCH, 0, MAX_SEQUENCE_IDS)
         self._free_ids = list(range(MAX_SEQUENCE_IDS - 1, -1, -1))  # a stack: low ids first
-        self._use_head = self._head is not None
-        self._whole: tuple[cpu_head.CpuHead | None, bool] | None = None  # the output layer before `narrow_output`
+        # specdec's output layer computes a decode's logits when it returns at least this many rows (1: every
+        # decode; 2: verifies, llama.cpp's a one-row forward's, "split"; None: never)
+        self._head_rows: int | None = 1 if self._head is not None else None
+        self._whole: tuple[cpu_head.CpuHead | None, int | None] | None = None  # the output layer before `narrow_output`
         self._narrow: tuple[np.ndarray, cpu_head.CpuHead] | None = None  # the last narrowed one, kept for the next
         if self._head is not None:
             self._check_head(output_layer)
@@ -138,8 +140,16 @@ class LlamaCppModel(base.CheckedTrees):
 
     @property
     def output_layer(self) -> str:
-        """Who computes the logits: "specdec" (cpu_head) or "llama.cpp"."""
-        return "specdec" if self._use_head else "llama.cpp"
+        """Who computes the logits: "specdec" (cpu_head), "llama.cpp", or "split" (llama.cpp's for a
+        one-row forward, specdec's for more)."""
+        return {1: "specdec", 2: "split", None: "llama.cpp"}[self._head_rows]
+
+    def output_layer_for(self, rows: int) -> str:
+        """Who computes the logits of a forward that returns this many rows: "specdec" or "llama.cpp"."""
+        return "specdec" if self._uses_head(rows) else "llama.cpp"
+
+    def _uses_head(self, rows: int) -> bool:
+        return self._head_rows is not None and rows >= self._head_rows
 
     def _open_head(self, mode: str, gpu_layers: int) -> tuple[cpu_head.CpuHead | None, str]:
         """specdec's output layer unless told otherwise or it cannot run here (then why, or raise if asked for it)."""
@@ -151,17 +161,23 @@ class LlamaCppModel(base.CheckedTrees):
                 return cpu_head.CpuHead(self.path, self.llama_cpp, self.hidden_size, self.vocab_size, self.threads), ""
             except ValueError as error:
                 reason = str(error)
-        if mode == "specdec":
+        if mode in ("specdec", "split"):
             raise SpecDecError(f"specdec's output layer cannot run {self.path}: {reason}")
         return None, reason
 
     def _check_head(self, mode: str) -> None:
         """specdec's logits must be llama.cpp's up to float rounding (else its graph does more after
-        the final norm than one matmul) and, under "auto", no slower at 1 and at 8 rows."""
+        the final norm than one matmul). Under "auto" it computes the forwards it is no slower at,
+        timed at 1 and at 8 rows: every one, or only verifies ("split": where a one-row forward is
+        faster with llama.cpp's, as on Gemma's 262k rows on one core), or none. Batch-invariant
+        forwards take one output layer for every shape, so never "split"."""
         probe = [i % self.vocab_size for i in range(1, 9)]
+        if mode == "split" and self.batch_invariant:
+            raise SpecDecError("a split output layer computes a one-row forward's logits with other kernels than a "
+                               "verify's: it cannot be batch-invariant (take --output-layer specdec or llama.cpp)")
 
-        def forward(use_head: bool, tokens: list[int]) -> tuple[torch.Tensor, float]:
-            self._use_head = use_head
+        def forward(head_rows: int | None, tokens: list[int]) -> tuple[torch.Tensor, float]:
+            self._head_rows = head_rows
             sequence = self.sequence()
             try:
                 sequence.forward(probe[:1])
@@ -171,27 +187,27 @@ class LlamaCppModel(base.CheckedTrees):
             finally:
                 sequence.release()
 
-        theirs = forward(False, probe)[0]
+        theirs = forward(None, probe)[0]
         try:
-            error = float((forward(True, probe)[0] - theirs).abs().max())
+            error = float((forward(1, probe)[0] - theirs).abs().max())
             tolerance = 1e-3 * max(1.0, float(theirs.abs().max()))
             problem = (f"its logits differ from llama.cpp's by {error:.3g} (> {tolerance:.3g})"
                        if not error <= tolerance else None)
         except RuntimeError as failure:  # the graph names no final norm "result_norm": the capture saw no rows
             problem = str(failure)
-        if problem is None and mode == "auto":
-            times = {(use, k): min(forward(use, probe[:k])[1] for _ in range(3))
-                     for use in (False, True) for k in (1, 8)}
-            slower = [k for k in (1, 8) if times[True, k] > times[False, k]]
-            if slower:
-                problem = "slower here than llama.cpp's own: " + ", ".join(
-                    f"{times[True, k] * 1e3:.2f} vs {times[False, k] * 1e3:.2f} ms at {k} rows" for k in slower)
-        self._use_head = problem is None
-        if problem and mode == "specdec":
+        head_rows = None if problem else {"auto": 1, "specdec": 1, "split": 2}[mode]
+        if head_rows and mode == "auto":
+            seconds = {(layer, k): min(forward(rows, probe[:k])[1] for _ in range(3))
+                       for layer, rows in (("llama.cpp", None), ("specdec", 1)) for k in (1, 8)}
+            head_rows, problem = head_rows_for(seconds, self.batch_invariant)
+        if problem and mode in ("specdec", "split"):
             raise SpecDecError(f"specdec's output layer cannot run {self.path}: {problem}")
-        if problem:
+        self._head_rows = head_rows
+        if head_rows is None:
             self._head.drop_matrix()
-        self.output_layer_note = problem or ""
+        self.output_layer_note = ("llama.cpp's for one-row forwards, asked for (output_layer split)" if mode == "split"
+                                  else f"llama.cpp's for one-row forwards: specdec's is {problem}" if head_rows == 2
+                                  else problem or "")
 
     def keep_states(self, on: bool = True, layers: tuple[int, ...] | None = None) -> None:
         """Leave the final norm's rows of every forward's output tokens on its sequences
@@ -212,7 +228,7 @@ class LlamaCppModel(base.CheckedTrees):
         forwards now give the narrowed logits."""
         if ids is None:
             if self._whole is not None:
-                (self._head, self._use_head), self._whole = self._whole, None
+                (self._head, self._head_rows), self._whole = self._whole, None
             return False
         if self._capture is None or self.on_gpu or cpu_head.unavailable() is not None:
             return False
@@ -223,8 +239,8 @@ class LlamaCppModel(base.CheckedTrees):
                                                      self.threads, rows=ids)
             except ValueError:
                 return False
-        self._whole = self._whole or (self._head, self._use_head)
-        self._head, self._use_head = self._narrow[1], True
+        self._whole = self._whole or (self._head, self._head_rows)
+        self._head, self._head_rows = self._narrow[1], 1  # narrowed logits come from specdec's for every forward
         return True
 
     def _new_context(self, lib, threads: int):
@@ -271,7 +287,7 @@ class LlamaCppModel(base.CheckedTrees):
         return None if rows is None else rows[: self.vocab_size]
 
     def describe(self) -> str:
-        head = ", output layer by specdec" if self._use_head else ""
+        head = {1: ", output layer by specdec", 2: ", verifies' output layer by specdec", None: ""}[self._head_rows]
         return f"{self.path} ({self.architecture} {self.dtype}, llama.cpp{head})"
 
     def verify_room(self, root_position: int) -> int:
@@ -335,16 +351,15 @@ class LlamaCppModel(base.CheckedTrees):
             feed.sequence.states = rows
         return list(torch.split(logits, counts))
 
-    @property
-    def _copies_norm(self) -> bool:
+    def _copies_norm(self, use_head: bool) -> bool:
         """A decode copies the final norm's rows: specdec's output layer reads them, or they are the states kept."""
-        return self._use_head or (self._keep_states and self.state_layers is None)
+        return use_head or (self._keep_states and self.state_layers is None)
 
-    def _decode_one(self, batch) -> int:
+    def _decode_one(self, batch, use_head: bool) -> int:
         """llama_decode's status for the filled batch (its eval callback readied first)."""
         clear_log()
         if self._capture is not None:
-            self._capture.begin(copy=self._copies_norm, stop=self._use_head)
+            self._capture.begin(copy=self._copies_norm(use_head), stop=use_head)
         return self.llama_cpp.llama_decode(self._context, batch)
 
     def decode(self, tokens: list[int], positions: list[int], ids: list[list[int]],
@@ -353,6 +368,7 @@ class LlamaCppModel(base.CheckedTrees):
         `outputs`, in order, and their final-norm rows [n, hidden] when states are kept (else None; at
         `state_layers`, every token's inputs to them)."""
         lib, batch, rows, states = self.llama_cpp, self._batch, [], []
+        use_head = self._uses_head(sum(outputs))  # one output layer for all of a forward's rows
         for start in range(0, len(tokens), BATCH):
             end = min(start + BATCH, len(tokens))
             batch.n_tokens = end - start
@@ -362,19 +378,19 @@ class LlamaCppModel(base.CheckedTrees):
                 for k, seq_id in enumerate(ids[i]):
                     batch.seq_id[j][k] = seq_id
                 batch.logits[j] = outputs[i]
-            status = self._decode_one(batch)
+            status = self._decode_one(batch, use_head)
             # a full cache: kept prefixes give back their cells (n_ubatch = n_batch, so the failed
             # call placed nothing), until the decode fits or none is left
             while status == 1 and make_room(self):
-                status = self._decode_one(batch)
+                status = self._decode_one(batch, use_head)
             if status != 0:
                 full = (f" (the KV cache of {self.cells} cells, shared by this model's open sequences, is full)"
                         if status == 1 else "")
                 raise SpecDecError(f"llama.cpp could not decode {end - start} tokens of {self.path}{full}{last_log()}")
             n_out = sum(outputs[start:end])
             # [n_out, hidden]
-            hidden = self._capture.rows(n_out) if n_out and self._copies_norm else None
-            if n_out and self._use_head:
+            hidden = self._capture.rows(n_out) if n_out and self._copies_norm(use_head) else None
+            if n_out and use_head:
                 rows.append(self._head.logits(hidden))
             elif n_out:
                 logits = lib.llama_get_logits(self._context)
@@ -383,12 +399,24 @@ class LlamaCppModel(base.CheckedTrees):
                 states.append(self._capture.layer_rows(end - start).clone())
             elif n_out and self._keep_states:
                 states.append(hidden.clone())
-        columns = self._head.vocab_size if self._use_head else self.vocab_size  # narrowed or whole
+        columns = self._head.vocab_size if self._head_rows is not None else self.vocab_size  # narrowed or whole
         logits = torch.cat(rows) if rows else torch.zeros(0, columns)
         if not self._keep_states:
             return logits, None
         width = self.hidden_size * len(self.state_layers or (None,))
         return logits, torch.cat(states) if states else torch.zeros(0, width)
+
+
+def head_rows_for(seconds: dict[tuple[str, int], float], batch_invariant: bool) -> tuple[int | None, str | None]:
+    """From a forward's seconds by (output layer, rows), at 1 and at 8 rows: the fewest rows a forward
+    returns for specdec's output layer to compute them (1: every forward; 2: verifies only, llama.cpp's
+    being faster at one row and batch invariance not asked for; None: none), and why not every forward."""
+    slower = [k for k in (1, 8) if seconds["specdec", k] > seconds["llama.cpp", k]]
+    if not slower:
+        return 1, None
+    why = "slower here than llama.cpp's own: " + ", ".join(
+        f"{seconds['specdec', k] * 1e3:.2f} vs {seconds['llama.cpp', k] * 1e3:.2f} ms at {k} rows" for k in slower)
+    return (2 if slower == [1] and not batch_invariant else None), why
 
 
 def _gguf_matrix(path: str, name: str) -> torch.Tensor | None:

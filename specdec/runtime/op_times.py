@@ -79,7 +79,7 @@ def breakdown(model, sizes=(1, 4, 8, 16), repeats: int = 5, prefix: int = 64) ->
             runs.append(dict(state["spent"]))
         row = {kind: statistics.median(run[kind] for run in runs[1:]) for kind in CATEGORIES}
         row["forward"] = statistics.median([plain_context.forward(tokens, prefix) for _ in range(repeats + 1)][1:])
-        if model.output_layer == "specdec":
+        if model.output_layer_for(k) == "specdec":
             row["output layer (specdec)"] = _kernel_seconds(model, k, repeats)
             row["logits copy"] = _copy_seconds(model.vocab_size, k, repeats)
         result[k] = row
