@@ -689,14 +689,16 @@ def probed_share(policy: CostAwarePolicy, iterations: int) -> tuple[float, int]:
     costs.Profile(target={1: 1.0, 2: 2.4, 4: 2.9, 8: 4.2, 16: 6.6, 128: 36.0}, draft={1: 0.22, 16: 1.4, 128: 8.0}),
     STEEP,
 ], ids=["linear", "llama.cpp CPU", "steep"])
-def test_probes_of_every_source_together_take_at_most_the_explore_share(profile):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_probes_of_every_source_together_take_at_most_the_explore_share(profile, sampled):
     """Where nothing pays, probing the draft model and lookup, each on its schedule, costs at most
-    EXPLORE_SHARE of decoding's time, however dear a verify (the demo pair on llama.cpp's CPU
-    kernels: a verify of 2 at 2.4 steps); and probes are still made."""
-    from specdec.policy import EXPLORE_SHARE
+    EXPLORE_SHARE of decoding's time (SAMPLED_EXPLORE_SHARE when sampling), however dear a verify
+    (the demo pair on llama.cpp's CPU kernels: a verify of 2 at 2.4 steps); and probes are still made."""
+    from specdec.policy import EXPLORE_SHARE, SAMPLED_EXPLORE_SHARE
 
-    share, probes = probed_share(CostAwarePolicy(profile, sources=("model", "lookup")), 5000)
-    assert probes >= 5 and share <= EXPLORE_SHARE * 1.01, (share, probes)
+    bound = SAMPLED_EXPLORE_SHARE if sampled else EXPLORE_SHARE
+    share, probes = probed_share(CostAwarePolicy(profile, sources=("model", "lookup"), sampled=sampled), 5000)
+    assert probes >= 5 and share <= bound * 1.01, (share, probes)
 
 
 def test_lookup_is_probed_where_its_estimate_never_pays_and_then_drafted_long():
