@@ -6,9 +6,13 @@ given the one before was right. Sampled, a point mass is accepted with the targe
 it, which a sampled token equal to it estimates without bias. These are all positions; a speculative
 step starts where the last one stopped (often just after a rejection), where a copy holds less
 often: the policy's own trials read lower (RESULTS.md, "Sampled lookup priced as it is accepted").
+With --model, the draft model's nodes instead (`policy.model_prior`): at every generated position, a
+drawn node's chance of acceptance, sum(min(p, q)) exactly (greedy: whether the argmaxes agree), by the
+draft's confidence (q's top probability).
 
     taskset -c 1 python benchmarks/chain_priors.py --mode sampled --seeds 4
     taskset -c 1 python benchmarks/chain_priors.py --mode greedy --target $G
+    taskset -c 1 python benchmarks/chain_priors.py --mode sampled --seeds 2 --model --backend transformers
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import replace
 from specdec.bench.runner import BenchConfig, build_strategies, sampling_for, suite_prompts
 from specdec.drafters.auto import copying
 from specdec.drafters.prompt_lookup import lookup_match
+from specdec.sampling import probs_from_logits
 
 CHAIN = 8  # tokens looked up per position
 
@@ -36,6 +41,31 @@ def trials(prompt: list[int], generated: list[int]):
                 break
 
 
+def model_trials(target, draft, tokens: list[int], start: int, sampling):
+    """(confidence, chance of acceptance) of a draft-model node at every position from `start` on."""
+    import torch
+
+    logits = []
+    for model in (target, draft):
+        sequence = model.sequence()
+        logits.append(sequence.forward(tokens)[start - 1:-1].float())
+        sequence.release()
+    if sampling.temperature == 0:
+        p, q = (torch.softmax(x, -1) for x in logits)
+        accepted = (p.argmax(-1) == q.argmax(-1)).float()
+    else:
+        p, q = (probs_from_logits(x, sampling) for x in logits)
+        accepted = torch.minimum(p, q).sum(-1)
+    return zip(q.max(-1).values.tolist(), accepted.tolist())
+
+
+def print_model_table(acceptance: dict, mode: str) -> None:
+    print(f"| {mode}: draft confidence | positions | chance of acceptance |\n|---|---|---|")
+    for bin_ in sorted(acceptance):
+        total, count = acceptance[bin_]
+        print(f"| {bin_ / 10:.1f}–{(bin_ + 1) / 10:.1f} | {count} | {total / count:.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=None, help="a GGUF file or checkpoint (default: the demo pair)")
@@ -43,21 +73,31 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=8)
     parser.add_argument("--seeds", type=int, default=4, help="sampled generations per prompt")
     parser.add_argument("--mode", choices=["greedy", "sampled"], default="sampled")
+    parser.add_argument("--model", action="store_true", help="the draft model's nodes by confidence, not chains")
+    parser.add_argument("--backend", default="auto")
     args = parser.parse_args()
     config = BenchConfig.quick(target=args.target, suites=tuple(args.suite), limit=args.limit, max_new_tokens=96,
                                temperature=0.7, top_k=0, peers=False)
-    config = replace(config, runtime=replace(config.runtime, threads=1))
-    target, _, strategies = build_strategies(config)
+    config = replace(config, runtime=replace(config.runtime, threads=1, backend=args.backend))
+    target, draft, strategies = build_strategies(config)
     plain = next(s for s in strategies if s.name == "plain")
     prompts, sampling = suite_prompts(config, target), sampling_for(args.mode, config)
     counts = collections.Counter()  # (suite, kind, "first"/"next", "trials"/"right") -> count
+    acceptance = collections.defaultdict(lambda: [0.0, 0])  # confidence bin -> (summed chance, positions)
     for suite, tasks in prompts.items():
         for seed in range(args.seeds if args.mode == "sampled" else 1):
             for i, (ids, reference, answer) in enumerate(tasks):
                 generated = plain.run(ids, sampling, 100 * seed + i, reference, answer).tokens
+                if args.model:
+                    for confidence, chance in model_trials(target, draft, list(ids) + generated, len(ids), sampling):
+                        cell = acceptance[min(9, int(confidence * 10))]
+                        cell[0], cell[1] = cell[0] + chance, cell[1] + 1
+                    continue
                 for kind, position, right in trials(list(ids), generated):
                     counts[suite, kind, position, "trials"] += 1
                     counts[suite, kind, position, "right"] += right
+    if args.model:
+        return print_model_table(acceptance, args.mode)
 
     def rate(suites, kind: str, position: str) -> str:
         right, total = (sum(counts[suite, kind, position, what] for suite in suites) for what in ("right", "trials"))

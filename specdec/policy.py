@@ -62,10 +62,15 @@ CHAIN_PRIORS = {"lookup": (0.4, 0.8), "copy": (0.85, 0.95), "prediction": (0.7, 
                 "forced": (0.95, 0.95)}
 SAMPLED_PRIORS = {"lookup": (0.2, 0.6), "copy": (0.6, 0.7), "prediction": (0.7, 0.9), "history": (0.3, 0.7),
                   "forced": (0.9, 0.9)}
-# a node drawn from the draft model is accepted less often than its confidence says: the demo pair's
-# chains were accepted 0.35-0.53 at T 0.7 where greedy 0.50-0.79 (edit aside), about 0.7 times as often
-# (a seeded request's nodes are chosen by the noise the target draws with: they agree as greedy ones do)
-SAMPLED_MODEL_PRIOR = 0.7
+# a node drawn from the draft model (sampling, unkeyed) is accepted with probability sum(min(p, q)), which its
+# confidence (q's top probability) says little about: on the demo pair at T 0.7, every position of plain generations
+# of the six suites (9.2k), 0.49-0.52 with a top probability under 0.4, 0.55-0.64 at 0.4-0.7, 0.69 / 0.80 / 0.93 at
+# 0.7-0.8 / 0.8-0.9 / 0.9-1 (benchmarks/chain_priors.py --model). Its prior is SAMPLED_MODEL_FLOOR * (1 + confidence^2),
+# at most 0.07 under those: a prior too low is never corrected (a source that does not pay is not drafted, only
+# probed), one too high is, by the first drafts. (Greedy and keyed nodes: their confidence, a calibrated draft's
+# chance to spell the target's token; a keyed node is chosen by the noise the target draws with, and agrees as a
+# greedy one does.)
+SAMPLED_MODEL_FLOOR = 0.45
 COPY_MATCH = 4  # matched tokens that make a looked-up continuation "copy" (`prompt_lookup.lookup_match`)
 CHAIN_MEMORY = 16  # chain sources' estimates follow recent outcomes closely: text starts and stops copying
 SOURCES = ("model", *CHAIN_PRIORS)  # every source the default drafter knows
@@ -348,7 +353,7 @@ class CostAwarePolicy:
         its draft model's nodes chosen by the target's noise (their prior stays the greedy one)."""
         self.profile, self.max_depth, self.explore, self.shared = profile, max_depth, explore, shared
         self.chain_priors = SAMPLED_PRIORS if sampled else CHAIN_PRIORS
-        self.model_prior = SAMPLED_MODEL_PRIOR if sampled and not keyed else 1.0  # times a node's confidence
+        self.draws_model_nodes = sampled and not keyed  # its draft model's nodes are drawn, not its argmax
         # its verifier tries a node's children in order, each against what the earlier ones left
         # (`verify_tree`): a child is tried only once its earlier siblings are rejected (`tree.trials`)
         self.tries_in_order = sampled and not keyed
@@ -487,7 +492,7 @@ class CostAwarePolicy:
         kind, index = source
         observed = self._acceptance(source)
         if kind == "model":
-            return observed.rate(self.model_prior * (index + 0.5) / BINS, weight=4)
+            return observed.rate(model_prior((index + 0.5) / BINS, self.draws_model_nodes), weight=4)
         return observed.rate(self.chain_priors[kind][min(index, 1)], weight=2)
 
     def chain_values(self, kind: str, length: int, at_least: int = 0) -> list[float]:
@@ -504,7 +509,8 @@ class CostAwarePolicy:
     def model_rate(self) -> float:
         """Acceptance of the draft model's nodes over all confidences: the guess for a level not drafted yet."""
         rates = [a for key, a in self.acceptance.items() if key[0] == "model"]
-        return (sum(a.accepted for a in rates) + self.model_prior * 0.6 * 4) / (sum(a.offered for a in rates) + 4)
+        prior = model_prior(0.6, self.draws_model_nodes)
+        return (sum(a.accepted for a in rates) + prior * 4) / (sum(a.offered for a in rates) + 4)
 
     def update(self, draft: Draft, result: VerifyResult) -> None:
         """Every node verification tried was a trial of its sources: accepted iff on the path."""
@@ -569,6 +575,12 @@ class SharedAcceptance:
         """Each source's accepted share so far."""
         with self._lock:
             return {source: accepted / offered for source, (offered, accepted) in self._counts.items() if offered}
+
+
+def model_prior(confidence: float, drawn: bool) -> float:
+    """A draft-model node's chance of acceptance before any is observed, at this confidence: the
+    confidence itself (greedy, keyed), or for a drawn node SAMPLED_MODEL_FLOOR * (1 + confidence^2)."""
+    return SAMPLED_MODEL_FLOOR * (1 + confidence ** 2) if drawn else confidence
 
 
 def confidence_bin(probability: float) -> int:

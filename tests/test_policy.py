@@ -291,6 +291,23 @@ def test_a_model_child_beside_a_looked_up_one_is_worth_what_that_one_leaves(temp
     assert nodes.values[drawn] == pytest.approx((0.4 if temperature else 1.0) * estimate)
 
 
+def test_a_drawn_node_of_low_confidence_starts_near_half_accepted_not_at_its_confidence():
+    """Sampling, a drawn node is accepted with sum(min(p, q)), about half the time on the demo pair even
+    where the draft is unsure (benchmarks/chain_priors.py --model): where a node costs a fifth of a step
+    (transformers on a CPU), a sampled policy drafts the draft model from the start and a level at
+    confidence 0.15 pays; greedy, such a node (right 15% of the time) does not."""
+    from specdec.policy import SAMPLED_MODEL_FLOOR
+
+    profile = costs.Profile(target={1: 1.0, 2: 1.1, 64: 8.0}, draft={1: 0.1, 64: 0.6})
+    sampled, greedy = CostAwarePolicy(profile, sampled=True), CostAwarePolicy(profile)
+    unsure = ("model", confidence_bin(0.15))
+    assert SAMPLED_MODEL_FLOOR <= sampled.accept_probability(unsure) < 0.5 and greedy.accept_probability(unsure) < 0.2
+    sampled.depth(1)
+    greedy.depth(1)
+    assert sampled.may_pay("model") and sampled.budget().take_level(sampled.accept_probability(unsure), 1)
+    assert not greedy.budget().take_level(greedy.accept_probability(unsure), 1)
+
+
 @pytest.mark.parametrize("at_least", [0, 8, 40])
 def test_a_chains_values_are_its_estimates_multiplied_node_by_node(at_least):
     """`chain_values` (two estimates asked) against the slow reference: each node's estimate asked and
