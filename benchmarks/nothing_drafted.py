@@ -1,6 +1,7 @@
 """Plain decoding against the default alone, where the default seldom drafts (sampled, on llama.cpp's CPU
-kernels): an ABBA A/B of the two on the same prompts and seeds, the order alternating, and where each
-step's host time goes (the engine's phases and the policy's and drafter's calls, timed in place).
+kernels): an ABBA A/B of the two on the same prompts and seeds, the order alternating, what a generation
+spends in its steps and outside them, and where each step's host time goes (the engine's phases and the
+policy's and drafter's calls, timed in place).
 
     taskset -c 1 python benchmarks/nothing_drafted.py --suite prose extract --repeats 6
     taskset -c 1 python benchmarks/nothing_drafted.py --suite agent --target $G --mode greedy
@@ -71,6 +72,8 @@ def main() -> None:
                 for strategy in (plain, default) if (repeat + i) % 2 == 0 else (default, plain):
                     who[0] = strategy.name
                     runs[strategy.name] = strategy.run(ids, sampling, i + 100 * repeat, reference, answer)
+                    seconds[strategy.name, "generation"] += runs[strategy.name].stats.total_seconds
+                    calls[strategy.name, "generation"] += 1
                 a, b = runs[plain.name], runs[default.name]
                 same += a.tokens == b.tokens
                 drafters.update(b.stats.drafters)
@@ -85,8 +88,12 @@ def main() -> None:
         print("  the default's steps by drafter: "
               + ", ".join(f"{name} {n / steps:.1%}" for name, n in drafters.most_common())
               + "; accepted/reached by source: " + ", ".join(f"{source} {a}/{r}" for source, (r, a) in trials.items()))
+    for strategy in (plain.name, default.name):  # what a generation spends outside its steps: setup, finishing
+        count = calls[strategy, "generation"]
+        print(f"{strategy}: {seconds[strategy, 'generation'] / count * 1e3:.1f} ms a generation, "
+              f"{seconds[strategy, 'step'] / count * 1e3:.1f} in its steps")
     print("host time per step (us), every suite together:")
-    for name in sorted({name for _, name in seconds}):
+    for name in sorted({name for _, name in seconds} - {"generation"}):
         cells = [f"{strategy}: {seconds[strategy, name] / calls[strategy, 'step'] * 1e6:7.1f}"
                  for strategy in (plain.name, default.name) if calls[strategy, name]]
         print(f"  {name:10} " + "   ".join(cells))
