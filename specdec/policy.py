@@ -353,11 +353,11 @@ class CostAwarePolicy:
         its draft model's nodes chosen by the target's noise (their prior stays the greedy one)."""
         self.profile, self.max_depth, self.explore, self.shared = profile, max_depth, explore, shared
         self.chain_priors = SAMPLED_PRIORS if sampled else CHAIN_PRIORS
-        self.draws_model_nodes = sampled and not keyed  # its draft model's nodes are drawn, not its argmax
-        # its verifier tries a node's children in order, each against what the earlier ones left
-        # (`verify_tree`): a child is tried only once its earlier siblings are rejected (`tree.trials`)
-        self.tries_in_order = sampled and not keyed
-        self.explore_share = SAMPLED_EXPLORE_SHARE if sampled and not keyed else EXPLORE_SHARE
+        # its draft model's nodes are drawn from q, not chosen (priced by `model_prior`), and its verifier tries a
+        # node's children in order, each against what the earlier ones left (`verify_tree`): a child is tried
+        # only once its earlier siblings are rejected (`tree.trials`)
+        self.draws = sampled and not keyed
+        self.explore_share = SAMPLED_EXPLORE_SHARE if self.draws else EXPLORE_SHARE
         self.acceptance: dict[tuple, Acceptance] = {}
         self.batch = 1
         self.probes = {kind: Probe(PROBE_MODEL_EVERY if kind == "model" else PROBE_CHAIN_EVERY) for kind in sources}
@@ -492,7 +492,7 @@ class CostAwarePolicy:
         kind, index = source
         observed = self._acceptance(source)
         if kind == "model":
-            return observed.rate(model_prior((index + 0.5) / BINS, self.draws_model_nodes), weight=4)
+            return observed.rate(model_prior((index + 0.5) / BINS, self.draws), weight=4)
         return observed.rate(self.chain_priors[kind][min(index, 1)], weight=2)
 
     def chain_values(self, kind: str, length: int, at_least: int = 0) -> list[float]:
@@ -509,7 +509,7 @@ class CostAwarePolicy:
     def model_rate(self) -> float:
         """Acceptance of the draft model's nodes over all confidences: the guess for a level not drafted yet."""
         rates = [a for key, a in self.acceptance.items() if key[0] == "model"]
-        prior = model_prior(0.6, self.draws_model_nodes)
+        prior = model_prior(0.6, self.draws)
         return (sum(a.accepted for a in rates) + prior * 4) / (sum(a.offered for a in rates) + 4)
 
     def update(self, draft: Draft, result: VerifyResult) -> None:
@@ -524,7 +524,7 @@ class CostAwarePolicy:
         if draft.sources is None:
             return
         self.pays_for = 0  # the estimates move: whether a source pays is asked again
-        for node, accepted in trials(draft.parents, result.path, self.tries_in_order):
+        for node, accepted in trials(draft.parents, result.path, self.draws):
             for source in draft.sources[node]:
                 self._acceptance(source).observe(1, accepted)
 
