@@ -141,6 +141,7 @@ class LiveCosts(Profile):
     (`SpeculativeDecoder.request`); a fixed drafter's with gamma "auto" may."""
 
     AFTERMATH: ClassVar[int] = 16
+    UNREAD: ClassVar[int] = 256  # steps observed are taken in when the costs are read, or once this many wait
     _steps: Factors = field(default_factory=Factors, repr=False)  # the verify phases against `Profile.step`
     _drafts: Factors = field(default_factory=Factors, repr=False)  # the draft model's forwards (one class)
     # the last drafting step: tokens, seconds so far, plain steps after it
@@ -148,19 +149,42 @@ class LiveCosts(Profile):
     _curve: dict[int, float] | None = field(default=None, repr=False)  # t(k) as decoding pays it, at the measured sizes
     _draft_scale: float | None = field(default=None, repr=False)  # the draft's factor over the plain step's
     _plain: float | None = field(default=None, repr=False)  # the measured `Profile.step(1)`, read every plain step
+    # steps observed and not taken in yet, in order (`observe`): every read of the costs takes them in first
+    _unread: list[tuple[int, float]] = field(default_factory=list, repr=False)
+    _revision: int = field(default=0, repr=False)
 
     @classmethod
     def of(cls, profile: Profile) -> LiveCosts:
         return cls(**{f.name: getattr(profile, f.name) for f in fields(Profile)})
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """A step's verify phase scored `tokens` tokens in `seconds`. The plain steps after a
-        drafting one run slower than steady ones for a while (llama.cpp rebuilds its graph for the
-        shape it changed back to; the draft model's weights pushed the target's out of the CPU's
-        caches): their excess over a steady plain step, for up to AFTERMATH steps, is charged to
-        the drafting step that caused it, and only steady plain steps teach the plain cost."""
-        if tokens < 1 or seconds <= 0:
-            return
+        """A step's verify phase scored `tokens` tokens in `seconds`: noted, and taken in (`_take`)
+        before the costs are next read, so every figure read is what taking each step in as it came
+        gives. But a step touches one list here: the forward before it pushed this code and its data
+        out of the CPU's caches, so what a step touches is what its host time is (about 1 us taken in
+        together, 10 one at a time)."""
+        if tokens >= 1 and seconds > 0:
+            self._unread.append((tokens, seconds))
+            if len(self._unread) >= self.UNREAD:
+                self._read()
+
+    @property
+    def revision(self) -> int:
+        self._read()
+        return self._revision
+
+    def _read(self) -> None:
+        """Take in the steps observed since the last read, in order."""
+        unread, self._unread = self._unread, []
+        for tokens, seconds in unread:
+            self._take(tokens, seconds)
+
+    def _take(self, tokens: int, seconds: float) -> None:
+        """The plain steps after a drafting one run slower than steady ones for a while (llama.cpp
+        rebuilds its graph for the shape it changed back to; the draft model's weights pushed the
+        target's out of the CPU's caches): their excess over a steady plain step, for up to
+        AFTERMATH steps, is charged to the drafting step that caused it, and only steady plain
+        steps teach the plain cost."""
         drafted = self._drafted
         if drafted is not None and tokens == 1 and drafted[2] < self.AFTERMATH:
             plain = self._steps.classes.get(0)  # the class itself, not `Factors.at`
@@ -181,6 +205,7 @@ class LiveCosts(Profile):
         between them included."""
         if not self.draft or seconds <= 0:
             return
+        self._read()
         expected = sum(interpolate(self.draft, tokens) + rows * self.level_overhead for tokens, rows in forwards)
         if expected > 0 and self._drafts.record(1, seconds / expected):
             self._moved()
@@ -191,7 +216,7 @@ class LiveCosts(Profile):
 
     def _moved(self) -> None:
         self._curve = self._draft_scale = None
-        self.revision += 1
+        self._revision += 1
 
     def _measured(self, tokens: int) -> float:
         """The measured `Profile.step(tokens)`; step(1), read every plain step, is kept."""
@@ -203,6 +228,7 @@ class LiveCosts(Profile):
 
     def factor(self, k: float) -> float:
         """The observed factor of a verify of k (1 before any step was seen)."""
+        self._read()
         return self._steps.at([k])[0]
 
     def step(self, k: float) -> float:
@@ -219,6 +245,7 @@ class LiveCosts(Profile):
 
     def _shaped(self) -> dict[int, float]:
         """The measured sizes' steps, reshaped: made again once `_record` moved a class."""
+        self._read()
         if self._curve is None:
             sizes = sorted(self.target)
             at_one, *factors = self._steps.at([1, *sizes])
@@ -229,6 +256,7 @@ class LiveCosts(Profile):
     def _scale(self) -> float:
         """The draft's factor over a plain step's (1 before a draft forward was seen: it is taken to
         have moved as the target's did)."""
+        self._read()
         if self._draft_scale is None:
             seen = bool(self._drafts.classes)
             self._draft_scale = self._drafts.at([1])[0] / self._steps.at([1])[0] if seen else 1.0

@@ -228,8 +228,10 @@ class Engine:
         positions that one forward with the root cannot score exactly."""
         if self.drafter is None:
             return 0
-        gamma = min(state.gamma_policy.depth(batch), state.token_limit - state.generated - 1,
-                    self.target.verify_room(len(state.context) - 1))
+        gamma = state.gamma_policy.depth(batch)
+        if not gamma:  # most steps of a default where little pays: they ask nothing more
+            return 0
+        gamma = min(gamma, state.token_limit - state.generated - 1, self.target.verify_room(len(state.context) - 1))
         return max(0, gamma if cap is None else min(gamma, cap))
 
     def _drafts(self, states: list[DecodeState], gammas: list[int | Exception],

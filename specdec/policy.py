@@ -325,10 +325,11 @@ class Probe:
         """A new iteration begins."""
         self.due = enabled and self.idle >= max(self.wait, self.not_before)
 
-    def observe(self, tried: bool) -> None:
+    def observe(self, tried: bool, iterations: int = 1) -> None:
+        """The last `iterations` iterations tried the source (one) or did not."""
         if tried:
             self.wait = min(PROBE_MAX, 2 * self.wait) if self.due else self.every
-        self.idle = 0 if tried else self.idle + 1
+        self.idle = 0 if tried else self.idle + iterations
 
 
 class CostAwarePolicy:
@@ -367,6 +368,7 @@ class CostAwarePolicy:
         self.pays_for = 0
         self._pays_for_key: tuple | None = None  # what `paying` was last computed from (`_paying_sources`)
         self.steady_for = 0  # iterations `depth` answers as it last did without looking again (`_steady_for`)
+        self.waited = 0  # iterations that drafted nothing since the probes' idle counts were last moved (`_waits`)
         self._answer = 0  # what it last answered
         self.credit = 0.0  # seconds the probes may still take: `explore_share` of each iteration accrues
         self._accruals: dict[int, float] = {}  # batch -> credit per iteration (`_accrual`)
@@ -378,7 +380,7 @@ class CostAwarePolicy:
         due and the credit pays for what it costs with `unread` committed tokens to read first
         (`_model_probe_cost`); else it is not due again before the credit would. Asked once per
         iteration, after `depth`."""
-        probe = self.probes["model"]
+        probe = self._waits()["model"]
         if probe.due:
             probe.due = self._affords(probe, self._model_probe_cost(unread))
         return probe.due
@@ -388,7 +390,7 @@ class CostAwarePolicy:
 
     def probe_tokens(self, kind: str) -> int:
         """Tokens of a chain source's chain this iteration drafts at least (when it has one)."""
-        probe = self.probes.get(kind)
+        probe = self._waits().get(kind)
         if probe is None or not probe.due or not self._affords(probe, self._chain_probe_cost()):
             return 0
         return PROBE_CHAIN_TOKENS
@@ -405,7 +407,7 @@ class CostAwarePolicy:
             self.steady_for -= 1
             self.pays_for -= 1
             return self._answer
-        for kind, probe in self.probes.items():
+        for kind, probe in self._waits().items():
             probe.start(kind == "model" or self.explore)
             if probe.due:  # due only once the credit could pay for it (a model probe's reading is asked later)
                 cost = self._model_probe_cost(0) if kind == "model" else self._chain_probe_cost()
@@ -514,12 +516,11 @@ class CostAwarePolicy:
 
     def update(self, draft: Draft, result: VerifyResult) -> None:
         """Every node verification tried was a trial of its sources: accepted iff on the path."""
-        if not len(draft):  # nothing was tried: every probe waits one iteration more
-            for probe in self.probes.values():
-                probe.observe(False)
+        if not len(draft):  # nothing was tried: every probe waits one iteration more (`_waits`)
+            self.waited += 1
             return
         self.steady_for = 0  # a source was drafted: its probe starts over, and `depth` looks again
-        for kind, probe in self.probes.items():
+        for kind, probe in self._waits().items():
             probe.observe(any(k == kind for node in draft.sources or () for k, _ in node))
         if draft.sources is None:
             return
@@ -531,6 +532,15 @@ class CostAwarePolicy:
     def finish(self) -> None:
         if self.shared is not None:
             self.shared.absorb(self)
+
+    def _waits(self) -> dict[str, Probe]:
+        """The probes, each having waited the iterations that drafted nothing since last asked: counted
+        as one number until then, so that such an iteration touches no probe."""
+        if self.waited:
+            for probe in self.probes.values():
+                probe.observe(False, self.waited)
+            self.waited = 0
+        return self.probes
 
     def _acceptance(self, source: tuple) -> Acceptance:
         """The counts behind a source's estimate: a chain source's positions after the first share one."""

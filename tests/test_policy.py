@@ -617,17 +617,22 @@ def test_probes_back_off_until_the_source_pays_of_its_own_accord():
 ], ids=["llama.cpp CPU", "gentler"])
 def test_depth_answers_at_once_what_looking_again_would(profile, sampled):
     """`depth` answers the iterations its last finding stands for without looking again
-    (`_steady_for`). A policy that looks every iteration answers the same, probes the same and lets
-    the same sources be weighed, over many steps, some drafting (accepted or not), with live costs
-    moving and the batch changing now and then; and the shortcut is taken most of the time."""
+    (`_steady_for`), and the steps that draft nothing are taken in when next asked (the probes'
+    waits, the live costs' timings). A policy that looks every iteration and takes in every step as
+    it comes answers the same, probes the same and lets the same sources be weighed, over many
+    steps, some drafting (accepted or not), with live costs moving and the batch changing now and
+    then; and the shortcut is taken most of the time."""
     import random
 
     from specdec.types import Draft, VerifyResult
 
     policies = [CostAwarePolicy(costs.LiveCosts.of(profile), sources=("model", "lookup", "copy"), sampled=sampled)
                 for _ in range(2)]
+    for policy in policies:  # the real correction, not the suite's no-op (conftest)
+        policy.profile.observe = live_observe.__get__(policy.profile)
     policies[1]._steady_for = lambda: 0  # looks every iteration
-    rng, shortcuts, changes, answered_0, paying = random.Random(7), 0, 0, 0, None
+    policies[1].profile.UNREAD = 1  # takes in every step's timing as it comes
+    rng, shortcuts, changes, answered_0, paying, deferred = random.Random(7), 0, 0, 0, None, [0, 0]
     for step in range(4000):
         batch = 2 if step % 500 > 490 else 1
         shortcuts += bool(policies[0].steady_for)
@@ -650,7 +655,12 @@ def test_depth_answers_at_once_what_looking_again_would(profile, sampled):
         for policy in policies:
             policy.update(draft, VerifyResult(accepted, [1] * (accepted + 1), path=list(range(accepted))))
             policy.profile.observe(1 + len(sources), seconds)
-    assert shortcuts > 2000 and changes > 4 and 500 < answered_0 < 3500, (shortcuts, changes, answered_0)
+        policies[1]._waits()  # and every probe's wait
+        assert not policies[1].waited and not policies[1].profile._unread
+        deferred[0] += policies[0].waited > 1
+        deferred[1] += len(policies[0].profile._unread) > 1
+    assert shortcuts > 2000 and changes > 4 and 100 < answered_0 < 3500, (shortcuts, changes, answered_0)
+    assert min(deferred) > 100, deferred  # the shortcuts were taken: not a check of the eager path against itself
 
 
 def test_dear_probes_of_the_draft_model_are_made_rarely():

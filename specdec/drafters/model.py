@@ -161,12 +161,13 @@ class ModelDrafter:
         rest are dropped; a cache entry is never recomputed. The last committed token always stays
         pending, so the next forward yields the distribution after the whole text. `catch_up`:
         feed the pending tokens once more than CATCH_UP wait (else the next proposal feeds them)."""
-        path = self._follow_branch(slot, tokens[:-1])
-        if slot.branch_tokens:
+        path = []
+        if slot.branch_tokens:  # else nothing was drafted: the tokens are only pending (most steps where little pays)
+            path = self._follow_branch(slot, tokens[:-1])
             slot.cache.keep(slot.cached, [slot.cached + node for node in path])
+            slot.branch_tokens, slot.branch_parents = [], []
         slot.cached += len(path)
         slot.pending += tokens[len(path):]
-        slot.branch_tokens, slot.branch_parents = [], []
         if catch_up and len(slot.pending) > CATCH_UP and slot.cached + len(slot.pending) <= self.model.max_length:
             # steps without drafting (a big batch) leave committed text unfed; feed it now, so the next
             # proposal's forward stays short (a batched forward pads every row to the longest)
