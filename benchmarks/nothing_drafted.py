@@ -4,6 +4,7 @@ spends in its steps and outside them, and where each step's host time goes (the 
 policy's and drafter's calls, timed in place).
 
     taskset -c 1 python benchmarks/nothing_drafted.py --suite prose extract --repeats 6
+    taskset -c 1 python benchmarks/nothing_drafted.py --suite complete edit extract chat agent prose --repeats 4 --bare
     taskset -c 1 python benchmarks/nothing_drafted.py --suite agent --target $G --mode greedy
     taskset -c 1 python benchmarks/nothing_drafted.py --suite chat agent --backend transformers
 """
@@ -28,9 +29,9 @@ TIMED = [(engine.Engine, "step"), (engine.Engine, "_gamma"), (engine.Engine, "_d
          (costs.LiveCosts, "observe"), (auto.AutoDrafter, "propose"), (auto.AutoDrafter, "accept")]
 
 
-def timing(seconds: dict, calls: collections.Counter, who: list[str]) -> None:
-    """Wrap each TIMED callable: seconds and calls by (strategy, name)."""
-    for owner, name in TIMED:
+def timing(seconds: dict, calls: collections.Counter, who: list[str], timed: list) -> None:
+    """Wrap each (owner, attribute) callable: seconds and calls by (strategy, name)."""
+    for owner, name in timed:
         function = getattr(owner, name)
 
         def timed(*args, __function=function, __name=name, **kwargs):
@@ -44,6 +45,26 @@ def timing(seconds: dict, calls: collections.Counter, who: list[str]) -> None:
         setattr(owner, name, functools.wraps(function)(timed))
 
 
+def step_host_time(host: collections.defaultdict, who: list[str], forward_owner) -> None:
+    """Wrap `Engine.step` and the models' forwards: each step's time less its forwards', by strategy."""
+    step, forward, in_forwards = engine.Engine.step, forward_owner.forward_batch, [0.0]
+
+    def timed_forward(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            in_forwards[0] += time.perf_counter() - started
+
+    def timed_step(*args, **kwargs):
+        in_forwards[0], started = 0.0, time.perf_counter()
+        results = step(*args, **kwargs)
+        host[who[0]].append(time.perf_counter() - started - in_forwards[0])
+        return results
+
+    engine.Engine.step, forward_owner.forward_batch = timed_step, timed_forward
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=None, help="a GGUF file (default: the demo pair)")
@@ -52,6 +73,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--mode", choices=["greedy", "sampled"], default="sampled")
     parser.add_argument("--backend", choices=["auto", "transformers", "llamacpp"], default="auto")
+    parser.add_argument("--bare", action="store_true",
+                        help="time the steps and the target's forwards only: no timer inside a step's host work")
     args = parser.parse_args()
     config = BenchConfig.quick(target=args.target, suites=tuple(args.suite), limit=args.limit, max_new_tokens=96,
                                temperature=0.7, top_k=0, peers=False)
@@ -63,7 +86,9 @@ def main() -> None:
     for strategy in (plain, default):  # warm-up
         strategy.run(next(iter(prompts.values()))[0][0][-16:], sampling, 0)
     seconds, calls, who = collections.defaultdict(float), collections.Counter(), [""]
-    timing(seconds, calls, who)
+    forwards, host = (type(target), "forward_batch"), collections.defaultdict(list)  # prefill chunks too: see below
+    timing(seconds, calls, who, [(engine.Engine, "step"), forwards] if args.bare else [*TIMED, forwards])
+    step_host_time(host, who, type(target))
     for suite, tasks in prompts.items():
         ratios, same, drafters, trials = [], 0, collections.Counter(), collections.defaultdict(lambda: [0, 0])
         for repeat in range(args.repeats):
@@ -73,6 +98,7 @@ def main() -> None:
                     who[0] = strategy.name
                     runs[strategy.name] = strategy.run(ids, sampling, i + 100 * repeat, reference, answer)
                     seconds[strategy.name, "generation"] += runs[strategy.name].stats.total_seconds
+                    seconds[strategy.name, "prefill"] += runs[strategy.name].stats.prefill_seconds
                     calls[strategy.name, "generation"] += 1
                 a, b = runs[plain.name], runs[default.name]
                 same += a.tokens == b.tokens
@@ -93,7 +119,11 @@ def main() -> None:
         print(f"{strategy}: {seconds[strategy, 'generation'] / count * 1e3:.1f} ms a generation, "
               f"{seconds[strategy, 'step'] / count * 1e3:.1f} in its steps")
     print("host time per step (us), every suite together:")
-    for name in sorted({name for _, name in seconds} - {"generation"}):
+    for strategy in (plain.name, default.name):  # the steps less the models' forwards in them (not the prefill's)
+        mean = (seconds[strategy, "step"] - seconds[strategy, "forward_batch"] + seconds[strategy, "prefill"]) / \
+            calls[strategy, "step"]
+        print(f"  {strategy}: {mean * 1e6:.1f} in all, a step's median {statistics.median(host[strategy]) * 1e6:.1f}")
+    for name in sorted({name for _, name in seconds} - {"generation", "prefill"}):
         cells = [f"{strategy}: {seconds[strategy, name] / calls[strategy, 'step'] * 1e6:7.1f}"
                  for strategy in (plain.name, default.name) if calls[strategy, name]]
         print(f"  {name:10} " + "   ".join(cells))
