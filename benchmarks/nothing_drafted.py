@@ -29,9 +29,9 @@ TIMED = [(engine.Engine, "step"), (engine.Engine, "_gamma"), (engine.Engine, "_d
          (costs.LiveCosts, "observe"), (auto.AutoDrafter, "propose"), (auto.AutoDrafter, "accept")]
 
 
-def timing(seconds: dict, calls: collections.Counter, who: list[str], timed: list) -> None:
+def timing(seconds: dict, calls: collections.Counter, who: list[str], callables: list) -> None:
     """Wrap each (owner, attribute) callable: seconds and calls by (strategy, name)."""
-    for owner, name in timed:
+    for owner, name in callables:
         function = getattr(owner, name)
 
         def timed(*args, __function=function, __name=name, **kwargs):
