@@ -308,6 +308,29 @@ def test_a_drawn_node_of_low_confidence_starts_near_half_accepted_not_at_its_con
     assert not greedy.budget().take_level(greedy.accept_probability(unsure), 1)
 
 
+@pytest.mark.parametrize("temperature", [0.7, 0.0], ids=["sampled", "greedy"])
+def test_a_model_that_does_not_pay_reads_what_it_has_not_seen_at_its_own_cost_when_sampling(temperature):
+    """A draft model that does not pay of its own accord may join a tree that a chain started, after
+    reading the committed text it has not seen. Greedy, that reading is spread over the iterations
+    left (such a model is often right, and drafts in them); sampling, its drawn nodes are accepted
+    about half the time and it falls behind again, so this iteration pays all of it: here it does
+    not join."""
+    from specdec.drafters.base import DraftTree
+
+    reading_dear = costs.Profile(target={1: 1.0, 64: 1.0}, draft={1: 0.01, 2: 2.0, 64: 40.0})  # verifying is free
+    drafter = AutoDrafter(ModelDrafter(TableLM(draft_table(), DRAFTER_PROMPT)), PromptLookupDrafter())
+    policy = CostAwarePolicy(reading_dear, sampled=temperature > 0)
+    policy.depth(1)
+    policy.paying = frozenset({"copy"})  # the model does not pay of its own accord
+    slot = drafter.open(DRAFTER_PROMPT)
+    request = DraftRequest(slot, list(DRAFTER_PROMPT), 60, SamplingParams(temperature=temperature),
+                           torch.Generator().manual_seed(0), policy)
+    unread = len(slot.pending)
+    assert unread > 1 and policy.catch_up_cost(unread) > 3 and not policy.probe_model(unread)
+    joined = next(drafter._grow_model(DraftTree(), request, policy, policy.budget()), None) is not None
+    assert joined == (temperature == 0)
+
+
 @pytest.mark.parametrize("at_least", [0, 8, 40])
 def test_a_chains_values_are_its_estimates_multiplied_node_by_node(at_least):
     """`chain_values` (two estimates asked) against the slow reference: each node's estimate asked and

@@ -191,8 +191,13 @@ class AutoDrafter:
         width = self.width if self.trees and request.point_masses and (depth - 1) * self.width <= room else 1
         unread = len(slot.pending)  # committed tokens the draft model reads before its first level
         probe = policy.probe_model(unread)
-        # reading them is paid once for the iterations to come: spread over as many as may be left
-        catch_up = policy.catch_up_cost(unread) / max(1, request.max_tokens)
+        # reading them is paid once for the iterations to come: spread over as many as may be left, where the model
+        # drafts in them. When sampling, a model that does not pay of its own accord and joins a chain (a probe's,
+        # a copy's) seldom does: its drawn nodes are accepted about half the time, it falls behind again and reads
+        # it all again when it next joins, so this iteration pays it all. (Interleaved, transformers, T 0.7: 0.981
+        # -> 0.998 of plain over four suites; greedy, spread, chat 2.03 and edit 3.29 against 1.86 and 3.09.)
+        spread = request.max_tokens if request.point_masses or policy.may_pay("model") else 1
+        catch_up = policy.catch_up_cost(unread) / max(1, spread)
         if not (budget.take_level(policy.model_rate(), 1, catch_up) or probe):
             return
         if unread > CATCH_UP:  # in a forward of its own: a batched forward pads every row to the longest
