@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import itertools
 import random
 import statistics
 import time
@@ -65,17 +66,21 @@ def step_host_time(host: collections.defaultdict, who: list[str], forward_owner)
     engine.Engine.step, forward_owner.forward_batch = timed_step, timed_forward
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def a_b_arguments(description: str, suites: list[str], repeats: int) -> argparse.ArgumentParser:
+    """The options of an A/B of plain decoding against the default (`plain_and_default`, `a_b_pairs`)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--target", default=None, help="a GGUF file (default: the demo pair)")
-    parser.add_argument("--suite", nargs="+", default=["prose", "extract"])
+    parser.add_argument("--suite", nargs="+", default=suites)
     parser.add_argument("--limit", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--mode", choices=["greedy", "sampled"], default="sampled")
     parser.add_argument("--backend", choices=["auto", "transformers", "llamacpp"], default="auto")
-    parser.add_argument("--bare", action="store_true",
-                        help="time the steps and the target's forwards only: no timer inside a step's host work")
-    args = parser.parse_args()
+    return parser
+
+
+def plain_and_default(args):
+    """The target, the plain and default strategies over it (profiled, each run once), the suites' prompts
+    and the sampling: (target, plain, default, prompts, sampling)."""
     config = BenchConfig.quick(target=args.target, suites=tuple(args.suite), limit=args.limit, max_new_tokens=96,
                                temperature=0.7, top_k=0, peers=False)
     config = replace(config, runtime=replace(config.runtime, threads=1, backend=args.backend))
@@ -85,28 +90,47 @@ def main() -> None:
     profiling.profile(target, draft)
     for strategy in (plain, default):  # warm-up
         strategy.run(next(iter(prompts.values()))[0][0][-16:], sampling, 0)
-    seconds, calls, who = collections.defaultdict(float), collections.Counter(), [""]
-    forwards, host = (type(target), "forward_batch"), collections.defaultdict(list)  # prefill chunks too: see below
-    timing(seconds, calls, who, [(engine.Engine, "step"), forwards] if args.bare else [*TIMED, forwards])
-    step_host_time(host, who, type(target))
+    return target, plain, default, prompts, sampling
+
+
+def a_b_pairs(prompts: dict, sampling, plain, default, repeats: int, who: list[str]):
+    """Each suite's prompts `repeats` times, plain and the default on the same prompt and seed, the order
+    alternating (ABBA); yields (suite, {strategy name: run}). who[0]: the strategy running."""
     for suite, tasks in prompts.items():
-        ratios, same, drafters, trials = [], 0, collections.Counter(), collections.defaultdict(lambda: [0, 0])
-        for repeat in range(args.repeats):
+        for repeat in range(repeats):
             for i, (ids, reference, answer) in enumerate(tasks):
                 runs = {}
                 for strategy in (plain, default) if (repeat + i) % 2 == 0 else (default, plain):
                     who[0] = strategy.name
                     runs[strategy.name] = strategy.run(ids, sampling, i + 100 * repeat, reference, answer)
-                    seconds[strategy.name, "generation"] += runs[strategy.name].stats.total_seconds
-                    seconds[strategy.name, "prefill"] += runs[strategy.name].stats.prefill_seconds
-                    calls[strategy.name, "generation"] += 1
-                a, b = runs[plain.name], runs[default.name]
-                same += a.tokens == b.tokens
-                drafters.update(b.stats.drafters)
-                for source, (reached, accepted) in b.stats.source_trials.items():
-                    trials[source][0] += reached
-                    trials[source][1] += accepted
-                ratios.append((a.stats.total_seconds / len(a.tokens)) / (b.stats.total_seconds / len(b.tokens)))
+                yield suite, runs
+
+
+def main() -> None:
+    parser = a_b_arguments(__doc__.splitlines()[0], ["prose", "extract"], 6)
+    parser.add_argument("--bare", action="store_true",
+                        help="time the steps and the target's forwards only: no timer inside a step's host work")
+    args = parser.parse_args()
+    target, plain, default, prompts, sampling = plain_and_default(args)
+    seconds, calls, who = collections.defaultdict(float), collections.Counter(), [""]
+    forwards, host = (type(target), "forward_batch"), collections.defaultdict(list)  # prefill chunks too: see below
+    timing(seconds, calls, who, [(engine.Engine, "step"), forwards] if args.bare else [*TIMED, forwards])
+    step_host_time(host, who, type(target))
+    for suite, pairs in itertools.groupby(a_b_pairs(prompts, sampling, plain, default, args.repeats, who),
+                                          key=lambda pair: pair[0]):
+        ratios, same, drafters, trials = [], 0, collections.Counter(), collections.defaultdict(lambda: [0, 0])
+        for _, runs in pairs:
+            for name, run in runs.items():
+                seconds[name, "generation"] += run.stats.total_seconds
+                seconds[name, "prefill"] += run.stats.prefill_seconds
+                calls[name, "generation"] += 1
+            a, b = runs[plain.name], runs[default.name]
+            same += a.tokens == b.tokens
+            drafters.update(b.stats.drafters)
+            for source, (reached, accepted) in b.stats.source_trials.items():
+                trials[source][0] += reached
+                trials[source][1] += accepted
+            ratios.append((a.stats.total_seconds / len(a.tokens)) / (b.stats.total_seconds / len(b.tokens)))
         medians = sorted(statistics.median(random.choices(ratios, k=len(ratios))) for _ in range(2000))
         print(f"{suite}, {args.mode}: the default against plain, median {statistics.median(ratios):.3f} (95% "
               f"interval {medians[50]:.3f}-{medians[1949]:.3f}), {len(ratios)} pairs, {same} with the same text")

@@ -7,34 +7,17 @@ their credit: plain decoding and the default interleaved (ABBA) on the same prom
 
 from __future__ import annotations
 
-import argparse
 import collections
 import statistics
 import time
-from dataclasses import replace
 
-from specdec import engine, policy, profiling
-from specdec.bench.runner import BenchConfig, build_strategies, sampling_for, suite_prompts
+from nothing_drafted import a_b_arguments, a_b_pairs, plain_and_default
+from specdec import engine, policy
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=None, help="a GGUF file (default: the demo pair)")
-    parser.add_argument("--suite", nargs="+", default=["chat"])
-    parser.add_argument("--limit", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=4)
-    parser.add_argument("--mode", choices=["greedy", "sampled"], default="sampled")
-    parser.add_argument("--backend", choices=["auto", "transformers", "llamacpp"], default="auto")
-    args = parser.parse_args()
-    config = BenchConfig.quick(target=args.target, suites=tuple(args.suite), limit=args.limit, max_new_tokens=96,
-                               temperature=0.7, top_k=0, peers=False)
-    config = replace(config, runtime=replace(config.runtime, threads=1, backend=args.backend))
-    target, draft, every = build_strategies(config)
-    plain, default = (next(s for s in every if s.name == name) for name in ("plain", "default (auto)"))
-    prompts, sampling = suite_prompts(config, target), sampling_for(args.mode, config)
-    profiling.profile(target, draft)
-    for strategy in (plain, default):  # warm-up
-        strategy.run(next(iter(prompts.values()))[0][0][-16:], sampling, 0)
+    args = a_b_arguments(__doc__.splitlines()[0], ["chat"], 4).parse_args()
+    _, plain, default, prompts, sampling = plain_and_default(args)
 
     probed, who = [False], [""]
     steps = collections.defaultdict(list)  # strategy -> (seconds, what drafted, nodes, accepted, probed, charged)
@@ -61,12 +44,8 @@ def main() -> None:
         return results
 
     engine.Engine.step = timed_step
-    for suite, tasks in prompts.items():
-        for repeat in range(args.repeats):
-            for i, (ids, reference, answer) in enumerate(tasks):
-                for strategy in (plain, default) if (repeat + i) % 2 == 0 else (default, plain):
-                    who[0] = strategy.name
-                    strategy.run(ids, sampling, i + 100 * repeat, reference, answer)
+    for _ in a_b_pairs(prompts, sampling, plain, default, args.repeats, who):
+        pass
     report(steps[plain.name], steps[default.name])
 
 
