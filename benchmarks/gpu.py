@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import specdec  # noqa: E402
 from specdec.runtime.hf import HFModel  # noqa: E402
 from specdec.runtime.base import synchronize  # noqa: E402
-from specdec.runtime.static import BUCKETS, StaticHFModel  # noqa: E402
+from specdec.runtime.static import BUCKETS, StaticHFModel, _Step  # noqa: E402
 
 SMALL = os.environ.get("SMALL") == "1"
 DEVICE = os.environ.get("DEVICE", "cuda")
@@ -48,6 +48,7 @@ OUT = Path(os.environ.get("OUT", "/tmp/gpu-out"))
 DEADLINE = time.monotonic() + float(os.environ.get("BUDGET_S", "500"))
 COMPILE = os.environ.get("COMPILE") or "graphs"  # on the CPU (SMALL) the same buffers, replayed eagerly
 DEMO = Path(specdec.__file__).parent / "demo_pair"
+PROFILED = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
 SUMMARY: list[str] = []
 SECTIONS: list = []  # (name, seconds allowed, function of its deadline), in order
 
@@ -151,8 +152,7 @@ def demo_profile(until: float) -> dict:
             seconds, _ = per_token(decoder, prompt, new)
             results[f"{label}: ms/token after {len(prompt)}"] = round(seconds * 1e3, 2)
         results[f"{label}: syncs/step"] = syncs_per_step(decoder, prompts[0], 16)
-        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
-        with torch.profiler.profile(activities=activities) as profile:
+        with torch.profiler.profile(activities=PROFILED) as profile:
             decoder.generate(fresh_prompts(8192, (61,))[0], max_new_tokens=16, temperature=0)
             synchronize(DEVICE)
         table = profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50)
@@ -415,34 +415,36 @@ KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name), first match wins
 )
 
 
-@section("6-8b-kernels", 150)
+@section("6-8b-kernels", 240)
 def eight_b_kernels(until: float) -> dict:
-    """Where a one-token step of the 8B shape goes, kernel by kernel (torch.profiler, the pool's
-    forward launched eagerly: each kernel's device time is what it is inside a graph), transformers'
-    forward against the fused one, with the weights' bytes against the matrix products' time."""
+    """Where a one-token step of the 8B shape goes. Kernel by kernel (torch.profiler, the pool's forward
+    launched eagerly: each kernel's device time is what it is inside a graph), transformers' forward against
+    the fused one compiled at each scope (`fused.SCOPES`), with the weights' bytes against the matrix
+    products' time; then each fused scope's step in graphs three ways (`step_parts`), which splits what is
+    not kernels into the gaps between them and the host's work, and which scope the default should keep."""
+    from specdec.runtime.fused import SCOPES
+
     model, tokenizer = shaped()
     results = {}
-    for fused in (False, True):
+    for label, scope in [("transformers forward", None)] + [(f"fused, {scope}", scope) for scope in SCOPES]:
         if time.monotonic() > until - 20:
             break
-        static = StaticHFModel(model, tokenizer, "8B-shaped", context=1024, backend="static", fused=fused)
-        label = "fused" if fused else "transformers forward"
+        static = fused_pool(model, tokenizer, "static", scope)
         sequence = static.sequence()
         try:
             sequence.forward(fresh_prompts(8192, (128,))[0], on_device=True)
             for _ in range(3):  # warm: Inductor compiles its kernels for this shape
                 sequence.forward([5], on_device=True)
             steps = 8
-            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
-            with torch.profiler.profile(activities=activities) as profile:
+            with torch.profiler.profile(activities=PROFILED) as profile:
                 for _ in range(steps):
                     sequence.forward([5], on_device=True)
                 synchronize(DEVICE)
         finally:
             sequence.release()
         results[label] = kernel_kinds(profile, steps, static.weight_bytes)
-        table = profile.key_averages().table(sort_by="self_device_time_total" if DEVICE == "cuda" else "self_cpu_time_total",
-                                             row_limit=25, max_name_column_width=70)
+        sort = "self_device_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+        table = profile.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70)
         with open(OUT / "profiles.txt", "a") as tables:
             tables.write(f"## 8B shape, one-token step, {label} ({steps} steps)\n{table}\n")
     lines = ["| kind | " + " | ".join(f"{label}: us/step, kernels/step" for label in results) + " |",
@@ -453,7 +455,76 @@ def eight_b_kernels(until: float) -> dict:
             "{:.0f}, {:.0f}".format(*r["by kind"].get(kind, (0, 0))) for r in results.values()) + " |")
     note("## 6. 8B shape, one step's kernels\n" + "\n".join(lines) + "\n\n" + json.dumps(
         {label: {k: v for k, v in r.items() if k != "by kind"} for label, r in results.items()}, indent=1))
+    texts = {}
+    for scope in SCOPES:
+        if time.monotonic() < until - 40:
+            parts, texts[scope] = step_parts(fused_pool(model, tokenizer, COMPILE, scope))
+            results[f"fused, {scope}: step parts"] = parts
+            note(f"- 6. fused, {scope}, in graphs: " + json.dumps(parts))
+    if len(texts) == len(SCOPES):
+        equal = results["scopes' greedy texts equal"] = len({tuple(text) for text in texts.values()}) == 1
+        note(f"- 6. the scopes' greedy texts equal: {equal}")
     return results
+
+
+def fused_pool(model, tokenizer, backend: str, scope: str | None) -> StaticHFModel:
+    """The 8B shape's pool: transformers' forward (scope None), or the fused one compiled at `scope`
+    (the same concatenated weights each time: `fused._concatenated`)."""
+    from specdec.runtime.fused import FusedForward
+
+    static = StaticHFModel(model, tokenizer, "8B-shaped", context=1024, backend=backend, fused=scope is not None)
+    if scope is not None:
+        static.fused = FusedForward(model, compiled=DEVICE == "cuda", scope=scope)
+    return static
+
+
+def step_parts(static: StaticHFModel) -> tuple[dict, list[int]]:
+    """A one-token step three ways (ms, medians): its graph replayed back to back (the kernels and the gaps
+    between them: the device's part), a forward (with the host's inputs, mask and uploads before the replay
+    and the logits' rows after it), and an iteration of plain decoding (with the engine's own work and the
+    token's read); the warm-up, and plain decoding's greedy text."""
+    from specdec.api import SpeculativeDecoder
+
+    new, prompt = eight_b_prompt()
+    parts = {"warm-up s": static.warm_up(tokens=(1,))}
+    decoder = SpeculativeDecoder(static, None)
+    iterations = []
+    for _ in range(3):
+        synchronize(DEVICE)
+        started = time.perf_counter()
+        result = decoder.generate(prompt, max_new_tokens=new, temperature=0)
+        synchronize(DEVICE)
+        iterations.append((time.perf_counter() - started - result.stats.prefill_seconds) / result.stats.target_forwards)
+    sequence = static.sequence()
+    try:
+        sequence.forward(prompt, on_device=True)
+        forwards = []
+        for _ in range(20):
+            synchronize(DEVICE)
+            started = time.perf_counter()
+            sequence.forward([5], on_device=True)
+            synchronize(DEVICE)
+            forwards.append(time.perf_counter() - started)
+            sequence.truncate(len(prompt))
+        # the last forward's graph: replays write its key and value past the row's count, where nothing sees them
+        (shape, *_), (graph, buffer, _) = next((key, entry) for key, entry in static.runner().shapes.items()
+                                               if key[0][:2] == (1, 1))
+        cache = static.pool.cache(1)
+        replay = graph.replay if graph is not None else lambda: static.step_forward(*_Step.views(buffer, shape), cache)
+        replays = []
+        for _ in range(5):
+            synchronize(DEVICE)
+            started = time.perf_counter()
+            with torch.inference_mode():  # as the forward runs it (its buffers are inference tensors)
+                for _ in range(10):
+                    replay()
+            synchronize(DEVICE)
+            replays.append((time.perf_counter() - started) / 10)
+    finally:
+        sequence.release()
+    parts |= {"replay ms": statistics.median(replays) * 1e3, "forward ms": statistics.median(forwards) * 1e3,
+              "plain iteration ms": statistics.median(iterations) * 1e3}
+    return {k: round(v, 3) for k, v in parts.items()}, result.tokens
 
 
 def kernel_kinds(profile, steps: int, weight_bytes: int) -> dict:

@@ -10,7 +10,8 @@ import torch
 
 import specdec
 from architectures import ARCHITECTURES
-from specdec.runtime.fused import FAMILIES, LLAMA, _Kernels, fused_refusal, gemma_rms_norm, grouped_attention, rms_norm
+from specdec.runtime.fused import (FAMILIES, LLAMA, SCOPES, FusedForward, _Kernels, fused_refusal, gemma_rms_norm,
+                                  grouped_attention, rms_norm)
 from specdec.runtime.static import StaticHFModel
 from tiny import save_tiny_model
 
@@ -68,6 +69,30 @@ def test_each_step_equals_transformers_forward_on_the_pool(arch, attention, save
     for (k1, v1), (k2, v2) in zip(ours.cache_tensors(), theirs.cache_tensors()):
         torch.testing.assert_close(k1, k2, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(v1, v2, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("arch", COVERED)
+def test_each_compile_scope_traces_what_runs_uncompiled(arch, scope, saved):
+    """A GPU compiles the layer's elementwise work piece by piece or a whole layer at a time: traced whole
+    (fullgraph, by torch.compile's aot_eager: no graph break, the pool written in place through the trace),
+    every step's logits and cached keys and values are bitwise the uncompiled forward's. The second fused
+    forward over one model views the weights the first concatenated: nothing is copied twice."""
+    uncompiled = pool(saved[arch], fused=True)
+    compiled = pool(saved[arch], fused=True)
+    first = compiled.fused.layers[0].weights.qkv[0]
+    compiled.fused = FusedForward(compiled.model, compiled=True, scope=scope, backend="aot_eager")
+    assert compiled.fused.layers[0].weights.qkv[0].data_ptr() == first.data_ptr()
+    ours, theirs = compiled.sequence(), uncompiled.sequence()
+    for step in STEPS:
+        assert torch.equal(step(ours), step(theirs))
+    for (k1, v1), (k2, v2) in zip(ours.cache_tensors(), theirs.cache_tensors()):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_an_unknown_compile_scope_is_refused(saved):
+    with pytest.raises(ValueError, match="unknown compile scope 'model'; choose one of pieces, layers"):
+        FusedForward(pool(saved["llama"], fused=False).model, compiled=True, scope="model")
 
 
 @pytest.mark.parametrize("layers", [None, (1,)])

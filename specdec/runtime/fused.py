@@ -7,9 +7,13 @@ rotary, cache writes, gate and up apart, residual adds), each reading its inputs
 Here, for the families that share Llama's layer:
 - the query, key and value projections are one matrix, and gate and up one (concatenated once, at load;
   the model's own modules keep views into them, so no weight is held twice and its own forward still runs);
-- on a GPU the elementwise work between the matrix products is compiled by Inductor into one kernel
-  each (`torch.compile` of the pure functions below): the residual add with the next norm, the query and
-  key rotations, the gated activation, attention's softmax; the products and the cache write stay as they are;
+- on a GPU the elementwise work between the matrix products is compiled by Inductor (`torch.compile` of the
+  pure functions below), at one of two scopes (`SCOPES`): "pieces", one kernel each for the residual add with
+  the next norm, the query and key rotations, the gated activation and attention's softmax, the products and
+  the cache writes as they are; or "layers", a whole decoder layer (`layer_step`) as one compiled graph, so
+  Inductor may also fold the cache writes into the rotation's kernel and the views between them (fewer
+  kernels a step). Both run the same `layer_step`; which is faster is the device's to say (benchmarks/gpu.py,
+  section 6), and the loser goes;
 - attention reads the pool's key and value heads where they are: each key head's group of query heads
   runs as that head's group × n queries (no copy of the keys per query head). A step's (the pool's
   buckets) is two batched products around the softmax: SDPA's masked kernel runs one block per key head
@@ -27,7 +31,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -101,7 +105,10 @@ class FusedForward:
     """model's forward over the pool: (tokens, positions, mask(s), SlotCache, states kind) -> logits,
     or (logits, states) as `StaticHFModel._forward_logits` returns them."""
 
-    def __init__(self, model, compiled: bool):
+    def __init__(self, model, compiled: bool, scope: str = "pieces", backend: str = "inductor"):
+        """compiled: the elementwise work by torch.compile (`backend`, Inductor on a GPU), at `scope` (`SCOPES`)."""
+        if scope not in SCOPES:
+            raise ValueError(f"unknown compile scope {scope!r}; choose one of {', '.join(SCOPES)}")
         inner, config = model.model, model.config
         self.family = FAMILIES[config.model_type]
         self.embed, self.rotary, self.norm, self.head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
@@ -116,8 +123,9 @@ class FusedForward:
         # a compiled forward's shapes (the pool's buckets) against the rest (prefill chunks), run as written;
         # scores soft-capped (Gemma 2) are the products' everywhere: SDPA's kernel cannot cap them
         scores_cap = getattr(config, "attn_logit_softcapping", None)
-        self.kernels = {"bucketed": _Kernels(self.family, compiled, products=True, scores_cap=scores_cap),
-                        "other": _Kernels(self.family, False, products=scores_cap is not None, scores_cap=scores_cap)}
+        self.kernels = {"bucketed": _Kernels(self.family, scope if compiled else None, products=True,
+                                             scores_cap=scores_cap, backend=backend),
+                        "other": _Kernels(self.family, None, products=scores_cap is not None, scores_cap=scores_cap)}
 
     def __call__(self, tokens, positions, mask, cache, states=None, bucketed: bool = True):
         kernels = self.kernels["bucketed" if bucketed else "other"]
@@ -133,7 +141,8 @@ class FusedForward:
                 taken[index] = hidden
             kind = self.layer_types[index]
             layer_mask = mask[kind] if isinstance(mask, dict) else mask
-            hidden, normed = layer(hidden, normed, *rotations[kind], layer_mask, cache, index, kernels, next_norm)
+            hidden, normed = kernels.layer(layer.weights, hidden, normed, *rotations[kind], layer_mask,
+                                           *cache.cells(index), next_norm)
         logits = self.head(normed)
         if self.softcap is not None:
             logits = soft_capped(logits, self.softcap)
@@ -142,42 +151,79 @@ class FusedForward:
         return logits, (normed if states == "norm" else torch.cat([taken[i] for i in states], dim=-1))
 
 
+class LayerWeights(NamedTuple):
+    """One decoder layer's weights (the model's own tensors, q/k/v and gate/up concatenated), its norms as
+    (weight, eps) or None where the family has none, and the attention's shapes: a compiled `layer_step` takes
+    them as inputs, so one compiled graph per shape serves every layer."""
+
+    qkv: tuple  # (weight, bias or None)
+    o: tuple
+    gate_up: tuple
+    down: tuple
+    norm_in: tuple
+    norm_attended: tuple | None  # Gemma 2 and 3: attention's output normed before the residual add
+    norm_mlp_in: tuple  # the Llama family's "post attention" norm is the MLP's input norm
+    norm_mlp_out: tuple | None  # Gemma 2 and 3: the MLP's output normed too
+    q_norm: tuple | None  # Qwen 3, Gemma 3: a norm over each head, before the rotation
+    k_norm: tuple | None
+    head_dim: int
+    scaling: float
+    widths: tuple  # the query, key and value widths of the qkv product
+
+
+def layer_weights(layer) -> LayerWeights:
+    """A transformers decoder layer's `LayerWeights` (its q/k/v and gate/up concatenated: `_concatenated`)."""
+    attention, mlp = layer.self_attn, layer.mlp
+    sandwich = hasattr(layer, "pre_feedforward_layernorm")
+    q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+    return LayerWeights(
+        qkv=_concatenated(attention.q_proj, attention.k_proj, attention.v_proj),
+        o=(attention.o_proj.weight, attention.o_proj.bias),
+        gate_up=_concatenated(mlp.gate_proj, mlp.up_proj),
+        down=(mlp.down_proj.weight, mlp.down_proj.bias),
+        norm_in=_norm(layer.input_layernorm),
+        norm_attended=_norm(layer.post_attention_layernorm) if sandwich else None,
+        norm_mlp_in=_norm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),
+        norm_mlp_out=_norm(layer.post_feedforward_layernorm) if sandwich else None,
+        q_norm=None if q_norm is None else _norm(q_norm), k_norm=None if k_norm is None else _norm(k_norm),
+        head_dim=attention.head_dim, scaling=attention.scaling,
+        widths=(attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features))
+
+
+def layer_step(kernels: _Kernels, weights: LayerWeights, hidden, normed, cos, sin, mask, pool_keys, pool_values,
+               row_index, slots, next_norm):
+    """One decoder layer: (hidden, normed) -> the next layer's (hidden, its norm of it). `normed` is this
+    layer's input norm of `hidden` [rows, n, width], computed where the previous layer added its residual;
+    the new keys and values are written into the pool's rows [rows, kv heads, cells, d] at cells
+    slots[r, j] of row row_index[r] (`write_cells`), and attention reads the whole rows (the mask hides the rest)."""
+    rows, n, _ = hidden.shape
+    queries, keys, values = F.linear(normed, *weights.qkv).split(weights.widths, dim=-1)
+    queries, keys, values = (x.view(rows, n, -1, weights.head_dim) for x in (queries, keys, values))
+    if weights.q_norm is not None:
+        queries, keys = kernels.norm(queries, *weights.q_norm), kernels.norm(keys, *weights.k_norm)
+    queries, keys = kernels.rotate(queries.transpose(1, 2), keys.transpose(1, 2), cos, sin)
+    write_cells(pool_keys, row_index, slots, keys)
+    write_cells(pool_values, row_index, slots, values.transpose(1, 2))
+    attended = grouped_attention(queries, pool_keys, pool_values, mask, weights.scaling, kernels)
+    delta = F.linear(attended.transpose(1, 2).reshape(rows, n, -1), *weights.o)
+    hidden, normed = kernels.residual(hidden, delta, weights.norm_attended, weights.norm_mlp_in)
+    gated = kernels.gated(F.linear(normed, *weights.gate_up))
+    return kernels.residual(hidden, F.linear(gated, *weights.down), weights.norm_mlp_out, next_norm)
+
+
+def write_cells(pool, row_index, slots, new) -> None:
+    """new [rows, heads, n, d] into pool [rows, heads, cells, d] at cells slots[r, j] of row row_index[r]
+    ([rows, 1] beside slots [rows, n]), in place: an index_put_, which Inductor keeps in place (a scatter_
+    copied the whole pool)."""
+    pool[row_index, :, slots] = new.transpose(1, 2).to(pool.dtype)  # indexed: [rows, n, heads, d]
+
+
 class _Layer:
-    """One decoder layer's weights: the model's modules, with q/k/v and gate/up concatenated."""
+    """One decoder layer's weights (`LayerWeights`) and its input norm, which the layer before applies."""
 
     def __init__(self, layer):
-        attention, mlp = layer.self_attn, layer.mlp
-        self.qkv_weight, self.qkv_bias = _concatenated(attention.q_proj, attention.k_proj, attention.v_proj)
-        self.gate_up_weight, self.gate_up_bias = _concatenated(mlp.gate_proj, mlp.up_proj)
-        self.o_proj, self.down_proj = attention.o_proj, mlp.down_proj
-        self.norm_in = _norm(layer.input_layernorm)
-        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: attention's and the MLP's outputs normed too
-            self.norm_attended = _norm(layer.post_attention_layernorm)
-            self.norm_mlp_in = _norm(layer.pre_feedforward_layernorm)
-            self.norm_mlp_out = _norm(layer.post_feedforward_layernorm)
-        else:  # the Llama family's "post attention" norm is the MLP's input norm
-            self.norm_attended, self.norm_mlp_in, self.norm_mlp_out = None, _norm(layer.post_attention_layernorm), None
-        self.q_norm, self.k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
-        self.head_dim, self.scaling = attention.head_dim, attention.scaling
-        self.q_width, self.kv_width = attention.q_proj.out_features, attention.k_proj.out_features
-
-    def __call__(self, hidden, normed, cos, sin, mask, cache, index: int, kernels: _Kernels, next_norm):
-        """(hidden, normed) -> the next layer's (hidden, its norm of it): `normed` is this layer's
-        input norm of `hidden`, computed where the previous layer added its residual."""
-        rows, n, _ = hidden.shape
-        mixed = F.linear(normed, self.qkv_weight, self.qkv_bias)
-        queries, keys, values = mixed.split([self.q_width, self.kv_width, self.kv_width], dim=-1)
-        queries, keys = queries.view(rows, n, -1, self.head_dim), keys.view(rows, n, -1, self.head_dim)
-        if self.q_norm is not None:  # Qwen 3, Gemma 3: a norm over each head, before the rotation
-            queries, keys = self.q_norm(queries), self.k_norm(keys)
-        queries, keys = kernels.rotate(queries.transpose(1, 2), keys.transpose(1, 2), cos, sin)
-        values = values.view(rows, n, -1, self.head_dim).transpose(1, 2)
-        pool_keys, pool_values = cache.update(keys, values, index)
-        attended = grouped_attention(queries, pool_keys, pool_values, mask, self.scaling, kernels)
-        hidden, normed = kernels.residual(hidden, self.o_proj(attended.transpose(1, 2).reshape(rows, n, -1)),
-                                          self.norm_attended, self.norm_mlp_in)
-        gated = kernels.gated(F.linear(normed, self.gate_up_weight, self.gate_up_bias))
-        return kernels.residual(hidden, self.down_proj(gated), self.norm_mlp_out, next_norm)
+        self.weights = layer_weights(layer)
+        self.norm_in = self.weights.norm_in
 
 
 def grouped_attention(queries, keys, values, mask, scale: float, kernels: _Kernels) -> torch.Tensor:
@@ -244,23 +290,34 @@ def gated(gate_up, activation=F.silu):
     return activation(gate) * up
 
 
-class _Kernels:
-    """How a forward computes what lies between its matrix products. compiled: each elementwise step
-    one Inductor kernel (a GPU's graphs), else as written. products: attention as two batched products
-    around a softmax (a step's few queries over whole rows: a fused attention kernel runs one block
-    per head there and leaves most of a GPU idle); else SDPA's kernel (a prefill's many queries, whose
-    scores the products would hold whole). scores_cap: the products' scores soft-capped (Gemma 2)."""
+SCOPES = ("pieces", "layers")  # what one compiled graph holds: each elementwise step, or a whole layer
 
-    def __init__(self, family: Family, compiled: bool, products: bool, scores_cap: float | None = None):
-        if compiled:  # one entry per (rows, tokens) bucket: past dynamo's limit (8) a shape would run eagerly
+
+class _Kernels:
+    """How a forward computes a layer and what lies between its matrix products. scope: what one compiled
+    graph holds (`SCOPES`: each elementwise step, or a whole `layer_step`), on torch.compile's `backend`;
+    None: as written. products: attention as two batched products around a softmax (a step's few queries
+    over whole rows: a fused attention kernel runs one block per head there and leaves most of a GPU idle);
+    else SDPA's kernel (a prefill's many queries, whose scores the products would hold whole). scores_cap:
+    the products' scores soft-capped (Gemma 2)."""
+
+    def __init__(self, family: Family, scope: str | None, products: bool, scores_cap: float | None = None,
+                 backend: str = "inductor"):
+        if scope:  # one entry per (rows, tokens) bucket: past dynamo's limit (8) a shape would run eagerly
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        wrap = (lambda f: torch.compile(f, dynamic=False, fullgraph=True)) if compiled else (lambda f: f)
+
+        def compiled(function, at: str):
+            return torch.compile(function, backend=backend, dynamic=False, fullgraph=True) if scope == at else function
+
+        wrap = partial(compiled, at="pieces")
+        self.norm = family.norm
         self.rotate = wrap(rotate)
         self.softmax = wrap(partial(masked_softmax, cap=scores_cap, eager=family.attention == "eager"))
         self.add_norm = wrap(partial(add_norm, norm=family.norm))
         self.add_normed = wrap(partial(add_normed, norm=family.norm))
         self.gated = wrap(partial(gated, activation=family.activation))
         self.attend = self._products if products else fused_attention
+        self.layer = compiled(partial(layer_step, self), at="layers")
 
     def residual(self, hidden, delta, delta_norm, next_norm):
         """hidden + delta (normed first where the family norms it: `delta_norm`, else None), and the next norm."""
@@ -274,11 +331,12 @@ class _Kernels:
 
 def _concatenated(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several linear layers over the same input; each layer's own
-    parameters become views into it (the separate copies are freed)."""
+    parameters become views into it (the separate copies are freed). Layers that are such views
+    already (a second fused forward over one model) give the weight they view: nothing is copied again."""
     with torch.no_grad():
-        weight = torch.cat([linear.weight for linear in linears])
+        weight = _joined([linear.weight for linear in linears])
         # these families give all or none of a layer's projections a bias (`fused_refusal`)
-        bias = torch.cat([linear.bias for linear in linears]) if linears[0].bias is not None else None
+        bias = _joined([linear.bias for linear in linears]) if linears[0].bias is not None else None
         start = 0
         for linear in linears:
             end = start + linear.out_features
@@ -287,3 +345,16 @@ def _concatenated(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
                 linear.bias = torch.nn.Parameter(bias[start:end], requires_grad=False)
             start = end
     return weight, bias
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts stacked along their first dimension: a view over them where they already lie so in
+    memory (consecutive blocks of one contiguous tensor, in order), else a new tensor."""
+    first, rows = parts[0], sum(part.shape[0] for part in parts)
+    step = first[0].numel() * first.element_size()  # bytes per first-dimension slice
+    address = first.data_ptr()
+    for part in parts:
+        if not part.is_contiguous() or part.shape[1:] != first.shape[1:] or part.data_ptr() != address:
+            return torch.cat(parts)
+        address += part.shape[0] * step
+    return first.as_strided((rows, *first.shape[1:]), first.stride())

@@ -12,11 +12,14 @@ one-token step then costs several times what reading the weights does. Here inst
   padded to a token bucket (`BUCKETS`), rows to a batch bucket (`BATCHES`), and each (batch, tokens)
   shape is compiled once: `torch.compile`, CUDA graphs on a GPU. Forwards of more new entries (a
   prefill chunk) run eagerly on the same pool;
-- the attention mask is built on the device from each row's committed count, the tree part of the
-  mask (the few rows the host knows) and, for sliding windows, each cell's position;
-- inputs go up through a pinned buffer without waiting; the logits stay on the device when the
-  caller asks (`Feed.on_device`): the engine then reads one small tensor per iteration (the argmax
-  path, or the sampling distribution) and nothing else waits for the device.
+- a forward's inputs are a few integers per row (`_Step`): tokens, positions and cells, each row's trunk and
+  count of new entries, and the tree part of its mask (the few cells the host knows, its width a bucket
+  too). They go up in one copy through a pinned buffer without waiting, straight into a graph's own
+  input buffer; everything else happens inside the captured forward (`step_forward`): each cell's
+  position recorded, the attention mask built from those integers (and, for sliding windows, the cells'
+  positions), the model run. A step launches one upload and one replay;
+- the logits stay on the device when the caller asks (`Feed.on_device`): the engine then reads one small
+  tensor per iteration (the argmax path, or the sampling distribution) and nothing else waits for the device.
 
 Invariant (with `entries.SequenceEntries`'): entry i of a sequence sits in cell i of its row, with its own position.
 """
@@ -32,7 +35,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdec.errors import SpecDecError
 from specdec.runtime import base
-from specdec.runtime.fused import FusedForward, fused_refusal
+from specdec.runtime.fused import FusedForward, fused_refusal, write_cells
 from specdec.runtime.hf import HFModel, HFSequence, as_float, longrope_switch, named_tree_refusal
 
 BUCKETS = (1, 4, 16, 64)  # new entries per compiled forward; verify trees and chains pad up to these
@@ -126,28 +129,25 @@ class StaticHFModel(HFModel):
         if any(feed.sequence.released for feed in feeds):
             raise ValueError("a released sequence cannot be fed: its row may be another's now")
         placed = [(feed, *feed.sequence.place(feed.tokens, feed.parents)) for feed in feeds]
-        most = max(len(tokens) for _, tokens, _, _ in placed)
-        tokens_bucket = next((b for b in BUCKETS if b >= most), most)  # beyond the largest: eager, unpadded
-        compiled = tokens_bucket in BUCKETS and len(feeds) <= BATCHES[-1]
-        rows = next(b for b in BATCHES if b >= len(feeds)) if compiled else len(feeds)
+        tokens_bucket = _bucket(max(len(tokens) for _, tokens, _, _ in placed))  # beyond the largest: unpadded
+        rows_fit = tokens_bucket in BUCKETS and len(feeds) <= BATCHES[-1]
+        rows = next(b for b in BATCHES if b >= len(feeds)) if rows_fit else len(feeds)
         if rows > self.pool.rows:
             self._grow(rows)
         self._to_first_rows([feed.sequence for feed in feeds])
         by_row = sorted(placed, key=lambda entry: entry[0].sequence.row)  # row r of the forward is the pool's row r
-        step = _Step.of(self, by_row, rows, tokens_bucket)
-        self.pool.positions[:rows].scatter_(1, step.slots, step.positions)  # before the mask: windows compare them
-        mask = step.mask(self)
+        inputs, shape = _Step.of(self, by_row, rows, tokens_bucket)
         cache = self.pool.cache(rows)
-        cache.slots = step.slots
         began = time.perf_counter()
-        if compiled:
+        if rows_fit and shape[2] in BUCKETS:  # a compiled shape: (rows, tokens, the tree part's width) in buckets
             first = (rows, tokens_bucket) not in self.compile_seconds
-            out = self.runner()(step.tokens, step.positions, mask, cache, self.states_kind)
+            out = self.runner()(inputs, shape, cache, self.states_kind)
             if first:
                 base.synchronize(self.torch_device)
                 self.compile_seconds[(rows, tokens_bucket)] = time.perf_counter() - began
         else:
-            out = self._forward_logits(step.tokens, step.positions, mask, cache, self.keeps_states, bucketed=False)
+            inputs = _Step.views(self._upload([inputs]), shape)
+            out = self.step_forward(*inputs, cache, self.states_kind, bucketed=False)
         return self._results(placed, out)
 
     def _results(self, placed, out) -> list[torch.Tensor]:
@@ -175,23 +175,32 @@ class StaticHFModel(HFModel):
         return [rows if not feed.on_device else rows.clone() for rows, (feed, *_) in zip(wanted, placed)]
 
     def runner(self):
-        """The compiled forward (one graph or compiled entry per shape, made on its first call)."""
+        """The compiled forward: (a `_Step`'s host inputs, its shape, cache, states kind) -> its output, one
+        graph or compiled entry per shape, made on its first call."""
         if self._runner is None:
             self._runner = self._compiled()
         return self._runner
 
     def _compiled(self):
-        if self.compile_backend == "static":
-            return self._forward_logits
         if self.compile_backend == "graphs":
-            return _Graphs(self._forward_logits, capture=self.torch_device.type == "cuda")
-        # every model's every shape is an entry of `_forward_logits`'s code: past dynamo's limit (8 by
-        # default) a further one would silently run eagerly
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        if self.compile_backend == "inductor":
-            mode = "reduce-overhead" if self.torch_device.type == "cuda" else None
-            return torch.compile(self._forward_logits, mode=mode, dynamic=False)
-        return torch.compile(self._forward_logits, backend=self.compile_backend, dynamic=False)
+            return _Graphs(self.step_forward, self._upload, capture=self.torch_device.type == "cuda")
+        step = self.step_forward
+        if self.compile_backend != "static":
+            # every model's every shape is an entry of `step_forward`'s code: past dynamo's limit (8 by
+            # default) a further one would silently run eagerly
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+            inductor = self.compile_backend == "inductor"
+            mode = "reduce-overhead" if inductor and self.torch_device.type == "cuda" else None
+            step = torch.compile(step, mode=mode, dynamic=False, backend=self.compile_backend)
+        return lambda inputs, shape, cache, states: step(*_Step.views(self._upload([inputs]), shape), cache, states)
+
+    def step_forward(self, tokens, positions, slots, trunks, counts, tree, cache, states=None, bucketed: bool = True):
+        """A forward from its `_Step`'s inputs on the device alone (what a graph captures): the new cells'
+        positions recorded, the mask built, the model run. -> `_forward_logits`'s output."""
+        self.pool.positions[: tokens.shape[0]].scatter_(1, slots, positions)  # before the mask: windows compare them
+        cache.slots = slots
+        mask = _Step.mask(self, trunks, counts, tree, positions)
+        return self._forward_logits(tokens, positions, mask, cache, states, bucketed)
 
     def _forward_logits(self, tokens, positions, mask, cache, states=None, bucketed: bool = True):
         """The logits [rows, tokens, vocab]; with states (their kind, `states_kind`), (logits, the states
@@ -250,7 +259,7 @@ class StaticSequence(HFSequence):
         self._check_held()
         indices = self.kept_path(start, indices)
         if indices != list(range(start, start + len(indices))):  # a chain's path is already in place
-            self.owner.pool.move(self.row, self.owner._upload([indices])[0], start)
+            self.owner.pool.move(self.row, self.owner._upload([indices]), start)
         self.keep_entries(start, indices)
 
     @torch.inference_mode()
@@ -273,20 +282,22 @@ class StaticSequence(HFSequence):
 
 
 class _Step:
-    """One forward's inputs on the device: tokens, positions and cells [rows, bucket], and what the
-    mask needs: each row's trunk and count of new entries, and the tree part of its mask."""
+    """One forward's inputs, built on the host as one row of integers: tokens, positions and cells
+    [rows, bucket], each row's trunk and count of new entries [rows], and the tree part of its mask
+    [rows, bucket, width], width a bucket too (`_bucket`): a graph per (rows, bucket, width)."""
 
-    @classmethod
-    def of(cls, owner: StaticHFModel, placed, rows: int, bucket: int) -> _Step:
+    @staticmethod
+    def of(owner: StaticHFModel, placed, rows: int, bucket: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """(the inputs end to end [host int64], their shape (rows, bucket, width))."""
         scratch = owner.capacity
         tokens, positions, slots, trunks, counts, parts = [], [], [], [], [], []
         for feed, row_tokens, row_positions, all_parents in placed:
             sequence, n = feed.sequence, len(row_tokens)
             start, trunk = sequence.cache_len, sequence._trunk
             pad = bucket - n
-            tokens.append(row_tokens + [0] * pad)
-            positions.append(row_positions + [0] * pad)
-            slots.append(list(range(start, start + n)) + [scratch] * pad)
+            tokens += row_tokens + [0] * pad
+            positions += row_positions + [0] * pad
+            slots += list(range(start, start + n)) + [scratch] * pad
             ancestry = sequence.attends(all_parents, start, n)
             # cells below `trunk` are seen whole: cut it where some new entry's path leaves the chain earlier
             if ancestry is not None:
@@ -296,33 +307,48 @@ class _Step:
             counts.append(n)
             # a chain after a chain (trunk == start): each entry sees the new ones up to itself
             parts.append(torch.ones(n, n, dtype=torch.bool).tril() if ancestry is None else ancestry[:, trunk:])
-        for _ in range(rows - len(placed)):  # padding rows: other sequences' rows (or free ones), scratch only
-            tokens.append([0] * bucket), positions.append([0] * bucket), slots.append([scratch] * bucket)
-            trunks.append(0), counts.append(0), parts.append(torch.zeros(0, 0, dtype=torch.bool))
-        width = max(1, max(part.shape[1] for part in parts))
+        padding = rows - len(placed)  # padding rows: other sequences' rows (or free ones), scratch only
+        tokens += [0] * bucket * padding
+        positions += [0] * bucket * padding
+        slots += [scratch] * bucket * padding
+        trunks += [0] * padding
+        counts += [0] * padding
+        width = _bucket(max(part.shape[1] for part in parts))
         tree = torch.zeros(rows, bucket, width, dtype=torch.long)
         for r, part in enumerate(parts):
             tree[r, : part.shape[0], : part.shape[1]] = part
-        flat = [sum(tokens, []), sum(positions, []), sum(slots, []), trunks, counts, tree.reshape(-1).tolist()]
-        up = owner._upload(flat)
-        return cls(*(t.view(rows, bucket) for t in up[:3]), up[3], up[4], up[5].view(rows, bucket, width).bool())
+        inputs = torch.cat([torch.tensor(tokens + positions + slots + trunks + counts), tree.view(-1)])
+        return inputs, (rows, bucket, width)
 
-    def __init__(self, tokens, positions, slots, trunks, counts, tree):
-        self.tokens, self.positions, self.slots = tokens, positions, slots  # [rows, bucket]
-        self.trunks, self.counts, self.tree = trunks, counts, tree  # [rows], [rows], [rows, bucket, width] bool
+    @staticmethod
+    def views(inputs: torch.Tensor, shape: tuple[int, int, int]) -> tuple[torch.Tensor, ...]:
+        """The inputs (on the device) as (tokens, positions, slots, trunks, counts, tree)."""
+        rows, bucket, width = shape
+        tokens, positions, slots, trunks, counts, tree = inputs.split([rows * bucket] * 3 + [rows] * 2
+                                                                      + [rows * bucket * width])
+        return (tokens.view(rows, bucket), positions.view(rows, bucket), slots.view(rows, bucket), trunks, counts,
+                tree.view(rows, bucket, width))
 
-    def mask(self, owner: StaticHFModel):
+    @staticmethod
+    def mask(owner: StaticHFModel, trunks, counts, tree, positions):
         """The model's attention mask(s), [rows, 1, bucket, cells]: entry j of row r sees its row's
-        trunk (cells < trunk) and its ancestors from the trunk on; padding entries see the scratch cell only."""
-        rows, bucket, width = self.tree.shape
-        cells = owner.pool.cell_index  # width and bucket are at most the cells
-        allowed = (cells[None, None, :] < self.trunks[:, None, None]).expand(rows, bucket, -1).clone()
-        columns = (self.trunks[:, None, None] + cells[:width]).clamp(max=owner.capacity)
-        # beyond a row's span: False, on cells it never sees
-        allowed.scatter_(2, columns.expand(rows, bucket, width), self.tree)
-        padding = cells[:bucket][None, :] >= self.counts[:, None]
+        trunk (cells < trunk) and its ancestors from the trunk on (`tree`, [rows, bucket, width], nonzero
+        where it sees); padding entries see the scratch cell only."""
+        rows, bucket, width = tree.shape
+        index = owner.pool.index
+        cells = index[: owner.pool.cells]
+        allowed = (cells[None, None, :] < trunks[:, None, None]).expand(rows, bucket, -1).clone()
+        columns = (trunks[:, None, None] + index[:width]).clamp(max=owner.capacity)
+        # beyond a row's span (the width's padding too): False, on cells it never sees; clamped ones on scratch
+        allowed.scatter_(2, columns.expand(rows, bucket, width), tree != 0)
+        padding = index[:bucket][None, :] >= counts[:, None]
         allowed = torch.where(padding[:, :, None], (cells == owner.capacity)[None, None, :], allowed)
-        return owner.layer_masks(allowed, owner.pool.positions[:rows], self.positions)  # windows by cells' positions
+        return owner.layer_masks(allowed, owner.pool.positions[:rows], positions)  # windows by cells' positions
+
+
+def _bucket(count: int) -> int:
+    """The smallest bucket holding `count`, or count itself beyond the largest (a forward not compiled)."""
+    return next((b for b in BUCKETS if b >= count), count)
 
 
 class _Pool:
@@ -331,7 +357,8 @@ class _Pool:
 
     def __init__(self, layout: list, rows: int, cells: int, device: torch.device):
         self.layout, self.cells, self.device = layout, cells, device
-        self.cell_index = torch.arange(cells, device=device)
+        # 0, 1, ...: over the cells, a bucket's entries, a tree part's width
+        self.index = torch.arange(max(cells, BUCKETS[-1]), device=device)
         self.rows = 0
         self.grow(rows)
 
@@ -351,7 +378,8 @@ class _Pool:
     def cache(self, rows: int) -> SlotCache:
         if rows not in self._caches:
             keys, values = [k[:rows] for k in self.keys], [v[:rows] for v in self.values]
-            for tensor in (*keys, *values):
+            # written in place inside the compiled forward: Inductor's CUDA graphs keep their addresses
+            for tensor in (*keys, *values, self.positions):
                 torch._dynamo.mark_static_address(tensor)
             self._caches[rows] = SlotCache(keys, values)
         return self._caches[rows]
@@ -377,72 +405,61 @@ class _Pool:
 
 
 class _Graphs:
-    """Forwards captured as CUDA graphs by hand, one per (rows, tokens) shape: a replay copies the
-    step's inputs into the graph's own buffers; the weights and the pool are read where they are
-    (torch.compile's "cudagraphs" backend instead copied every weight and the whole pool in as
+    """Forwards captured as CUDA graphs by hand, one per (rows, tokens, tree width) shape: each has its own
+    input buffer, which a step's inputs are uploaded into (`_Uploader`), and replays the whole forward
+    (`StaticHFModel.step_forward`: positions, mask, model) from it; the weights and the pool are read where
+    they are (torch.compile's "cudagraphs" backend instead copied every weight and the whole pool in as
     inputs before each replay). A shape whose forward cannot be captured (a host sync inside the
     model) runs eagerly, said once on stderr. capture=False (the CPU): the same buffers, no graph."""
 
-    def __init__(self, forward, capture: bool):
-        self.forward, self.capture = forward, capture
-        self.shapes: dict[tuple, tuple] = {}  # shape -> (graph or None, input buffers, output)
+    def __init__(self, forward, upload: _Uploader, capture: bool):
+        self.forward, self.upload, self.capture = forward, upload, capture
+        self.shapes: dict[tuple, tuple] = {}  # shape -> (graph or None, input buffer, output)
         self.memory = torch.cuda.graph_pool_handle() if capture else None
 
-    def __call__(self, tokens, positions, mask, cache, states=None):
-        key = (tuple(tokens.shape), id(cache), states)  # with states (their kind) the graph has a second output
+    def __call__(self, inputs: torch.Tensor, shape: tuple[int, int, int], cache, states=None):
+        key = (shape, id(cache), states)  # with states (their kind) the graph has a second output
         if key not in self.shapes:
-            self.shapes[key] = self._record(tokens, positions, mask, cache, states)
-        graph, buffers, output = self.shapes[key]
-        for buffer, value in zip(_flat(buffers), _flat((tokens, positions, mask, cache.slots))):
-            buffer.copy_(value)
-        cache.slots = buffers[3]
+            buffer = torch.empty(inputs.numel(), dtype=torch.long, device=self.upload.device)
+            self.upload([inputs], into=buffer)
+            self.shapes[key] = self._record(buffer, shape, cache, states)
+        else:
+            self.upload([inputs], into=self.shapes[key][1])
+        graph, buffer, output = self.shapes[key]
         if graph is None:
-            return self.forward(*buffers[:3], cache, states)
+            return self.forward(*_Step.views(buffer, shape), cache, states)
         graph.replay()
         return output
 
-    def _record(self, tokens, positions, mask, cache, states):
-        buffers = (tokens.clone(), positions.clone(), _cloned(mask), cache.slots.clone())
-        cache.slots = buffers[3]
+    def _record(self, buffer, shape, cache, states):
         if not self.capture:
-            return None, buffers, None
+            return None, buffer, None
         import sys
 
+        inputs = _Step.views(buffer, shape)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         try:
             with torch.cuda.stream(side):  # warm-up runs write what the replay writes: the same keys at the same cells
                 for _ in range(2):
-                    self.forward(*buffers[:3], cache, states)
+                    self.forward(*inputs, cache, states)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.memory):
-                output = self.forward(*buffers[:3], cache, states)
+                output = self.forward(*inputs, cache, states)
         except RuntimeError as error:
             torch.cuda.current_stream().wait_stream(side)
-            print(f"specdec: a forward of shape {tuple(tokens.shape)} runs without a CUDA graph: "
+            print(f"specdec: a forward of shape {shape} runs without a CUDA graph: "
                   f"{' '.join(str(error).split())[:200]}",
                   file=sys.stderr)
-            return None, buffers, None
-        return graph, buffers, output
+            return None, buffer, None
+        return graph, buffer, output
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors on the host, in one copy."""
     copied = torch.cat([t.reshape(-1) for t in tensors]).cpu().split([t.numel() for t in tensors])
     return [rows.view(t.shape).to(t.dtype) for rows, t in zip(copied, tensors)]
-
-
-def _flat(values) -> list[torch.Tensor]:
-    """Tensors in order, a mask dict's by key."""
-    out = []
-    for value in values:
-        out.extend(value[k] for k in sorted(value)) if isinstance(value, dict) else out.append(value)
-    return out
-
-
-def _cloned(mask):
-    return {k: v.clone() for k, v in mask.items()} if isinstance(mask, dict) else mask.clone()
 
 
 class SlotLayer(CacheLayerMixin):
@@ -482,37 +499,45 @@ class SlotCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [rows, heads, n, head dim], written at cells slots[r, j] of row r
-        in place (an index_put_: Inductor keeps it in place, where a scatter_ copied the whole pool)."""
+        in place (`fused.write_cells`); returns the layer's whole rows."""
+        keys, values, row_index, slots = self.cells(layer_idx)
+        write_cells(keys, row_index, slots, key_states)
+        write_cells(values, row_index, slots, value_states)
+        return keys, values
+
+    def cells(self, layer_idx: int) -> tuple:
+        """A layer's pool rows (keys, values: [rows, kv heads, cells, d]) and where this forward writes in
+        them: (keys, values, row_index [rows, 1], slots [rows, n])."""
         layer = self.layers[layer_idx]
-        # indexed: [rows, n, heads, dim]
-        layer.keys[self.row_index, :, self.slots] = key_states.transpose(1, 2).to(layer.keys.dtype)
-        layer.values[self.row_index, :, self.slots] = value_states.transpose(1, 2).to(layer.values.dtype)
-        return layer.keys, layer.values
+        return layer.keys, layer.values, self.row_index, self.slots
 
 
 class _Uploader:
-    """Integer rows to the device without waiting for it: through one pinned buffer, reused only
-    once its previous copy is done (on the CPU, plain tensors)."""
+    """Integers to the device without waiting for it: through one pinned buffer, reused only once its
+    previous copy is done (on the CPU, plain tensors)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self._staging: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
 
-    def __call__(self, rows: list[list[int]]) -> list[torch.Tensor]:
-        flat = [value for row in rows for value in row]
+    def __call__(self, parts: list, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The parts (lists of ints, int64 host tensors) end to end on the device [total]: in the first
+        elements of `into`, else in a new tensor."""
+        flat = torch.cat([torch.as_tensor(part, dtype=torch.long).reshape(-1) for part in parts])
+        n = flat.numel()
         if self.device.type != "cuda":
-            values = torch.tensor(flat, dtype=torch.long)
-        else:
-            if self._copied is not None:
-                self._copied.synchronize()
-            if self._staging is None or self._staging.numel() < len(flat):
-                self._staging = torch.empty(max(2 * len(flat), 4096), dtype=torch.long, pin_memory=True)
-            self._staging[: len(flat)] = torch.tensor(flat, dtype=torch.long)
-            values = self._staging[: len(flat)].to(self.device, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record(torch.cuda.current_stream(self.device))
-        return list(values.split([len(row) for row in rows]))
+            return flat if into is None else into[:n].copy_(flat)
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self._staging is None or self._staging.numel() < n:
+            self._staging = torch.empty(max(2 * n, 4096), dtype=torch.long, pin_memory=True)
+        self._staging[:n] = flat
+        target = into[:n] if into is not None else torch.empty(n, dtype=torch.long, device=self.device)
+        target.copy_(self._staging[:n], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record(torch.cuda.current_stream(self.device))
+        return target
 
 
 def _why_unfused(fused: bool | None, refusal: str | None, on_gpu: bool) -> str | None:
