@@ -23,7 +23,7 @@ from specdec.runtime.prefix import PrefixCache
 from specdec.sampling import RandomStreams
 from specdec.scopes import PerScope, Scope, check_scope, owner
 from specdec.stops import StopStrings
-from specdec.text import check_text, continuation_decoder
+from specdec.text import GrowingText, check_text
 from specdec.tools import ToolFormat, format_of
 from specdec.types import GenerationStats
 from specdec.params import Limits, SamplingParams, request_options
@@ -405,7 +405,7 @@ class TextAssembler:
     begins; a half-decoded character or a possible start of a stop string is held back."""
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
-        self.decode_text = continuation_decoder(tokenizer, prompt_ids)
+        self.decode_text = GrowingText(tokenizer, prompt_ids).text  # of the tokens, or a prefix of them
         self.stops = StopStrings(stop)
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprob] = []  # one per token, when the generation records them

@@ -28,6 +28,46 @@ def continuation_decoder(tokenizer, prompt_ids: list[int]):
     return decode_text
 
 
+class GrowingText:
+    """The text of a growing list of generated ids as it reads after the prompt (`continuation_decoder`'s),
+    from a decode of its last ids only: once the unfixed ids reach 4 × WINDOW, the text of all but the last
+    WINDOW is fixed, where decoding the two sides apart (the later ones behind the 4 ids before them) gives
+    the text decoding across the split does; else the split waits for more ids. (A decode of the whole text
+    every step grows with it: 0.13 ms a step after 1,000 tokens of the demo tokenizer; 10 us with this.)"""
+
+    WINDOW = 16
+
+    def __init__(self, tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self._whole = continuation_decoder(tokenizer, prompt_ids)
+        self._prompt_tail = list(prompt_ids[-4:])
+        # invariant: the text of ids[:n] (n >= _fixed) is _fixed_text + _tail(ids[_fixed:n])
+        self._fixed, self._fixed_text, self._tail = 0, "", self._whole
+        # a clean-up of spaces before punctuation reaches back across any split (" " then "." reads "."): whole
+        never = getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._next_split = float("inf") if never else 4 * self.WINDOW
+
+    def text(self, tokens: list[int]) -> str:
+        """The text of `tokens`: the generated ids, or a prefix of them (one shorter than the fixed ones is
+        decoded whole)."""
+        if len(tokens) < self._fixed:
+            return self._whole(tokens)
+        text = self._fixed_text + self._tail(tokens[self._fixed:])
+        if len(tokens) >= self._next_split:
+            self._split(tokens, len(tokens) - self.WINDOW, text)
+        return text
+
+    def _split(self, tokens: list[int], at: int, text: str) -> None:
+        head = self._tail(tokens[self._fixed : at])
+        after = continuation_decoder(self.tokenizer, (self._prompt_tail + tokens[:at])[-4:])
+        # a character, or a merge of the decoder's, spans the split: wait for more ids
+        if head.endswith("\ufffd") or self._fixed_text + head + after(tokens[at:]) != text:
+            self._next_split = len(tokens) + self.WINDOW
+            return
+        self._fixed, self._fixed_text, self._tail = at, self._fixed_text + head, after
+        self._next_split = at + 4 * self.WINDOW
+
+
 def continuation_ids(tokenizer, anchor: list[int], text: str) -> list[int]:
     """Token ids that spell `text` after the ids `anchor` (the last few committed tokens): `text`
     encoded behind the anchor's own text, the anchor's ids cut off again; when the two do not split
