@@ -5,6 +5,7 @@ the matrix is refused by name (it keeps transformers' forward)."""
 
 from __future__ import annotations
 
+import numpy
 import pytest
 import torch
 
@@ -88,6 +89,23 @@ def test_each_compile_scope_traces_what_runs_uncompiled(arch, scope, saved):
         assert torch.equal(step(ours), step(theirs))
     for (k1, v1), (k2, v2) in zip(ours.cache_tensors(), theirs.cache_tensors()):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_weights_are_viewed_whole_only_within_one_storage():
+    """Blocks of one storage, in order, are viewed as one weight; blocks of separate storages that lie end
+    to end in memory (two loaded tensors can) are copied together, not read past the first's end."""
+    from specdec.runtime.fused import _joined
+
+    base = torch.arange(12.0).view(6, 2)
+    joined = _joined([base[:2], base[2:5]])
+    assert joined.data_ptr() == base.data_ptr() and torch.equal(joined, base[:5])
+    memory = numpy.arange(12.0).reshape(6, 2)
+    apart = [torch.from_numpy(memory[:2]), torch.from_numpy(memory[2:])]  # end to end, a storage each
+    assert apart[1].data_ptr() == apart[0].data_ptr() + 32
+    assert apart[1].untyped_storage().data_ptr() != apart[0].untyped_storage().data_ptr()
+    joined = _joined(apart)
+    assert torch.equal(joined, torch.arange(12.0).view(6, 2).double()) and joined.data_ptr() != apart[0].data_ptr()
+    assert torch.equal(_joined([base[2:4], base[:2]]), torch.cat([base[2:4], base[:2]]))  # out of order: copied
 
 
 def test_an_unknown_compile_scope_is_refused(saved):

@@ -349,12 +349,14 @@ def _concatenated(*linears) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     """The parts stacked along their first dimension: a view over them where they already lie so in
-    memory (consecutive blocks of one contiguous tensor, in order), else a new tensor."""
+    one storage (consecutive blocks, in order), else a new tensor. (Separate storages may lie end to end
+    in memory too: a view over them would read past the first one's.)"""
     first, rows = parts[0], sum(part.shape[0] for part in parts)
     step = first[0].numel() * first.element_size()  # bytes per first-dimension slice
-    address = first.data_ptr()
+    storage, address = first.untyped_storage().data_ptr(), first.data_ptr()
     for part in parts:
-        if not part.is_contiguous() or part.shape[1:] != first.shape[1:] or part.data_ptr() != address:
+        if (not part.is_contiguous() or part.shape[1:] != first.shape[1:] or part.data_ptr() != address
+                or part.untyped_storage().data_ptr() != storage):
             return torch.cat(parts)
         address += part.shape[0] * step
     return first.as_strided((rows, *first.shape[1:]), first.stride())
