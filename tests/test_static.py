@@ -19,6 +19,7 @@ from specdec.losslessness import check_lossless, format_report
 from specdec.runtime import load_model
 from specdec.runtime.hf import HFModel
 from specdec.runtime.static import BUCKETS, StaticHFModel, static_refusal
+from tiny import save_tiny_model
 
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]  # repeats, so prompt lookup has something to find
 NEW = 40
@@ -67,6 +68,18 @@ def test_paths_that_leave_the_trunk_early(model_dirs, load64, static_llama, step
             torch.testing.assert_close(static.forward(tokens, parents), eager.forward(tokens, parents), rtol=1e-10, atol=1e-10)
     finally:
         static.release()
+
+
+def test_a_tree_part_wider_than_a_word_of_bits(tmp_path, load64):
+    """A cached tree of 80 nodes, then entries below its last ones: their rows' tree parts span more than the
+    64 cells one word of bits holds (two words, a graph of their own), as the eager cache computes them."""
+    directory = str(save_tiny_model(tmp_path / "llama", "llama", seed=0, context=160))
+    eager, static = load64(directory).sequence(), static64(directory, compile="graphs").sequence()
+    tree = ([i % 7 for i in range(80)], [9] * 40 + list(range(10, 50)))  # 40 children of the prompt's end, a chain each
+    for tokens, parents in [(PROMPT, None), tree, ([4, 5], [89, 49]), ([6], [90]), ([1, 2, 3], None)]:
+        ours, theirs = static.forward(tokens, parents), eager.forward(tokens, parents)
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
+    assert {shape[2] for shape, *_ in static.owner.runner().shapes} == {1, 2}
 
 
 def test_rows_are_reused_swapped_and_grown(model_dirs):

@@ -13,8 +13,8 @@ one-token step then costs several times what reading the weights does. Here inst
   shape is compiled once: `torch.compile`, CUDA graphs on a GPU. Forwards of more new entries (a
   prefill chunk) run eagerly on the same pool;
 - a forward's inputs are a few integers per row (`_Step`): tokens, positions and cells, each row's trunk and
-  count of new entries, and the tree part of its mask (the few cells the host knows, its width a bucket
-  too). They go up in one copy through a pinned buffer without waiting, straight into a graph's own
+  count of new entries, and the tree part of its mask (the few cells the host knows, 64 to a word of bits).
+  They go up in one copy through a pinned buffer without waiting, straight into a graph's own
   input buffer; everything else happens inside the captured forward (`step_forward`): each cell's
   position recorded, the attention mask built from those integers (and, for sliding windows, the cells'
   positions), the model run. A step launches one upload and one replay;
@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import time
 
+import numpy
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -139,7 +140,7 @@ class StaticHFModel(HFModel):
         inputs, shape = _Step.of(self, by_row, rows, tokens_bucket)
         cache = self.pool.cache(rows)
         began = time.perf_counter()
-        if rows_fit and shape[2] in BUCKETS:  # a compiled shape: (rows, tokens, the tree part's width) in buckets
+        if rows_fit:  # a compiled shape: (rows, tokens, the tree part's words)
             first = (rows, tokens_bucket) not in self.compile_seconds
             out = self.runner()(inputs, shape, cache, self.states_kind)
             if first:
@@ -283,14 +284,15 @@ class StaticSequence(HFSequence):
 
 class _Step:
     """One forward's inputs, built on the host as one row of integers: tokens, positions and cells
-    [rows, bucket], each row's trunk and count of new entries [rows], and the tree part of its mask
-    [rows, bucket, width], width a bucket too (`_bucket`): a graph per (rows, bucket, width)."""
+    [rows, bucket], each row's trunk and count of new entries [rows], and the tree part of its mask as bits,
+    column j of entry i bit j % 64 of word [r, i, j // 64] ([rows, bucket, words], words a power of two: a
+    graph per (rows, bucket, words); one word holds a target's verify and a draft tree of up to 64 cells)."""
 
     @staticmethod
     def of(owner: StaticHFModel, placed, rows: int, bucket: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """(the inputs end to end [host int64], their shape (rows, bucket, width))."""
+        """(the inputs end to end [host int64], their shape (rows, bucket, words))."""
         scratch = owner.capacity
-        tokens, positions, slots, trunks, counts, parts = [], [], [], [], [], []
+        tokens, positions, slots, trunks, counts, seen = [], [], [], [], [], []
         for feed, row_tokens, row_positions, all_parents in placed:
             sequence, n = feed.sequence, len(row_tokens)
             start, trunk = sequence.cache_len, sequence._trunk
@@ -305,45 +307,62 @@ class _Step:
                 trunk = int(hidden[0]) if len(hidden) else trunk
             trunks.append(trunk)
             counts.append(n)
-            # a chain after a chain (trunk == start): each entry sees the new ones up to itself
-            parts.append(torch.ones(n, n, dtype=torch.bool).tril() if ancestry is None else ancestry[:, trunk:])
+            # each entry's cells from the trunk on, as one integer (bit j: cell trunk + j); a chain after a chain
+            # (trunk == start): each entry sees the new ones up to itself
+            seen.append([(2 << i) - 1 for i in range(n)] if ancestry is None else _bitsets(ancestry[:, trunk:]))
         padding = rows - len(placed)  # padding rows: other sequences' rows (or free ones), scratch only
         tokens += [0] * bucket * padding
         positions += [0] * bucket * padding
         slots += [scratch] * bucket * padding
         trunks += [0] * padding
         counts += [0] * padding
-        width = _bucket(max(part.shape[1] for part in parts))
-        tree = torch.zeros(rows, bucket, width, dtype=torch.long)
-        for r, part in enumerate(parts):
-            tree[r, : part.shape[0], : part.shape[1]] = part
-        inputs = torch.cat([torch.tensor(tokens + positions + slots + trunks + counts), tree.view(-1)])
-        return inputs, (rows, bucket, width)
+        widest = max((entry.bit_length() for entries in seen for entry in entries), default=1)
+        words = 1 << (-(-max(1, widest) // 64) - 1).bit_length()
+        bits = [word for entries in seen for entry in entries + [0] * (bucket - len(entries))
+                for word in _words(entry, words)]
+        inputs = torch.tensor(tokens + positions + slots + trunks + counts + bits + [0] * (padding * bucket * words))
+        return inputs, (rows, bucket, words)
 
     @staticmethod
     def views(inputs: torch.Tensor, shape: tuple[int, int, int]) -> tuple[torch.Tensor, ...]:
         """The inputs (on the device) as (tokens, positions, slots, trunks, counts, tree)."""
-        rows, bucket, width = shape
+        rows, bucket, words = shape
         tokens, positions, slots, trunks, counts, tree = inputs.split([rows * bucket] * 3 + [rows] * 2
-                                                                      + [rows * bucket * width])
+                                                                      + [rows * bucket * words])
         return (tokens.view(rows, bucket), positions.view(rows, bucket), slots.view(rows, bucket), trunks, counts,
-                tree.view(rows, bucket, width))
+                tree.view(rows, bucket, words))
 
     @staticmethod
     def mask(owner: StaticHFModel, trunks, counts, tree, positions):
         """The model's attention mask(s), [rows, 1, bucket, cells]: entry j of row r sees its row's
-        trunk (cells < trunk) and its ancestors from the trunk on (`tree`, [rows, bucket, width], nonzero
-        where it sees); padding entries see the scratch cell only."""
-        rows, bucket, width = tree.shape
-        index = owner.pool.index
+        trunk (cells < trunk) and its ancestors from the trunk on (`tree`, [rows, bucket, words]: bit j of
+        word w, cell trunk + 64 w + j); padding entries see the scratch cell only."""
+        rows, bucket, words = tree.shape
+        index, width = owner.pool.index, 64 * words
         cells = index[: owner.pool.cells]
         allowed = (cells[None, None, :] < trunks[:, None, None]).expand(rows, bucket, -1).clone()
-        columns = (trunks[:, None, None] + index[:width]).clamp(max=owner.capacity)
+        seen = ((tree[..., None] >> index[:64]) & 1).view(rows, bucket, width) != 0
+        columns = (trunks[:, None, None] + torch.arange(width, device=tree.device)).clamp(max=owner.capacity)
         # beyond a row's span (the width's padding too): False, on cells it never sees; clamped ones on scratch
-        allowed.scatter_(2, columns.expand(rows, bucket, width), tree != 0)
+        allowed.scatter_(2, columns.expand(rows, bucket, width), seen)
         padding = index[:bucket][None, :] >= counts[:, None]
         allowed = torch.where(padding[:, :, None], (cells == owner.capacity)[None, None, :], allowed)
         return owner.layer_masks(allowed, owner.pool.positions[:rows], positions)  # windows by cells' positions
+
+
+def _bitsets(part: torch.Tensor) -> list[int]:
+    """Each row of a boolean [n, width] as one integer, bit j set where column j is."""
+    packed = numpy.packbits(part.numpy(), axis=1, bitorder="little")
+    return [int.from_bytes(row.tobytes(), "little") for row in packed]
+
+
+def _words(bitset: int, words: int) -> list[int]:
+    """A bitset as `words` int64s, 64 bits each, lowest first (bit 63 as int64's sign)."""
+    out = []
+    for _ in range(words):
+        word, bitset = bitset & 0xFFFF_FFFF_FFFF_FFFF, bitset >> 64
+        out.append(word - (1 << 64) if word >> 63 else word)
+    return out
 
 
 def _bucket(count: int) -> int:
@@ -357,7 +376,7 @@ class _Pool:
 
     def __init__(self, layout: list, rows: int, cells: int, device: torch.device):
         self.layout, self.cells, self.device = layout, cells, device
-        # 0, 1, ...: over the cells, a bucket's entries, a tree part's width
+        # 0, 1, ...: over the cells, a bucket's entries, a word's bits
         self.index = torch.arange(max(cells, BUCKETS[-1]), device=device)
         self.rows = 0
         self.grow(rows)
@@ -405,7 +424,7 @@ class _Pool:
 
 
 class _Graphs:
-    """Forwards captured as CUDA graphs by hand, one per (rows, tokens, tree width) shape: each has its own
+    """Forwards captured as CUDA graphs by hand, one per (rows, tokens, tree words) shape: each has its own
     input buffer, which a step's inputs are uploaded into (`_Uploader`), and replays the whole forward
     (`StaticHFModel.step_forward`: positions, mask, model) from it; the weights and the pool are read where
     they are (torch.compile's "cudagraphs" backend instead copied every weight and the whole pool in as
