@@ -172,8 +172,8 @@ class StaticHFModel(HFModel):
             for i, rows in zip(host, copied[len(host):]):  # none while states are off
                 kept[i] = rows
         for (feed, *_), rows in zip(placed, kept):
-            feed.sequence.states = rows if rows is None or not feed.on_device else rows.clone()
-        return [rows if not feed.on_device else rows.clone() for rows, (feed, *_) in zip(wanted, placed)]
+            feed.sequence.states = rows if rows is None or not feed.on_device else _own(rows, states)
+        return [rows if not feed.on_device else _own(rows, logits) for rows, (feed, *_) in zip(wanted, placed)]
 
     def runner(self):
         """The compiled forward: (a `_Step`'s host inputs, its shape, cache, states kind) -> its output, one
@@ -473,6 +473,12 @@ class _Graphs:
                   file=sys.stderr)
             return None, buffer, None
         return graph, buffer, output
+
+
+def _own(rows: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """Rows of a forward's output as a tensor of their own (a graph's next replay overwrites its output): a
+    copy, unless their conversion to float32 (from bfloat16, float16) made one already."""
+    return rows.clone() if rows.dtype == output.dtype else rows
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
