@@ -81,9 +81,9 @@ def test_each_compile_scope_traces_what_runs_uncompiled(arch, scope, saved):
     forward over one model views the weights the first concatenated: nothing is copied twice."""
     uncompiled = pool(saved[arch], fused=True)
     compiled = pool(saved[arch], fused=True)
-    first = compiled.fused.layers[0].weights.qkv[0]
+    first = compiled.fused.layers[0].qkv[0]
     compiled.fused = FusedForward(compiled.model, compiled=True, scope=scope, backend="aot_eager")
-    assert compiled.fused.layers[0].weights.qkv[0].data_ptr() == first.data_ptr()
+    assert compiled.fused.layers[0].qkv[0].data_ptr() == first.data_ptr()
     ours, theirs = compiled.sequence(), uncompiled.sequence()
     for step in STEPS:
         assert torch.equal(step(ours), step(theirs))

@@ -112,7 +112,7 @@ class FusedForward:
         inner, config = model.model, model.config
         self.family = FAMILIES[config.model_type]
         self.embed, self.rotary, self.norm, self.head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
-        self.layers = [_Layer(layer) for layer in inner.layers]
+        self.layers = [layer_weights(layer) for layer in inner.layers]
         types = getattr(config, "layer_types", None) or ["full_attention"] * len(self.layers)
         self.layer_types = list(types)
         # each layer's output is normed by the next layer's input norm, the last one's by the final norm
@@ -141,8 +141,8 @@ class FusedForward:
                 taken[index] = hidden
             kind = self.layer_types[index]
             layer_mask = mask[kind] if isinstance(mask, dict) else mask
-            hidden, normed = kernels.layer(layer.weights, hidden, normed, *rotations[kind], layer_mask,
-                                           *cache.cells(index), next_norm)
+            hidden, normed = kernels.layer(layer, hidden, normed, *rotations[kind], layer_mask, *cache.cells(index),
+                                           next_norm)
         logits = self.head(normed)
         if self.softcap is not None:
             logits = soft_capped(logits, self.softcap)
@@ -160,7 +160,7 @@ class LayerWeights(NamedTuple):
     o: tuple
     gate_up: tuple
     down: tuple
-    norm_in: tuple
+    norm_in: tuple  # applied where the layer before adds its residual (`layer_step`'s next_norm)
     norm_attended: tuple | None  # Gemma 2 and 3: attention's output normed before the residual add
     norm_mlp_in: tuple  # the Llama family's "post attention" norm is the MLP's input norm
     norm_mlp_out: tuple | None  # Gemma 2 and 3: the MLP's output normed too
@@ -216,14 +216,6 @@ def write_cells(pool, row_index, slots, new) -> None:
     ([rows, 1] beside slots [rows, n]), in place: an index_put_, which Inductor keeps in place (a scatter_
     copied the whole pool)."""
     pool[row_index, :, slots] = new.transpose(1, 2).to(pool.dtype)  # indexed: [rows, n, heads, d]
-
-
-class _Layer:
-    """One decoder layer's weights (`LayerWeights`) and its input norm, which the layer before applies."""
-
-    def __init__(self, layer):
-        self.weights = layer_weights(layer)
-        self.norm_in = self.weights.norm_in
 
 
 def grouped_attention(queries, keys, values, mask, scale: float, kernels: _Kernels) -> torch.Tensor:
