@@ -272,7 +272,7 @@ def server_batch(until: float) -> dict:
             break
         decoder = load(DEMO / "target", compile, slots=clients)
         if isinstance(decoder.target, StaticHFModel):
-            results[f"{label}: warm-up s"] = decoder.target.warm_up(tokens=(1,), rows=tuple(b for b in (1, 2, 4, 8, 16) if b <= clients))
+            results[f"{label}: warm-up s"] = decoder.target.warm_up(rows=clients, tokens=(1,))
         prompts = fresh_prompts(8192, tuple(24 + 7 * i for i in range(clients)))
         lone = [decoder.generate(p, max_new_tokens=new, temperature=0).tokens for p in prompts]
         engine, generations = Engine(decoder.target, None), [decoder.request(p, max_new_tokens=new, temperature=0) for p in prompts]

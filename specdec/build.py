@@ -6,6 +6,7 @@ the CLI, the server and the bench all assemble drafters through it.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -76,10 +77,22 @@ def build_decoder(config: DecoderConfig, prepare: bool = True) -> SpeculativeDec
         parts.ngram = KatzTrigram.load(spec.ngram)
     if config.chat_template is not None:
         target.tokenizer.chat_template = config.chat_template
+    for role, model in (("target", target), ("draft model", parts.draft)):
+        if model is not None:
+            warmed(model, role, config.slots)
     drafter = assemble(spec, parts)
     return SpeculativeDecoder(target, drafter, config.gamma, config.explore, history=history(config, drafter),
                               prefix_cache=config.prefix_cache, share_acceptance=config.share_acceptance,
                               prepare=prepare)
+
+
+def warmed(model: CausalLM, role: str, rows: int) -> None:
+    """Compile the model's forwards for batches of up to `rows` now (a GPU's static pool), not inside the
+    first requests, and say how long that took."""
+    seconds = model.warm_up(rows)
+    if seconds:
+        print(f"specdec: the {role}'s forwards compiled in {seconds:.1f} s (Inductor keeps its kernels on disk for "
+              "the next process: TORCHINDUCTOR_CACHE_DIR)", file=sys.stderr)
 
 
 def history(config: DecoderConfig, drafter: Drafter | None) -> History | None:

@@ -236,6 +236,21 @@ def test_compile_settings(model_dirs, monkeypatch):
         load_model("x.gguf", compile="on")
 
 
+def test_a_decoder_compiles_its_forwards_before_its_first_request(model_dirs, capsys):
+    """A decoder built on a pool that compiles (traced here: aot_eager; on a GPU, CUDA graphs) compiles
+    every token bucket of every batch bucket its slots may fill before it is handed out, and says how long it
+    took; a pool that compiles nothing (the CPU's graphs: no capture) is not run to warm it."""
+    decoder = specdec.load(model_dirs["llama"], model_dirs["llama-near"], backend="transformers", device="cpu",
+                           dtype="float64", compile="aot_eager", slots=3)
+    buckets = [b for b in BUCKETS if b <= decoder.target.capacity]
+    assert set(decoder.target.compile_seconds) == {(rows, b) for rows in (1, 2, 4) for b in buckets}
+    assert set(decoder.drafter.draft_model.compile_seconds) == set(decoder.target.compile_seconds)
+    assert "the target's forwards compiled in" in capsys.readouterr().err
+    plain = specdec.load(model_dirs["llama"], backend="transformers", device="cpu", compile="graphs", plain=True)
+    assert plain.target.compile_seconds == {} and "compiled" not in capsys.readouterr().err
+    assert plain.target.warm_up(rows=4) == 0.0 and plain.target.compile_seconds == {}
+
+
 def test_models_the_static_slots_cannot_take_are_refused_by_name():
     from transformers import LlamaConfig, MambaConfig
 

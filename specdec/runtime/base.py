@@ -140,6 +140,11 @@ class CausalLM(Protocol):
         `embeddings`: its `input_embeddings()`, already read, which a model whose output layer ties them returns."""
         ...
 
+    def warm_up(self, rows: int = 1) -> float:
+        """Compile now (on a GPU: capture) the forwards that decoding batches of up to `rows` sequences runs,
+        not inside the first requests; the seconds it took, 0.0 where nothing is compiled."""
+        ...
+
     def describe(self) -> str:
         """The path and how the model runs, for messages."""
         ...

@@ -393,6 +393,9 @@ class Eagle3Model:
     def verify_room(self, root_position: int) -> int:
         return max(self.max_length - 1 - root_position, 0)
 
+    def warm_up(self, rows: int = 1) -> float:
+        return 0.0  # eager: nothing to compile
+
     def tree_refusal(self) -> str | None:
         return None  # every entry attends to its own ancestors by an explicit mask
 

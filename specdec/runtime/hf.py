@@ -158,6 +158,9 @@ class HFModel(base.CheckedTrees):
     def describe(self) -> str:
         return f"{self.path} ({self.model.config.model_type}, {self.attn_implementation} attention)"
 
+    def warm_up(self, rows: int = 1) -> float:
+        return 0.0  # eager kernels: nothing to compile (`StaticHFModel` compiles its pool's forwards)
+
     def verify_room(self, root_position: int) -> int:
         """How many positions after `root_position` may be fed in one forward with it.
 

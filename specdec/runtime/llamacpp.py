@@ -293,6 +293,9 @@ class LlamaCppModel(base.CheckedTrees):
     def verify_room(self, root_position: int) -> int:
         return max(self.max_length - 1 - root_position, 0)
 
+    def warm_up(self, rows: int = 1) -> float:
+        return 0.0  # llama.cpp builds its graph for each batch as it comes
+
     def known_tree_refusal(self) -> str | None:
         if self.batch_invariant:
             return ("batch-invariant decoding needs each sequence's KV cells in position order "

@@ -159,6 +159,9 @@ class PrunedVocab:
     def verify_room(self, root_position: int) -> int:
         return self.inner.verify_room(root_position)
 
+    def warm_up(self, rows: int = 1) -> float:
+        return self.inner.warm_up(rows)
+
     def tree_refusal(self) -> str | None:
         return self.inner.tree_refusal()
 

@@ -27,10 +27,12 @@ Invariant (with `entries.SequenceEntries`'): entry i of a sequence sits in cell 
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import numpy
 import torch
+from tqdm import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -103,18 +105,28 @@ class StaticHFModel(HFModel):
         return (f"{super().describe()[:-1]}, static cache of {self.capacity}, compiled with {self.compile_backend}, "
                 f"{forward})")
 
-    def warm_up(self, tokens: tuple[int, ...] = BUCKETS, rows: tuple[int, ...] = (1,)) -> float:
-        """Compile (capture) these shapes now rather than on first use; returns the seconds it took."""
+    @property
+    def compiles(self) -> bool:
+        """Whether a shape's first forward compiles (Inductor, a trace) or captures (a CUDA graph) something."""
+        return self.compile_backend in ("inductor", "aot_eager") or (self.compile_backend == "graphs" and self.on_gpu)
+
+    def warm_up(self, rows: int = 1, tokens: tuple[int, ...] = BUCKETS) -> float:
+        """Compile (capture) now the shapes of batches of up to `rows` sequences (their batch buckets) and
+        these token buckets, rather than on first use; the seconds it took (0.0: nothing compiles here)."""
+        if not self.compiles:
+            return 0.0
         started = time.perf_counter()
-        sequences = [self.sequence() for _ in range(max(rows))]
+        top = next((b for b in BATCHES if b >= rows), BATCHES[-1])  # past the largest, batches run eagerly
+        shapes = [(batch, bucket) for batch in BATCHES if batch <= top for bucket in tokens if bucket <= self.capacity]
+        sequences = [self.sequence() for _ in range(top)]  # before any capture: a pool that grows captures again
         try:
-            for batch in rows:
-                for bucket in (b for b in tokens if b <= self.capacity):
-                    # Inductor's graph trees record on the second or third call (hand capture: the first)
-                    for _ in range(3):
-                        self.forward_batch([base.Feed(s, [0] * bucket) for s in sequences[:batch]])
-                        for sequence in sequences[:batch]:
-                            sequence.truncate(0)
+            for batch, bucket in tqdm(shapes, desc="compiling the pool's forwards", unit="shape", leave=False,
+                                      file=sys.stderr, disable=not self.on_gpu):
+                # Inductor's graph trees record on the second or third call (hand capture: the first)
+                for _ in range(3):
+                    self.forward_batch([base.Feed(s, [0] * bucket) for s in sequences[:batch]])
+                    for sequence in sequences[:batch]:
+                        sequence.truncate(0)
         finally:
             for sequence in sequences:
                 sequence.release()
@@ -453,8 +465,6 @@ class _Graphs:
     def _record(self, buffer, shape, cache, states):
         if not self.capture:
             return None, buffer, None
-        import sys
-
         inputs = _Step.views(buffer, shape)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
