@@ -251,6 +251,19 @@ def test_a_decoder_compiles_its_forwards_before_its_first_request(model_dirs, ca
     assert plain.target.warm_up(rows=4) == 0.0 and plain.target.compile_seconds == {}
 
 
+def test_a_pool_the_gpu_cannot_hold_is_refused_by_name(monkeypatch):
+    """Its size against the device's free memory, before anything is allocated: what to lower, not an
+    out-of-memory traceback. (An 8B shape's layer: 8 key heads of 128, bfloat16.)"""
+    from specdec.runtime.static import _Pool
+
+    layout = [((1, 8, 1, 128), (1, 8, 1, 128), torch.bfloat16)] * 32
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2_000_000_000, 80_000_000_000))
+    with pytest.raises(SpecDecError, match=r"the static pool \(21 rows × 4112 cells of keys and values\) needs "
+                                           r"11\.3 GB and 2\.0 GB of cuda are free: lower --context or --slots"):
+        _Pool(layout, rows=21, cells=4112, device=torch.device("cuda"))
+    assert _Pool(layout, rows=1, cells=16, device=torch.device("cpu")).bytes(21) == 21 * 16 * (32 * 4096 + 8)
+
+
 def test_models_the_static_slots_cannot_take_are_refused_by_name():
     from transformers import LlamaConfig, MambaConfig
 

@@ -388,12 +388,20 @@ class _Pool:
 
     def __init__(self, layout: list, rows: int, cells: int, device: torch.device):
         self.layout, self.cells, self.device = layout, cells, device
-        # 0, 1, ...: over the cells, a bucket's entries, a word's bits
-        self.index = torch.arange(max(cells, BUCKETS[-1]), device=device)
         self.rows = 0
         self.grow(rows)
+        # 0, 1, ...: over the cells, a bucket's entries, a word's bits
+        self.index = torch.arange(max(cells, BUCKETS[-1]), device=device)
+
+    def bytes(self, rows: int) -> int:
+        """What `rows` rows of keys, values and positions take."""
+        row = sum((k[1] * k[3] + v[1] * v[3]) * dtype.itemsize for k, v, dtype in self.layout) + 8
+        return rows * self.cells * row
 
     def grow(self, rows: int) -> None:
+        """The pool reallocated with `rows` rows, the old rows copied in. A pool that would not fit in the
+        device's free memory is refused by name (the old one, and its rows, stay as they were)."""
+        self._check_room(rows)
         old = (self.keys, self.values, self.positions) if self.rows else None
         self.keys = [torch.zeros(rows, k[1], self.cells, k[3], dtype=dtype, device=self.device)
                      for k, _, dtype in self.layout]
@@ -405,6 +413,16 @@ class _Pool:
                 new[: previous.shape[0]] = previous
         self.rows = rows
         self._caches: dict[int, SlotCache] = {}
+
+    def _check_room(self, rows: int) -> None:
+        if self.device.type != "cuda":
+            return  # the CPU's memory is the machine's: an allocation that fails says so itself
+        free, _ = torch.cuda.mem_get_info(self.device)
+        needed = self.bytes(rows)  # a grown pool is allocated before the old one is freed
+        if needed > free:
+            raise SpecDecError(f"the static pool ({rows} rows × {self.cells} cells of keys and values) needs "
+                               f"{needed / 1e9:.1f} GB and {free / 1e9:.1f} GB of {self.device} are free: lower "
+                               "--context or --slots, or run with --compile off")
 
     def cache(self, rows: int) -> SlotCache:
         if rows not in self._caches:
