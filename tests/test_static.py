@@ -223,6 +223,43 @@ def test_an_iteration_reads_the_device_once(static_llama, load64, model_dirs, mo
         assert Resident.reads == result.stats.target_forwards, (drafter, Resident.reads, result.stats.target_forwards)
 
 
+def test_between_replays_nothing_works_over_a_rows_cells(model_dirs, load64, monkeypatch):
+    """The mask and the cells' positions are built inside the captured forward (`StaticHFModel.step_forward`)
+    from a few integers per row: between two replays no op computes anything as wide as a row's cells (on a
+    GPU each op there is a launch the device waits for), whatever was drafted. (The old path built the mask,
+    [rows, tokens, cells], between them.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    target = static64(model_dirs["llama"], compile="graphs")
+    widths, outside = [], [True]
+
+    class Widths(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if outside[0] and not func.is_view:  # a view (a row of the pool, say) computes nothing
+                widths.extend(tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
+
+    step_forward = target.step_forward
+
+    def captured(*args, **kwargs):
+        outside[0] = False
+        try:
+            return step_forward(*args, **kwargs)
+        finally:
+            outside[0] = True
+
+    monkeypatch.setattr(target, "step_forward", captured)
+    target._runner = None  # made again around the patched forward
+    tree = specdec.ModelDrafter(load64(model_dirs["llama-near"]), tree=specdec.TreeShape(nodes=8))
+    for drafter, gamma in ((None, "auto"), (tree, 3)):
+        decoder = specdec.SpeculativeDecoder(target, drafter, gamma=gamma)
+        with Widths():
+            decoder.generate(PROMPT, max_new_tokens=16, temperature=0)
+    assert widths and not [shape for shape in widths if target.pool.cells in shape]
+
+
 def test_compile_settings(model_dirs, monkeypatch):
     assert type(load_model(model_dirs["llama"], device="cpu")) is HFModel  # auto: eager on the CPU
     assert type(load_model(model_dirs["llama"], device="cpu", compile="off")) is HFModel
