@@ -128,6 +128,19 @@ def test_the_states_heads_read_are_transformers(saved, layers):
     torch.testing.assert_close(our_states, their_states, rtol=1e-10, atol=1e-10)
 
 
+def test_states_of_a_prefill_past_the_largest_bucket(tmp_path):
+    """A prefill chunk of more new entries than a compiled shape holds runs as it comes, states kept too (a
+    head reads them from the prompt's chunks): the fused forward takes the states' kind there as well."""
+    directory = str(save_tiny_model(tmp_path / "qwen3", "qwen3", seed=0, context=160))
+    outputs = []
+    for fused in (True, False):
+        model = pool(directory, fused=fused)
+        model.keep_states(True, layers=(1,))
+        sequence = model.sequence()
+        outputs.append((sequence.forward([i % 7 for i in range(100)]), sequence.states))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("arch", COVERED)
 def test_every_drafter_writes_plain_decodings_greedy_text(arch, saved):
     eager = specdec.load_model(saved[arch], device="cpu", dtype="float64")

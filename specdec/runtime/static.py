@@ -143,8 +143,8 @@ class StaticHFModel(HFModel):
             raise ValueError("a released sequence cannot be fed: its row may be another's now")
         placed = [(feed, *feed.sequence.place(feed.tokens, feed.parents)) for feed in feeds]
         tokens_bucket = _bucket(max(len(tokens) for _, tokens, _, _ in placed))  # beyond the largest: unpadded
-        rows_fit = tokens_bucket in BUCKETS and len(feeds) <= BATCHES[-1]
-        rows = next(b for b in BATCHES if b >= len(feeds)) if rows_fit else len(feeds)
+        compiled = tokens_bucket in BUCKETS and len(feeds) <= BATCHES[-1]  # a shape (rows, tokens, tree words)
+        rows = next(b for b in BATCHES if b >= len(feeds)) if compiled else len(feeds)
         if rows > self.pool.rows:
             self._grow(rows)
         self._to_first_rows([feed.sequence for feed in feeds])
@@ -152,7 +152,7 @@ class StaticHFModel(HFModel):
         inputs, shape = _Step.of(self, by_row, rows, tokens_bucket)
         cache = self.pool.cache(rows)
         began = time.perf_counter()
-        if rows_fit:  # a compiled shape: (rows, tokens, the tree part's words)
+        if compiled:
             first = (rows, tokens_bucket) not in self.compile_seconds
             out = self.runner()(inputs, shape, cache, self.states_kind)
             if first:
