@@ -417,54 +417,59 @@ KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name), first match wins
 
 @section("6-8b-kernels", 240)
 def eight_b_kernels(until: float) -> dict:
-    """Where a one-token step of the 8B shape goes. Kernel by kernel (torch.profiler, the pool's forward
-    launched eagerly: each kernel's device time is what it is inside a graph), transformers' forward against
-    the fused one compiled at each scope (`fused.SCOPES`), with the weights' bytes against the matrix
-    products' time; then each fused scope's step in graphs three ways (`step_parts`), which splits what is
-    not kernels into the gaps between them and the host's work, and which scope the default should keep."""
+    """Where a one-token step of the 8B shape goes. First each fused scope's step (`fused.SCOPES`) in graphs
+    three ways (`step_parts`), which splits what is not kernels into the gaps between them and the host's
+    work and says which scope the default should keep; then kernel by kernel (torch.profiler, the pool's
+    forward launched eagerly: each kernel's device time is what it is inside a graph), each fused scope and,
+    last (measured before, 997bfce), transformers' forward, with the weights' bytes against the matrix
+    products' time."""
     from specdec.runtime.fused import SCOPES
 
     model, tokenizer = shaped()
-    results = {}
-    for label, scope in [("transformers forward", None)] + [(f"fused, {scope}", scope) for scope in SCOPES]:
-        if time.monotonic() > until - 20:
-            break
-        static = fused_pool(model, tokenizer, "static", scope)
-        sequence = static.sequence()
-        try:
-            sequence.forward(fresh_prompts(8192, (128,))[0], on_device=True)
-            for _ in range(3):  # warm: Inductor compiles its kernels for this shape
-                sequence.forward([5], on_device=True)
-            steps = 8
-            with torch.profiler.profile(activities=PROFILED) as profile:
-                for _ in range(steps):
-                    sequence.forward([5], on_device=True)
-                synchronize(DEVICE)
-        finally:
-            sequence.release()
-        results[label] = kernel_kinds(profile, steps, static.weight_bytes)
-        sort = "self_device_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
-        table = profile.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70)
-        with open(OUT / "profiles.txt", "a") as tables:
-            tables.write(f"## 8B shape, one-token step, {label} ({steps} steps)\n{table}\n")
-    lines = ["| kind | " + " | ".join(f"{label}: us/step, kernels/step" for label in results) + " |",
-             "| --- |" + " ---: |" * len(results)]
-    kinds = dict.fromkeys(kind for by_kind in results.values() for kind in by_kind["by kind"])
-    for kind in kinds:
-        lines.append(f"| {kind} | " + " | ".join(
-            "{:.0f}, {:.0f}".format(*r["by kind"].get(kind, (0, 0))) for r in results.values()) + " |")
-    note("## 6. 8B shape, one step's kernels\n" + "\n".join(lines) + "\n\n" + json.dumps(
-        {label: {k: v for k, v in r.items() if k != "by kind"} for label, r in results.items()}, indent=1))
-    texts = {}
+    results, texts = {}, {}
     for scope in SCOPES:
-        if time.monotonic() < until - 40:
+        if time.monotonic() < until - 60:
             parts, texts[scope] = step_parts(fused_pool(model, tokenizer, COMPILE, scope))
             results[f"fused, {scope}: step parts"] = parts
             note(f"- 6. fused, {scope}, in graphs: " + json.dumps(parts))
     if len(texts) == len(SCOPES):
         equal = results["scopes' greedy texts equal"] = len({tuple(text) for text in texts.values()}) == 1
         note(f"- 6. the scopes' greedy texts equal: {equal}")
-    return results
+    kernels = {}
+    for label, scope in [(f"fused, {scope}", scope) for scope in SCOPES] + [("transformers forward", None)]:
+        if time.monotonic() > until - 20:
+            break
+        kernels[label] = step_kernels(fused_pool(model, tokenizer, "static", scope), label)
+    lines = ["| kind | " + " | ".join(f"{label}: us/step, kernels/step" for label in kernels) + " |",
+             "| --- |" + " ---: |" * len(kernels)]
+    kinds = dict.fromkeys(kind for by_kind in kernels.values() for kind in by_kind["by kind"])
+    for kind in kinds:
+        lines.append(f"| {kind} | " + " | ".join(
+            "{:.0f}, {:.0f}".format(*r["by kind"].get(kind, (0, 0))) for r in kernels.values()) + " |")
+    note("## 6. 8B shape, one step's kernels\n" + "\n".join(lines) + "\n\n" + json.dumps(
+        {label: {k: v for k, v in r.items() if k != "by kind"} for label, r in kernels.items()}, indent=1))
+    return results | kernels
+
+
+def step_kernels(static: StaticHFModel, label: str, steps: int = 8) -> dict:
+    """A one-token step's kernels by kind (`kernel_kinds`), its forward launched eagerly (backend "static");
+    the profiler's table appended to profiles.txt."""
+    sequence = static.sequence()
+    try:
+        sequence.forward(fresh_prompts(8192, (128,))[0], on_device=True)
+        for _ in range(3):  # warm: Inductor compiles its kernels for this shape
+            sequence.forward([5], on_device=True)
+        with torch.profiler.profile(activities=PROFILED) as profile:
+            for _ in range(steps):
+                sequence.forward([5], on_device=True)
+            synchronize(DEVICE)
+    finally:
+        sequence.release()
+    sort = "self_device_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+    table = profile.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70)
+    with open(OUT / "profiles.txt", "a") as tables:
+        tables.write(f"## 8B shape, one-token step, {label} ({steps} steps)\n{table}\n")
+    return kernel_kinds(profile, steps, static.weight_bytes)
 
 
 def fused_pool(model, tokenizer, backend: str, scope: str | None) -> StaticHFModel:
