@@ -77,10 +77,12 @@ def build_decoder(config: DecoderConfig, prepare: bool = True) -> SpeculativeDec
         parts.ngram = KatzTrigram.load(spec.ngram)
     if config.chat_template is not None:
         target.tokenizer.chat_template = config.chat_template
+    drafter = assemble(spec, parts)
+    if drafter is not None and drafter.reads_target_states:  # as the engine will: graphs are keyed by the states
+        target.keep_states(layers=drafter.state_layers)
     for role, model in (("target", target), ("draft model", parts.draft)):
         if model is not None:
             warmed(model, role, config.slots)
-    drafter = assemble(spec, parts)
     return SpeculativeDecoder(target, drafter, config.gamma, config.explore, history=history(config, drafter),
                               prefix_cache=config.prefix_cache, share_acceptance=config.share_acceptance,
                               prepare=prepare)

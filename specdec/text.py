@@ -7,6 +7,8 @@ on the prompt's last tokens.
 
 from __future__ import annotations
 
+import re
+
 from specdec.errors import SpecDecError
 
 
@@ -28,6 +30,9 @@ def continuation_decoder(tokenizer, prompt_ids: list[int]):
     return decode_text
 
 
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte fallback (Llama 2, Mistral, Gemma)
+
+
 class GrowingText:
     """The text of a growing list of generated ids as it reads after the prompt (`continuation_decoder`'s),
     from a decode of its last ids only: once the unfixed ids reach 4 × WINDOW, the text of all but the last
@@ -46,6 +51,7 @@ class GrowingText:
         # a clean-up of spaces before punctuation reaches back across any split (" " then "." reads "."): whole
         never = getattr(tokenizer, "clean_up_tokenization_spaces", False)
         self._next_split = float("inf") if never else 4 * self.WINDOW
+        self._bytes: dict[int, bool] = {}  # id -> whether it is a byte-fallback piece
 
     def text(self, tokens: list[int]) -> str:
         """The text of `tokens`: the generated ids, or a prefix of them (one shorter than the fixed ones is
@@ -58,6 +64,11 @@ class GrowingText:
         return text
 
     def _split(self, tokens: list[int], at: int, text: str) -> None:
+        if self._byte(tokens[at - 1]) and self._byte(tokens[at]):
+            # a byte-fallback decoder reads a run of byte tokens whole: a later invalid byte turns the run's
+            # earlier characters into U+FFFD too, so a run may not straddle the split
+            self._next_split = len(tokens) + 1
+            return
         head = self._tail(tokens[self._fixed : at])
         after = continuation_decoder(self.tokenizer, (self._prompt_tail + tokens[:at])[-4:])
         # a character, or a merge of the decoder's, spans the split: wait for more ids
@@ -66,6 +77,13 @@ class GrowingText:
             return
         self._fixed, self._fixed_text, self._tail = at, self._fixed_text + head, after
         self._next_split = at + 4 * self.WINDOW
+
+
+    def _byte(self, token: int) -> bool:
+        if token not in self._bytes:
+            pieces = getattr(self.tokenizer, "convert_ids_to_tokens", None)  # a tokenizer without pieces has none
+            self._bytes[token] = bool(pieces) and bool(_BYTE_PIECE.fullmatch(str(pieces(token))))
+        return self._bytes[token]
 
 
 def continuation_ids(tokenizer, anchor: list[int], text: str) -> list[int]:

@@ -362,6 +362,20 @@ def test_greedy_speculation_with_a_head_equals_plain_greedy_transformers(hf_head
     assert decoder.generate([1, 2, 3], max_new_tokens=20, temperature=0).tokens == reference_greedy(target, [1, 2, 3], 20)
 
 
+def test_a_decoder_with_a_head_warms_the_graphs_its_requests_replay(hf_head, model_dirs, monkeypatch):
+    """The pool's graphs are keyed by the states kind the head makes the target keep: the builder turns it on
+    before it warms them (here the CPU's graphs, uncaptured, warmed as a GPU's are), so a request captures none."""
+    from specdec.runtime.static import StaticHFModel
+
+    monkeypatch.setattr(StaticHFModel, "compiles", property(lambda self: True))
+    _, _, directory = hf_head
+    decoder = specdec.load(model_dirs["llama"], draft=str(directory), gamma=3, dtype="float64", compile="graphs")
+    warmed = set(decoder.target.runner().shapes)
+    assert warmed and {states for _, _, states in warmed} == {decoder.target.states_kind} != {None}
+    decoder.generate([1, 2, 3, 5, 9], max_new_tokens=12, temperature=0)
+    assert set(decoder.target.runner().shapes) == warmed
+
+
 # ------------------------------------------------------------------------------ the architecture matrix
 
 MATRIX_PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]  # repeats: prompt lookup has drafts to offer

@@ -273,7 +273,7 @@ def test_compile_settings(model_dirs, monkeypatch):
         load_model("x.gguf", compile="on")
 
 
-def test_a_decoder_compiles_its_forwards_before_its_first_request(model_dirs, capsys):
+def test_a_decoder_compiles_its_forwards_before_its_first_request(model_dirs, capsys, monkeypatch):
     """A decoder built on a pool that compiles (traced here: aot_eager; on a GPU, CUDA graphs) compiles
     every token bucket of every batch bucket its slots may fill before it is handed out, and says how long it
     took; a pool that compiles nothing (the CPU's graphs: no capture) is not run to warm it."""
@@ -286,6 +286,11 @@ def test_a_decoder_compiles_its_forwards_before_its_first_request(model_dirs, ca
     plain = specdec.load(model_dirs["llama"], backend="transformers", device="cpu", compile="graphs", plain=True)
     assert plain.target.compile_seconds == {} and "compiled" not in capsys.readouterr().err
     assert plain.target.warm_up(rows=4) == 0.0 and plain.target.compile_seconds == {}
+    # warmed for 9 rows, as a GPU warms it (the CPU's graphs, uncaptured): a batch of 9 pads to 16 rows, and the
+    # pool grows to those, not to twice what it held whenever a sequence found it full
+    monkeypatch.setattr(StaticHFModel, "compiles", property(lambda self: True))
+    pool = plain.target.pool
+    assert pool.rows < 16 and plain.target.warm_up(rows=9, tokens=(1,)) > 0 and pool.rows == 16
 
 
 def test_a_pool_the_gpu_cannot_hold_is_refused_by_name(monkeypatch):

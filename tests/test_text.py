@@ -65,6 +65,23 @@ def test_text_decoded_a_window_at_a_time_is_the_whole_decode(tokenizer, data):
     assert growing.text(ids[: count // 2]) == whole(ids[: count // 2])  # a prefix (a stop string's cut)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(20, 40), st.lists(st.integers(1, 6), min_size=1, max_size=8), st.booleans())
+def test_a_run_of_byte_tokens_is_never_split(count, steps, dangling):
+    """A byte-fallback decoder reads a run of byte tokens whole: one invalid byte at its end (a generation
+    cut mid-character) turns every character of the run into U+FFFD, so no split may fall inside a run."""
+    tokenizer = sentencepiece_like()
+    byte = [tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)]
+    ids = [byte[b] for b in "".join(chr(0x1F600 + i % 40) for i in range(count)).encode()]  # not in its vocabulary
+    ids += [byte[0xF0]] if dangling else tokenizer.encode(" the end", add_special_tokens=False)
+    prompt = tokenizer.encode("said the model", add_special_tokens=False)
+    growing, whole = GrowingText(tokenizer, prompt), continuation_decoder(tokenizer, prompt)
+    fed = 0
+    for step in (steps * len(ids))[: len(ids)]:
+        fed = min(len(ids), fed + step)
+        assert growing.text(ids[:fed]) == whole(ids[:fed])
+
+
 def test_most_of_a_long_text_is_decoded_once():
     """After 1,000 ids a step decodes at most 4 windows of them (`GrowingText.WINDOW`), not all of them."""
     tokenizer = demo_tokenizer()

@@ -273,7 +273,8 @@ def add_normed(hidden, delta, delta_weight, delta_eps: float, weight, eps: float
 
 
 def _norm(module) -> tuple[torch.Tensor, float]:
-    return module.weight, getattr(module, "variance_epsilon", None) or module.eps
+    eps = getattr(module, "variance_epsilon", None)
+    return module.weight, module.eps if eps is None else eps
 
 
 def gated(gate_up, activation=F.silu):

@@ -118,6 +118,9 @@ class StaticHFModel(HFModel):
         started = time.perf_counter()
         top = next((b for b in BATCHES if b >= rows), BATCHES[-1])  # past the largest, batches run eagerly
         shapes = [(batch, bucket) for batch in BATCHES if batch <= top for bucket in tokens if bucket <= self.capacity]
+        free = self._holders.count(None)
+        if free < top:  # grown to what the batch needs (a sequence asked of a full pool doubles it)
+            self._grow(self.pool.rows + top - free)
         sequences = [self.sequence() for _ in range(top)]  # before any capture: a pool that grows captures again
         try:
             for batch, bucket in tqdm(shapes, desc="compiling the pool's forwards", unit="shape", leave=False,
@@ -418,6 +421,8 @@ class _Pool:
         if self.device.type != "cuda":
             return  # the CPU's memory is the machine's: an allocation that fails says so itself
         free, _ = torch.cuda.mem_get_info(self.device)
+        # and what torch's allocator holds but no tensor uses: it allocates from that first
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         needed = self.bytes(rows)  # a grown pool is allocated before the old one is freed
         if needed > free:
             raise SpecDecError(f"the static pool ({rows} rows × {self.cells} cells of keys and values) needs "
