@@ -13,6 +13,7 @@ from typing import Callable
 from specdec.config import DecoderConfig, DrafterSpec
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters import AutoDrafter, Drafter, History, ModelDrafter, NgramDrafter, PromptLookupDrafter
+from specdec.engine import keep_target_states
 from specdec.errors import SpecDecError
 from specdec.katz import KatzTrigram
 from specdec.runtime import CausalLM, choose_backend, load_draft, load_model
@@ -78,8 +79,7 @@ def build_decoder(config: DecoderConfig, prepare: bool = True) -> SpeculativeDec
     if config.chat_template is not None:
         target.tokenizer.chat_template = config.chat_template
     drafter = assemble(spec, parts)
-    if drafter is not None and drafter.reads_target_states:  # as the engine will: graphs are keyed by the states
-        target.keep_states(layers=drafter.state_layers)
+    keep_target_states(target, drafter)  # before the warm-up, as every engine will: graphs are keyed by the states
     for role, model in (("target", target), ("draft model", parts.draft)):
         if model is not None:
             warmed(model, role, config.slots)

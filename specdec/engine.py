@@ -102,11 +102,7 @@ class Engine:
         """prefixes: finished generations' target sequences, kept; a new one starts from the
         longest prefix it shares with them."""
         self.target, self.drafter, self.prefixes = target, drafter, prefixes
-        # a draft head reads the target's states of what was verified (`Drafter.observe`): the final
-        # norm's, or the inputs of the layers it names (an EAGLE-3 head)
-        self.reads_states = drafter is not None and drafter.reads_target_states
-        if self.reads_states:
-            target.keep_states(layers=drafter.state_layers)
+        self.reads_states = keep_target_states(target, drafter)
 
     def open(self, state: DecodeState) -> None:
         """Start a generation with its prompt prefilled."""
@@ -292,6 +288,15 @@ class Engine:
         if step.finish_reason is None and state.draft_slot is not None:
             self.drafter.accept(state.draft_slot, step.tokens)
         return step
+
+
+def keep_target_states(target: CausalLM, drafter: Drafter | None) -> bool:
+    """Turn on the target's states the drafter reads of what was verified (`Drafter.observe`: a draft head's,
+    the final norm's; an EAGLE-3 head's, the inputs of the layers it names); whether it reads any."""
+    reads = drafter is not None and drafter.reads_target_states
+    if reads:
+        target.keep_states(layers=drafter.state_layers)
+    return reads
 
 
 def _checked(draft: Draft, gamma: int, vocab_size: int, sampling: SamplingParams) -> Draft:

@@ -78,8 +78,8 @@ class GrowingText:
         self._fixed, self._fixed_text, self._tail = at, self._fixed_text + head, after
         self._next_split = at + 4 * self.WINDOW
 
-
     def _byte(self, token: int) -> bool:
+        """Whether the id is a byte-fallback piece ("<0xE2>"), asked of the tokenizer once per id."""
         if token not in self._bytes:
             pieces = getattr(self.tokenizer, "convert_ids_to_tokens", None)  # a tokenizer without pieces has none
             self._bytes[token] = bool(pieces) and bool(_BYTE_PIECE.fullmatch(str(pieces(token))))
