@@ -162,8 +162,7 @@ class StaticHFModel(HFModel):
                 base.synchronize(self.torch_device)
                 self.compile_seconds[(rows, tokens_bucket)] = time.perf_counter() - began
         else:
-            inputs = _Step.views(self._upload([inputs]), shape)
-            out = self.step_forward(*inputs, cache, self.states_kind, bucketed=False)
+            out = self.step_forward(*self._uploaded(inputs, shape), cache, self.states_kind, bucketed=False)
         return self._results(placed, out)
 
     def _results(self, placed, out) -> list[torch.Tensor]:
@@ -208,7 +207,11 @@ class StaticHFModel(HFModel):
             inductor = self.compile_backend == "inductor"
             mode = "reduce-overhead" if inductor and self.torch_device.type == "cuda" else None
             step = torch.compile(step, mode=mode, dynamic=False, backend=self.compile_backend)
-        return lambda inputs, shape, cache, states: step(*_Step.views(self._upload([inputs]), shape), cache, states)
+        return lambda inputs, shape, cache, states: step(*self._uploaded(inputs, shape), cache, states)
+
+    def _uploaded(self, inputs: torch.Tensor, shape: tuple[int, int, int]) -> tuple[torch.Tensor, ...]:
+        """A `_Step`'s host inputs on the device, as `_Step.views` (a forward without a graph's own buffer)."""
+        return _Step.views(self._upload([inputs]), shape)
 
     def step_forward(self, tokens, positions, slots, trunks, counts, tree, cache, states=None, bucketed: bool = True):
         """A forward from its `_Step`'s inputs on the device alone (what a graph captures): the new cells'
