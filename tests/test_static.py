@@ -9,6 +9,8 @@ torch.compile without code generation ("aot_eager"), which is what a graph would
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -304,6 +306,68 @@ def test_a_pool_the_gpu_cannot_hold_is_refused_by_name(monkeypatch):
                                            r"11\.3 GB and 2\.0 GB of cuda are free: lower --context or --slots"):
         _Pool(layout, rows=21, cells=4112, device=torch.device("cuda"))
     assert _Pool(layout, rows=1, cells=16, device=torch.device("cpu")).bytes(21) == 21 * 16 * (32 * 4096 + 8)
+
+
+class FakeCuda:
+    """torch.cuda's streams as they behave, without a GPU: a stream belongs to the device it is made on (the
+    current device unless named); `stream(s)` makes s current on its device; `graph` captures the kernels
+    launched on its capture stream (one of the current device unless given). `ran`: for each forward, the
+    stream current on the pool's device (its kernels go there) and the stream capturing, if any."""
+
+    def __init__(self, monkeypatch, pool_device: torch.device):
+        self.current_device, self.pool_device = torch.device("cuda", 0), pool_device
+        self.current: dict[torch.device, object] = {}
+        self.capturing, self.ran = None, []
+        for name in ("Stream", "current_stream", "stream", "graph", "CUDAGraph", "graph_pool_handle"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+
+    def Stream(self, device=None):
+        stream = type("Stream", (), {"wait_stream": lambda self, other: None})()
+        stream.device = torch.device(device) if device is not None else self.current_device
+        return stream
+
+    def current_stream(self, device=None):
+        device = torch.device(device) if device is not None else self.current_device
+        return self.current.setdefault(device, self.Stream(device))
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        previous = self.current_stream(stream.device)
+        self.current[stream.device] = stream
+        yield
+        self.current[stream.device] = previous
+
+    @contextlib.contextmanager
+    def graph(self, graph, pool=None, stream=None):
+        self.capturing = stream if stream is not None else self.Stream()
+        with self.stream(self.capturing):
+            yield
+        self.capturing = None
+
+    def CUDAGraph(self):
+        return type("CUDAGraph", (), {"replay": lambda self: None})()
+
+    def graph_pool_handle(self):
+        return None
+
+    def forward(self, *inputs):
+        self.ran.append((self.current_stream(self.pool_device), self.capturing))
+        return torch.zeros(1)
+
+
+def test_a_pool_on_a_second_gpu_captures_its_graphs_there(monkeypatch):
+    """A pool on cuda:1 while cuda:0 is current: its graphs' warm-up runs and capture run on streams of
+    cuda:1. On a stream of the current device a capture records none of the forward's kernels, and every
+    replay returns the capture's output again. (torch.cuda faked: `FakeCuda`.)"""
+    from specdec.runtime.static import _Graphs, _Uploader
+
+    cuda = FakeCuda(monkeypatch, torch.device("cuda", 1))
+    graphs = _Graphs(cuda.forward, _Uploader(torch.device("cpu")), capture_on=cuda.pool_device)
+    graphs(torch.arange(6), (1, 1, 1), cache=None)
+    (*warm_ups, (stream, capturing)) = cuda.ran
+    assert capturing is not None and stream is capturing  # the forward's kernels were captured
+    default = cuda.current_stream(cuda.pool_device)
+    assert warm_ups and all(s.device == cuda.pool_device and s is not default and not c for s, c in warm_ups)
 
 
 def test_models_the_static_slots_cannot_take_are_refused_by_name():

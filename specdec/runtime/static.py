@@ -198,7 +198,8 @@ class StaticHFModel(HFModel):
 
     def _compiled(self):
         if self.compile_backend == "graphs":
-            return _Graphs(self.step_forward, self._upload, capture=self.torch_device.type == "cuda")
+            return _Graphs(self.step_forward, self._upload,
+                           capture_on=self.torch_device if self.torch_device.type == "cuda" else None)
         step = self.step_forward
         if self.compile_backend != "static":
             # every model's every shape is an entry of `step_forward`'s code: past dynamo's limit (8 by
@@ -467,12 +468,13 @@ class _Graphs:
     (`StaticHFModel.step_forward`: positions, mask, model) from it; the weights and the pool are read where
     they are (torch.compile's "cudagraphs" backend instead copied every weight and the whole pool in as
     inputs before each replay). A shape whose forward cannot be captured (a host sync inside the
-    model) runs eagerly, said once on stderr. capture=False (the CPU): the same buffers, no graph."""
+    model) runs eagerly, said once on stderr. capture_on: the pool's CUDA device, whose streams capture the
+    graphs (it need not be the current device: cuda:1); None (the CPU): the same buffers, no graph."""
 
-    def __init__(self, forward, upload: _Uploader, capture: bool):
-        self.forward, self.upload, self.capture = forward, upload, capture
+    def __init__(self, forward, upload: _Uploader, capture_on: torch.device | None):
+        self.forward, self.upload, self.capture_on = forward, upload, capture_on
         self.shapes: dict[tuple, tuple] = {}  # shape -> (graph or None, input buffer, output)
-        self.memory = torch.cuda.graph_pool_handle() if capture else None
+        self.memory = torch.cuda.graph_pool_handle() if capture_on is not None else None
 
     def __call__(self, inputs: torch.Tensor, shape: tuple[int, int, int], cache, states=None):
         key = (shape, id(cache), states)  # with states (their kind) the graph has a second output
@@ -489,21 +491,23 @@ class _Graphs:
         return output
 
     def _record(self, buffer, shape, cache, states):
-        if not self.capture:
+        if self.capture_on is None:
             return None, buffer, None
         inputs = _Step.views(buffer, shape)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+        # both streams of the pool's device: a capture on a stream of another (the current) device records
+        # none of the forward's kernels, and every replay would return the capture's output again
+        main, side = torch.cuda.current_stream(self.capture_on), torch.cuda.Stream(self.capture_on)
+        side.wait_stream(main)
         try:
             with torch.cuda.stream(side):  # warm-up runs write what the replay writes: the same keys at the same cells
                 for _ in range(2):
                     self.forward(*inputs, cache, states)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.memory):
+            main.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()  # a replay runs on its capture stream's device (torch guards it)
+            with torch.cuda.graph(graph, pool=self.memory, stream=side):
                 output = self.forward(*inputs, cache, states)
         except RuntimeError as error:
-            torch.cuda.current_stream().wait_stream(side)
+            main.wait_stream(side)
             print(f"specdec: a forward of shape {shape} runs without a CUDA graph: "
                   f"{' '.join(str(error).split())[:200]}",
                   file=sys.stderr)
