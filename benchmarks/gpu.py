@@ -21,7 +21,8 @@ Sections:
 7. drafting beside the 8B shape: a 1B-shaped draft model's step and an EAGLE-3 head's level against the
    target's, and the speedups Leviathan's formula gives for acceptance rates measured on the CPU;
 8. every family the fused forward covers, on the device's compiled kernels: a random model of each (float32),
-   its logits and greedy text against transformers' forward on the same pool, and t(1) both ways.
+   its logits and greedy text against transformers' forward on the same pool, and t(1) both ways;
+9. the 8B shape's one-token step at each context (cells per row), against the bytes a row's cells hold.
 """
 
 from __future__ import annotations
@@ -740,6 +741,35 @@ def families(until: float) -> dict:
     return results
 
 
+CONTEXTS = (1024, 4096, 16384, 32768)  # cells per row (`--context`); 4096 is the default
+
+
+@section("9-8b-context", 120)
+def eight_b_context(until: float) -> dict:
+    """What a row's context costs the 8B shape's one-token step: the pool's attention reads every cell of a
+    row each step, used or not. t(1) on the fused pool at each context (199 cells used) against the
+    smallest, beside the bytes a row's cells hold against the weights': what length buckets, or a decoding
+    attention kernel that reads a row's own length, would win."""
+    model, tokenizer = shaped()
+    results = {}
+    for context in (256, 512, 1024) if SMALL else CONTEXTS:
+        if time.monotonic() > until - 20:
+            note(f"- 9. context {context}: skipped (time)")
+            break
+        pool = StaticHFModel(model, tokenizer, "8B-shaped", context=context, rows=1, fused=True)
+        pool.warm_up(tokens=(1,))
+        results[context] = {"t(1) ms": verify_costs(pool, (1,))["t(1) ms"],
+                            "a row's cells / weights": round(pool.pool.bytes(1) / pool.weight_bytes, 3)}
+        del pool
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    smallest = next(iter(results.values()), {}).get("t(1) ms")
+    for row in results.values():
+        row["t(1) / the smallest context's"] = round(row["t(1) ms"] / smallest, 3)
+    note("## 9. The 8B shape's step by context (cells per row)\n" + json.dumps(results, indent=1))
+    return results
+
+
 def read_bandwidth() -> float:
     """GB/s of summing a large buffer on the device."""
     size = (64 if SMALL else 4096) * 2**20
@@ -759,6 +789,6 @@ if __name__ == "__main__":
     card = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU rehearsal"
     note(f"# GPU check: {card}, torch {torch.__version__}, compile backend {COMPILE}, {time.strftime('%Y-%m-%d %H:%M')}")
     chosen = os.environ.get("ONLY")  # e.g. ONLY=3: the sections whose names start so
-    for name, limit_s, function in sorted(SECTIONS, key=lambda entry: "16372458".index(entry[0][0])):  # the 8B shape second, Inductor last
+    for name, limit_s, function in sorted(SECTIONS, key=lambda entry: "163724589".index(entry[0][0])):  # the 8B shape second, Inductor last
         if chosen is None or name.startswith(tuple(chosen.split(","))):
             run_section(name, limit_s, function)
