@@ -608,7 +608,8 @@ def random_llama(shape: dict, tied: bool):
     """A random Llama of these shapes on the device, bf16 (float32 in the rehearsal), sdpa attention."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**shape, max_position_embeddings=2048, tie_word_embeddings=tied, rope_theta=500000.0,
+    # positions up to the longest context section 9 asks for (a pool's rows are cut to the model's maximum)
+    config = LlamaConfig(**shape, max_position_embeddings=max(CONTEXTS), tie_word_embeddings=tied, rope_theta=500000.0,
                          eos_token_id=None, pad_token_id=0, bos_token_id=None, attn_implementation="sdpa")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32 if SMALL else torch.bfloat16)
@@ -757,6 +758,7 @@ def eight_b_context(until: float) -> dict:
             note(f"- 9. context {context}: skipped (time)")
             break
         pool = StaticHFModel(model, tokenizer, "8B-shaped", context=context, rows=1, fused=True)
+        assert pool.capacity == context, f"a pool of {pool.capacity} cells a row for a context of {context}"
         pool.warm_up(tokens=(1,))
         results[context] = {"t(1) ms": verify_costs(pool, (1,))["t(1) ms"],
                             "a row's cells / weights": round(pool.pool.bytes(1) / pool.weight_bytes, 3)}
