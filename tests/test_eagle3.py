@@ -548,3 +548,54 @@ def test_the_cli_trains_an_eagle3_head_that_generate_takes_and_resumes(tiny_targ
     again = subprocess.run(command[:-8] + ["--steps", "9"] + command[-6:], capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads((out / "eagle3.json").read_text())["steps"] == 9
+
+
+# ------------------------------------------------------------------------------ where it computes
+
+
+def test_in_bfloat16_the_heads_rotary_frequencies_stay_float32(hf_eagle3, tiny_target):
+    """Beside a bfloat16 target the head computes in bfloat16, but its rotary frequencies stay as trained
+    (float32, as transformers keeps a model's): rounded, a position's angle drifts by radians within a
+    few thousand positions."""
+    target_dir, _ = tiny_target
+    _, draft, directory = hf_eagle3
+    half = load_draft(directory, specdec.load_model(target_dir, device="cpu", dtype="bfloat16"))
+    assert half.net.dtype == torch.bfloat16
+    for name, frequencies in draft.net.rotary.named_buffers():
+        kept = getattr(half.net.rotary, name)
+        assert kept.dtype == torch.float32 and torch.equal(kept, frequencies.float()), name
+    position = torch.tensor([[3000]])
+    cos, _ = half.net.rotary(torch.zeros(1, 1, 1, dtype=torch.float32), position)
+    want, _ = draft.net.rotary(torch.zeros(1, 1, 1, dtype=torch.float32), position)
+    torch.testing.assert_close(cos, want.float(), rtol=0, atol=1e-5)
+
+
+def test_the_head_computes_on_its_targets_device(hf_eagle3, monkeypatch):
+    """Beside a target on a GPU the head computes there, the states the target reports moved to it and its
+    logits brought back to the host. Checked on the "meta" device, which holds no data and mixes with no
+    other device: any tensor of a level left on the CPU (a token, a position, the mask, a cache row, a
+    state) fails the forward. A prefill, a tree, a kept path and its nodes read again, as a generation
+    runs them."""
+    from specdec.runtime import eagle3
+
+    target, draft, _ = hf_eagle3
+    net = eagle3.Eagle3Net(draft.net.config, draft.net.embed_tokens)
+    head_model = Eagle3Model(net, target, draft.state_layers, device=torch.device("meta"), dtype=torch.float32)
+    assert (head_model.device, head_model.on_gpu, head_model.columns.device.type) == ("meta", False, "cpu")
+    returned = []
+
+    def to_host(logits):
+        returned.append(logits.device.type)
+        return torch.zeros(logits.shape)
+    monkeypatch.setattr(eagle3, "_to_host", to_host)
+    states = lambda n: torch.zeros(n, 3 * target.hidden_size, dtype=torch.float64)  # from the host, as a prefill's
+    prefix, path = [1, 2, 3, 1, 5, 9], [2, 6, 5]
+    s = len(prefix) - 1
+    head = head_model.sequence()
+    head.observe(0, states(s))
+    head.forward(prefix[:-1])
+    head.forward(prefix[-1:] + path + [7], [s - 1, s, s + 1, s + 2, s + 1])
+    head.keep(len(prefix), [s + 1, s + 2])
+    head.observe(s, states(3).to("meta"))  # a verify's, on the target's device
+    assert head.forward([path[2], 4]).shape == (2, len(head_model.columns))
+    assert returned == ["meta"] * 3

@@ -179,6 +179,16 @@ class Eagle3Net(nn.Module):
         """What it computes in (its norms' weights, never quantized)."""
         return self.norm.weight.dtype
 
+    def placed(self, device: torch.device, dtype: torch.dtype) -> Eagle3Net:
+        """Itself on `device`, computing in `dtype`, its rotary frequencies kept in float32 as transformers
+        keeps a model's (rounded to bfloat16 they are off by up to 2e-3: a position's angle by radians
+        within a few thousand positions, unlike the head's training in float32)."""
+        frequencies = {name: buffer.detach().clone().float() for name, buffer in self.rotary.named_buffers()}
+        self.to(device=device, dtype=dtype)
+        for name, buffer in frequencies.items():
+            setattr(self.rotary, name, buffer.to(device))
+        return self
+
     def fuse(self, states: torch.Tensor) -> torch.Tensor:
         """[n, 3 * target hidden] states at the target's three layers -> [n, hidden] features."""
         return self.fc(states.to(self.dtype))
@@ -243,8 +253,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def load_eagle3(directory: str | Path, target: base.CausalLM) -> Eagle3Model:
     """The head in `directory` for `target`, checked against it (shapes, vocabulary, layers). It computes
-    in a torch target's own precision, and beside llama.cpp in bfloat16 where the CPU multiplies it
-    natively (a draft level then reads half the bytes), else float32."""
+    on a torch target's device (a GPU's too: on the host a level of an 8B target's head would cost
+    several of the target's steps) in its own precision, and beside llama.cpp on the CPU in bfloat16
+    where the CPU multiplies it natively (a draft level then reads half the bytes), else float32."""
     directory = Path(directory)
     dtype = getattr(target, "torch_dtype", None) or inference_dtype()
     config = read_config(directory)
@@ -268,7 +279,7 @@ def load_eagle3(directory: str | Path, target: base.CausalLM) -> Eagle3Model:
     if missing or unexpected:
         raise SpecDecError(f"the EAGLE-3 head {directory}: tensors missing {missing or 'none'}, "
                            f"not understood {unexpected or 'none'}")
-    model = Eagle3Model(net.to(dtype).eval(), target, layers, str(directory))
+    model = Eagle3Model(net.eval(), target, layers, str(directory), torch.device(target.device), dtype)
     if target.backend == "llamacpp":  # beside llama.cpp, on the CPU: its matrices in Q8_0 where the kernel runs
         model.quantize()
     return model
@@ -338,7 +349,6 @@ class Eagle3Model:
 
     backend = "eagle3"
     peer_kind = None  # specdec's own loop runs it
-    device, on_gpu = "cpu", False
     tree_tolerance = 1e-4
     spare_cells = spare_sequences = None
     device_logits = False
@@ -351,12 +361,18 @@ class Eagle3Model:
     times_ops = False
     layer_count = 0
 
-    def __init__(self, net: Eagle3Net, target: base.CausalLM, layers: tuple[int, ...], path: str = ""):
-        self.net, self.path, self.state_layers = net, path, tuple(layers)
+    def __init__(self, net: Eagle3Net, target: base.CausalLM, layers: tuple[int, ...], path: str = "",
+                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+        """net: placed on `device` (its target's: a GPU's too) in `dtype` (None: where and as it is)."""
         config = net.config
+        self.columns = torch.arange(config.draft_vocab) + net.d2t.cpu()  # [draft vocab]: each column's target id
+        self.net = net.placed(device or net.norm.weight.device, dtype or net.dtype)
+        self.path, self.state_layers = path, tuple(layers)
+        # where it computes; its logits come back to the host
+        self.torch_device = net.norm.weight.device
+        self.device, self.on_gpu = str(self.torch_device), self.torch_device.type == "cuda"
         self.tokenizer, self.max_length, self.vocab_size = target.tokenizer, target.max_length, target.vocab_size
         self.hidden_size = config.hidden
-        self.columns = torch.arange(config.draft_vocab) + net.d2t  # [draft vocab]: each logit column's target id
         self.stop_token_ids = frozenset(int(t) for t in self.columns if int(t) in target.stop_token_ids)
         self.parameters = sum(p.numel() for p in net.parameters())
         self.dtype = str(net.dtype).removeprefix("torch.")
@@ -412,9 +428,8 @@ class Eagle3Sequence(SequenceEntries):
     def __init__(self, owner: Eagle3Model):
         super().__init__(owner)
         config = owner.net.config
-        dtype = owner.net.dtype
-        self.keys = torch.zeros(0, config.kv_heads, config.head_dim, dtype=dtype)
-        self.values = torch.zeros(0, config.kv_heads, config.head_dim, dtype=dtype)
+        self.keys = torch.zeros(0, config.kv_heads, config.head_dim, dtype=owner.net.dtype, device=owner.torch_device)
+        self.values = torch.zeros_like(self.keys)
         self.outputs: list[torch.Tensor | None] = []  # [hidden] before the final norm, per entry
         self.read_target: list[bool] = []  # its input was the target's feature at its parent
         self.guessed: set[int] = set()  # entries whose input was a parent's output (until re-read)
@@ -429,8 +444,9 @@ class Eagle3Sequence(SequenceEntries):
 
     def observe(self, first: int, states: torch.Tensor) -> None:
         """The target's states at positions first, first + 1, ... ([n, 3 * target hidden]: its three layers'
-        inputs, in order), kept for the last KEPT_STATES positions: an entry fed later reads them."""
-        for position, row in enumerate(states, start=first):
+        inputs, in order), kept for the last KEPT_STATES positions: an entry fed later reads them. On the
+        head's device, whichever the forward that made them left them on (a prefill's on the host)."""
+        for position, row in enumerate(states.to(self.owner.torch_device), start=first):
             self._states[position] = row
         oldest = first + len(states) - KEPT_STATES
         while self._states and next(iter(self._states)) < oldest:  # the first observed is the oldest: no scan
@@ -450,7 +466,7 @@ class Eagle3Sequence(SequenceEntries):
             for entry, row in zip(wave, self._compute(wave)):
                 logits[entry - start] = row
         count = n if last is None else min(last, n)
-        return torch.stack(logits[n - count:]).float() if count else torch.zeros(0, len(self.owner.columns))
+        return _to_host(torch.stack(logits[n - count:])) if count else torch.zeros(0, len(self.owner.columns))
 
     def _waves(self, start: int, n: int) -> list[list[int]]:
         """The new entries in waves: an entry whose input is a new entry's output waits for it."""
@@ -483,16 +499,15 @@ class Eagle3Sequence(SequenceEntries):
             for i, feature in zip(read, net.fuse(torch.stack([states[i] for i in read]))):
                 inputs[i] = feature
         readable = [x is not None for x in inputs]
-        rows = torch.stack([x.to(self.keys.dtype) if x is not None else torch.zeros(width, dtype=self.keys.dtype)
-                            for x in inputs])
+        nothing = torch.zeros(width, dtype=self.keys.dtype, device=self.keys.device)
+        rows = torch.stack([x.to(self.keys.dtype) if x is not None else nothing for x in inputs])
         return rows, [state is not None for state in states], readable
 
     def _compute(self, entries: list[int]) -> list[torch.Tensor]:
         """Keys, values, outputs and logits of `entries` (whose inputs are known), as one batch."""
         net = self.owner.net
         features, from_target, readable = self._inputs(entries)
-        tokens = torch.tensor([self._tokens[e] for e in entries])
-        positions = torch.tensor([self._positions[e] for e in entries])
+        tokens, positions = self._on_device([self._tokens[e] for e in entries], [self._positions[e] for e in entries])
         keys, values, queries, residual = net.inputs(tokens, features, positions)
         self._store(entries, keys, values)
         for entry, target_read, had_input in zip(entries, from_target, readable):
@@ -501,7 +516,7 @@ class Eagle3Sequence(SequenceEntries):
                 self.guessed.add(entry)
         low = min(entries)  # the rows of entries low .. cache_len - 1, then the wave's
         allowed = tree.ancestry(self._parents, self._trunk, low, self.cache_len - low)[[e - low for e in entries]]
-        allowed &= torch.tensor(self.attendable)[None]
+        allowed = (allowed & torch.tensor(self.attendable)[None]).to(self.keys.device)
         logits, outputs = net.outputs(queries, residual, self.keys, self.values, allowed)
         for entry, output in zip(entries, outputs):
             self.outputs[entry] = output
@@ -510,10 +525,14 @@ class Eagle3Sequence(SequenceEntries):
     def _store(self, entries: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
         grow = self.cache_len - len(self.keys)
         if grow > 0:
-            pad = torch.zeros(grow, *self.keys.shape[1:], dtype=self.keys.dtype)
-            self.keys, self.values = torch.cat([self.keys, pad]), torch.cat([self.values, pad.clone()])
-        index = torch.tensor(entries)
+            pad = self.keys.new_zeros(grow, *self.keys.shape[1:])
+            self.keys, self.values = torch.cat([self.keys, pad]), torch.cat([self.values, pad])
+        (index,) = self._on_device(entries)
         self.keys[index], self.values[index] = keys, values
+
+    def _on_device(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:
+        """Lists of integers as tensors on the head's device."""
+        return tuple(torch.tensor(values, dtype=torch.long, device=self.keys.device) for values in lists)
 
     def _reread_committed(self) -> None:
         """Committed entries whose input was a guess (kept draft nodes) take the target's feature, now
@@ -523,8 +542,8 @@ class Eagle3Sequence(SequenceEntries):
             return
         self.guessed.difference_update(stale)
         features, _, _ = self._inputs(stale)
-        keys, values, _, _ = self.owner.net.inputs(torch.tensor([self._tokens[e] for e in stale]), features,
-                                                   torch.tensor([self._positions[e] for e in stale]))
+        tokens, positions = self._on_device([self._tokens[e] for e in stale], [self._positions[e] for e in stale])
+        keys, values, _, _ = self.owner.net.inputs(tokens, features, positions)
         self._store(stale, keys, values)
         for e in stale:
             self.read_target[e] = self.attendable[e] = True
@@ -532,7 +551,7 @@ class Eagle3Sequence(SequenceEntries):
     def keep(self, start: int, indices) -> None:
         indices = self.kept_path(start, indices)
         order = list(range(start)) + indices
-        index = torch.tensor(order, dtype=torch.long)
+        (index,) = self._on_device(order)
         self.keys, self.values = self.keys[index], self.values[index]
         for name in ("outputs", "read_target", "attendable"):
             kept = getattr(self, name)
@@ -546,3 +565,8 @@ class Eagle3Sequence(SequenceEntries):
 
     def fork(self, length: int) -> None:
         return None  # cheap to refill from the target's features; nothing is shared
+
+
+def _to_host(logits: torch.Tensor) -> torch.Tensor:
+    """A level's logits on the host, in float32 (the drafter reads them there; one copy a level on a GPU)."""
+    return logits.float().cpu()
