@@ -576,7 +576,7 @@ ACCEPTANCE = {"Gemma 270M, distilled draft, complete": 0.37, "demo pair, draft m
 @section("7-8b-drafts", 90)
 def eight_b_drafts(until: float) -> dict:
     """What drafting costs beside the 8B shape: a 1B-shaped draft model's step on its own fused pool and a
-    published-layout EAGLE-3 head's level (eager), each against the target's step, and the speedup
+    published-layout EAGLE-3 head's level (eager, on the device, as specdec runs it), each against the target's step, and the speedup
     Leviathan et al.'s formula gives for the CPU's acceptance rates at those costs."""
     model, tokenizer = shaped()
     target = StaticHFModel(model, tokenizer, "8B-shaped", context=1024, fused=True)
@@ -588,8 +588,8 @@ def eight_b_drafts(until: float) -> dict:
     draft.warm_up(tokens=(1,))
     results["1B draft d(1)/t(1)"] = verify_costs(draft, (1,))["t(1) ms"] / costs["t(1) ms"]
     del draft
-    head = eagle3_head(model)
-    results["EAGLE-3 head level h(1)/t(1)"] = head_level_ms(head) / costs["t(1) ms"]
+    head = eagle3_head(target)
+    results["EAGLE-3 head level h(1)/t(1)"] = head_level_ms(head) / costs["t(1) ms"]  # on the device, as specdec runs it
     results["predicted speedup (best gamma)"] = {
         f"{name}, {drafter}": leviathan(alpha, results[key], results["t(k)/t(1)"])
         for name, alpha in ACCEPTANCE.items()
@@ -620,38 +620,38 @@ def random_llama(shape: dict, tied: bool):
         torch.set_default_dtype(previous)
 
 
-def eagle3_head(model):
+def eagle3_head(target: StaticHFModel):
     """An EAGLE-3 head of the published layout for this target (one decoder layer over 2 × hidden, a 32k draft
-    vocabulary, the target's embeddings), random weights."""
-    from specdec.runtime.eagle3 import Eagle3Config, Eagle3Net
+    vocabulary, the target's embeddings, the default layers), random weights, placed as specdec places one:
+    on the target's device, in its dtype."""
+    from specdec.runtime.eagle3 import Eagle3Config, Eagle3Model, Eagle3Net
 
-    config = model.config
+    config = target.model.config
     head_config = Eagle3Config(hidden=config.hidden_size, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
                                head_dim=config.hidden_size // config.num_attention_heads, intermediate=config.intermediate_size,
                                draft_vocab=min(32000, config.vocab_size), target_vocab=config.vocab_size,
                                target_hidden=config.hidden_size, rms_eps=1e-5,
                                rope={"rope_theta": 500000.0, "max_position_embeddings": 2048}, layers=None)
-    net = Eagle3Net(head_config, model.model.embed_tokens.weight)
-    return net.to(device=DEVICE, dtype=model.dtype).eval()
+    net = Eagle3Net(head_config, target.model.model.embed_tokens.weight)
+    layers = config.num_hidden_layers
+    return Eagle3Model(net, target, (2, layers // 2, layers - 3), device=torch.device(DEVICE), dtype=target.model.dtype)
 
 
 @torch.inference_mode()
-def head_level_ms(net, cached: int = 160) -> float:
-    """One level of the head for one token over `cached` of its own entries (eager kernels), ms, median of 20."""
-    keys = torch.randn(cached, net.config.kv_heads, net.config.head_dim, device=DEVICE, dtype=net.dtype)
-    values = torch.randn_like(keys)
-    features = torch.randn(1, net.config.hidden, device=DEVICE, dtype=net.dtype)
-    token, position = torch.tensor([5], device=DEVICE), torch.tensor([cached], device=DEVICE)
-    allowed = torch.ones(1, cached + 1, dtype=torch.bool, device=DEVICE)
+def head_level_ms(head, cached: int = 160) -> float:
+    """One level of the head as a drafter runs it: a token after `cached` entries whose target states were
+    reported, its logits brought to the host; ms, median of 20."""
+    sequence = head.sequence()
+    sequence.observe(0, torch.randn(cached, 3 * head.net.config.target_hidden, device=DEVICE, dtype=head.net.dtype))
+    sequence.forward(list(range(1, cached + 1)))
     samples = []
     for _ in range(25):
         synchronize(DEVICE)
         started = time.perf_counter()
-        new_keys, new_values, queries, residual = net.inputs(token, features, position)
-        logits, _ = net.outputs(queries, residual, torch.cat([keys, new_keys]), torch.cat([values, new_values]), allowed)
-        logits.argmax(-1)
+        sequence.forward([5])
         synchronize(DEVICE)
         samples.append(time.perf_counter() - started)
+        sequence.truncate(cached)
     return statistics.median(samples[5:]) * 1e3
 
 
