@@ -310,15 +310,19 @@ def test_a_pool_the_gpu_cannot_hold_is_refused_by_name(monkeypatch):
 
 class FakeCuda:
     """torch.cuda's streams as they behave, without a GPU: a stream belongs to the device it is made on (the
-    current device unless named); `stream(s)` makes s current on its device; `graph` captures the kernels
-    launched on its capture stream (one of the current device unless given). `ran`: for each forward, the
-    stream current on the pool's device (its kernels go there) and the stream capturing, if any."""
+    current device unless named); `stream(s)` makes s current on its device until it is left; `graph`
+    captures the kernels launched on its capture stream (one of the current device unless given), and a
+    capture that fails leaves its stream current (torch ends the capture before it leaves the stream);
+    the sync debug mode makes a wait on the device raise. `ran`: for each forward, the stream current on
+    the pool's device (its kernels go there) and the stream capturing, if any. `waits`: where the forward
+    waits on the device ("always", "in capture": something the debug mode does not see; None: never)."""
 
-    def __init__(self, monkeypatch, pool_device: torch.device):
-        self.current_device, self.pool_device = torch.device("cuda", 0), pool_device
+    def __init__(self, monkeypatch, pool_device: torch.device, waits: str | None = None):
+        self.current_device, self.pool_device, self.waits = torch.device("cuda", 0), pool_device, waits
         self.current: dict[torch.device, object] = {}
-        self.capturing, self.ran = None, []
-        for name in ("Stream", "current_stream", "stream", "graph", "CUDAGraph", "graph_pool_handle"):
+        self.capturing, self.captures, self.ran, self.mode = None, 0, [], 0
+        for name in ("Stream", "current_stream", "stream", "graph", "CUDAGraph", "graph_pool_handle",
+                     "get_sync_debug_mode", "set_sync_debug_mode"):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
 
     def Stream(self, device=None):
@@ -334,14 +338,23 @@ class FakeCuda:
     def stream(self, stream):
         previous = self.current_stream(stream.device)
         self.current[stream.device] = stream
-        yield
-        self.current[stream.device] = previous
+        try:
+            yield
+        finally:
+            self.current[stream.device] = previous
 
     @contextlib.contextmanager
     def graph(self, graph, pool=None, stream=None):
         self.capturing = stream if stream is not None else self.Stream()
-        with self.stream(self.capturing):
+        self.captures += 1
+        previous = self.current_stream(self.capturing.device)
+        self.current[self.capturing.device] = self.capturing
+        try:
             yield
+        except RuntimeError:
+            self.capturing = None  # the capture's end fails, and its stream stays current
+            raise
+        self.current[self.capturing.device] = previous
         self.capturing = None
 
     def CUDAGraph(self):
@@ -350,7 +363,15 @@ class FakeCuda:
     def graph_pool_handle(self):
         return None
 
+    def get_sync_debug_mode(self):
+        return self.mode
+
+    def set_sync_debug_mode(self, mode):
+        self.mode = mode
+
     def forward(self, *inputs):
+        if self.waits == "always" and self.mode == "error" or self.waits == "in capture" and self.capturing:
+            raise RuntimeError("a synchronizing CUDA operation")
         self.ran.append((self.current_stream(self.pool_device), self.capturing))
         return torch.zeros(1)
 
@@ -368,6 +389,26 @@ def test_a_pool_on_a_second_gpu_captures_its_graphs_there(monkeypatch):
     assert capturing is not None and stream is capturing  # the forward's kernels were captured
     default = cuda.current_stream(cuda.pool_device)
     assert warm_ups and all(s.device == cuda.pool_device and s is not default and not c for s, c in warm_ups)
+
+
+@pytest.mark.parametrize("waits", ["always", "in capture"])
+def test_a_forward_that_waits_on_the_device_runs_without_a_graph(monkeypatch, capsys, waits):
+    """A forward that waits on the device cannot be captured: one whose warm-up waits (the sync debug mode
+    raises there) never begins a capture, which would leave torch's allocator counting one under way; one
+    whose capture fails leaves the pool's device on its own stream. Either shape then runs eagerly, said
+    on stderr, the debug mode as it was."""
+    from specdec.runtime.static import _Graphs, _Uploader
+
+    cuda = FakeCuda(monkeypatch, torch.device("cuda", 1), waits=waits)
+    default = cuda.current_stream(cuda.pool_device)
+    graphs = _Graphs(cuda.forward, _Uploader(torch.device("cpu")), capture_on=cuda.pool_device)
+    for _ in range(2):
+        graphs(torch.arange(6), (1, 1, 1), cache=None)
+    assert "runs without a CUDA graph" in capsys.readouterr().err
+    assert cuda.current_stream(cuda.pool_device) is default and cuda.mode == 0
+    eager = cuda.ran[-2:]  # each call's forward, on the default stream, nothing capturing
+    assert all(stream is default and capturing is None for stream, capturing in eager)
+    assert cuda.captures == (waits == "in capture")  # begun only where the warm-up could not tell
 
 
 def test_models_the_static_slots_cannot_take_are_refused_by_name():

@@ -26,6 +26,7 @@ Invariant (with `entries.SequenceEntries`'): entry i of a sequence sits in cell 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -499,13 +500,18 @@ class _Graphs:
         main, side = torch.cuda.current_stream(self.capture_on), torch.cuda.Stream(self.capture_on)
         side.wait_stream(main)
         try:
-            with torch.cuda.stream(side):  # warm-up runs write what the replay writes: the same keys at the same cells
-                for _ in range(2):
+            # warm-up runs write what the replay writes (the same keys at the same cells); the second, compiled
+            # already, must not wait on the device: a forward that does is never captured (a capture it broke
+            # would leave torch's allocator counting a capture under way)
+            with torch.cuda.stream(side):
+                self.forward(*inputs, cache, states)
+                with _syncs_refused():
                     self.forward(*inputs, cache, states)
             main.wait_stream(side)
             graph = torch.cuda.CUDAGraph()  # a replay runs on its capture stream's device (torch guards it)
-            with torch.cuda.graph(graph, pool=self.memory, stream=side):
-                output = self.forward(*inputs, cache, states)
+            with torch.cuda.stream(side):  # left even where the capture's end fails (torch's own context is not)
+                with torch.cuda.graph(graph, pool=self.memory, stream=side):
+                    output = self.forward(*inputs, cache, states)
         except RuntimeError as error:
             main.wait_stream(side)
             print(f"specdec: a forward of shape {shape} runs without a CUDA graph: "
@@ -513,6 +519,17 @@ class _Graphs:
                   file=sys.stderr)
             return None, buffer, None
         return graph, buffer, output
+
+
+@contextlib.contextmanager
+def _syncs_refused():
+    """Any wait of the host on the device raises (torch's sync debug mode) inside, as a capture would fail."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
 
 
 def _own(rows: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
