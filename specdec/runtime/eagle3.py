@@ -181,7 +181,7 @@ class Eagle3Net(nn.Module):
 
     def placed(self, device: torch.device, dtype: torch.dtype) -> Eagle3Net:
         """Itself on `device`, computing in `dtype`, its rotary frequencies kept in float32 as transformers
-        keeps a model's (rounded to bfloat16 they are off by up to 2e-3: a position's angle by radians
+        keeps a model's (rounded to bfloat16 they are off by up to 4e-3: a position's angle by radians
         within a few thousand positions, unlike the head's training in float32)."""
         frequencies = {name: buffer.detach().clone().float() for name, buffer in self.rotary.named_buffers()}
         self.to(device=device, dtype=dtype)
