@@ -324,7 +324,7 @@ def shaped_8b() -> tuple:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO / "target")
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=8192) if SMALL else dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
     model = random_llama(shape, tied=False)
@@ -590,12 +590,29 @@ def eight_b_drafts(until: float) -> dict:
     del draft
     head = eagle3_head(target)
     results["EAGLE-3 head level h(1)/t(1)"] = head_level_ms(head) / costs["t(1) ms"]  # on the device, as specdec runs it
+    results["EAGLE-3 head beside the target: greedy text = plain"] = head_speculation(target, head)
     results["predicted speedup (best gamma)"] = {
         f"{name}, {drafter}": leviathan(alpha, results[key], results["t(k)/t(1)"])
         for name, alpha in ACCEPTANCE.items()
         for drafter, key in (("1B draft", "1B draft d(1)/t(1)"), ("EAGLE-3 head", "EAGLE-3 head level h(1)/t(1)"))}
     note("## 7. Drafting beside the 8B shape\n" + json.dumps(results, indent=1))
     return results
+
+
+def head_speculation(target: StaticHFModel, head) -> str:
+    """Speculation with the head beside the target as a generation runs it (the prefill's states from the host,
+    each verify's on the device, a tree of the head's levels): whether its greedy text is plain decoding's,
+    and its tokens per verify (a random head guesses little: the path, not the rate, is what is checked)."""
+    from specdec import ModelDrafter, TreeShape
+    from specdec.api import SpeculativeDecoder
+
+    new, prompt = eight_b_prompt()
+    plain = SpeculativeDecoder(target, None).generate(prompt, max_new_tokens=32, temperature=0).tokens
+    drafted = SpeculativeDecoder(target, ModelDrafter(head, tree=TreeShape(nodes=8, width=2)), 3)
+    result = drafted.generate(prompt, max_new_tokens=32, temperature=0)
+    per_verify = len(result.tokens) / max(1, result.stats.target_forwards)
+    return (f"{'yes' if result.tokens == plain else 'NO'} ({per_verify:.2f} tokens per verify, "
+            f"{result.stats.draft_forwards} of the head's forwards)")
 
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -633,8 +650,8 @@ def eagle3_head(target: StaticHFModel):
                                target_hidden=config.hidden_size, rms_eps=1e-5,
                                rope={"rope_theta": 500000.0, "max_position_embeddings": 2048}, layers=None)
     net = Eagle3Net(head_config, target.model.model.embed_tokens.weight)
-    layers = config.num_hidden_layers
-    return Eagle3Model(net, target, (2, layers // 2, layers - 3), device=torch.device(DEVICE), dtype=target.model.dtype)
+    layers = (1, 2, 3) if SMALL else (2, config.num_hidden_layers // 2, config.num_hidden_layers - 3)  # EAGLE-3's default
+    return Eagle3Model(net, target, layers, device=torch.device(DEVICE), dtype=target.model.dtype)
 
 
 @torch.inference_mode()
