@@ -576,7 +576,7 @@ def test_the_head_computes_on_its_targets_device(hf_eagle3, monkeypatch):
     other device: any tensor of a level left on the CPU (a token, a position, the mask, a cache row, a
     state) fails the forward. A prefill, a tree, a kept path and its nodes read again, as a generation
     runs them."""
-    from specdec.runtime import eagle3
+    from specdec.runtime import base, eagle3
 
     target, draft, _ = hf_eagle3
     net = eagle3.Eagle3Net(draft.net.config, draft.net.embed_tokens)
@@ -587,7 +587,7 @@ def test_the_head_computes_on_its_targets_device(hf_eagle3, monkeypatch):
     def to_host(logits):
         returned.append(logits.device.type)
         return torch.zeros(logits.shape)
-    monkeypatch.setattr(eagle3, "_to_host", to_host)
+    monkeypatch.setattr(base, "to_host", to_host)
     states = lambda n: torch.zeros(n, 3 * target.hidden_size, dtype=torch.float64)  # from the host, as a prefill's
     prefix, path = [1, 2, 3, 1, 5, 9], [2, 6, 5]
     s = len(prefix) - 1

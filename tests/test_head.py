@@ -593,3 +593,32 @@ def test_a_prompt_taken_whole_from_the_prefix_cache_still_tells_the_head_the_tar
         while state.finish_reason is None:
             engine.step([state])
         engine.close(state)
+
+
+def test_the_head_computes_on_its_targets_device(hf_head, monkeypatch):
+    """Beside a target on a GPU the head computes there, the target's states moved to it as reported and its
+    logits brought back to the host. Checked on the "meta" device, which holds no data and mixes with no
+    other device: any tensor of a level left on the CPU (a token, a state, a zero state) fails the forward.
+    A prefill, a tree, a kept path and a step after it, as a generation runs them."""
+    from specdec.runtime import base
+
+    target, draft, _ = hf_head
+    inner = draft.inner
+    net = HeadNet(inner.net.shape, inner.net.inputs, inner.net.outputs)
+    head_model = HeadModel(net, draft.vocab_map, target, device=torch.device("meta"))
+    assert (head_model.device, head_model.on_gpu) == ("meta", False)
+    returned = []
+
+    def to_host(logits):
+        returned.append(logits.device.type)
+        return torch.zeros(logits.shape)
+    monkeypatch.setattr(base, "to_host", to_host)
+    head = head_model.sequence()
+    start = len(PREFIX)
+    head.forward(PREFIX, last=1)
+    head.observe(start - 1, torch.zeros(1, target.hidden_size, dtype=torch.float64))  # from the host
+    head.forward(TREE_TOKENS, tree.entries(torch.tensor(TREE_PARENTS), start - 1).tolist())
+    head.keep(start, [start, start + 1])
+    head.observe(start - 1, torch.zeros(3, target.hidden_size, device="meta"))  # a verify's, on the device
+    assert head.forward([3], last=1).shape == (1, head_model.vocab_size)
+    assert returned == ["meta"] * 3

@@ -156,7 +156,10 @@ def load_draft(path: str | os.PathLike, target: CausalLM, config: RuntimeConfig 
     if eagle3.is_eagle3(path):  # an EAGLE-3 head, in a published layout
         return eagle3.load_eagle3(path, target)
     if head.is_head(path):  # a draft head on the target's states
-        net, vocab_map = head.load_head(path, head.inference_dtype())
+        # beside a torch target on a GPU in its precision (it computes there: `HeadModel`), on the CPU as the CPU
+        # multiplies best
+        gpu_dtype = getattr(target, "torch_dtype", None) if target.device != "cpu" else None
+        net, vocab_map = head.load_head(path, gpu_dtype or head.inference_dtype())
         return PrunedVocab(head.HeadModel(net, vocab_map, target, str(path)), vocab_map, target.tokenizer)
     config = replace(config or RuntimeConfig(), **options)
     device = config.device

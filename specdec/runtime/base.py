@@ -231,6 +231,12 @@ def check_distinct(feeds: Seq[Feed]) -> None:
         raise ValueError("a batched forward takes each sequence at most once")
 
 
+def to_host(rows: torch.Tensor) -> torch.Tensor:
+    """A draft head's rows of logits on the host, in float32, where its drafter reads them (one copy a level
+    on a GPU)."""
+    return rows.float().cpu()
+
+
 def synchronize(device) -> None:
     """Wait for the device (a no-op on the CPU): timings of forwards that return before it is done need it."""
     if torch.device(device).type == "cuda":

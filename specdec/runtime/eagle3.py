@@ -466,7 +466,7 @@ class Eagle3Sequence(SequenceEntries):
             for entry, row in zip(wave, self._compute(wave)):
                 logits[entry - start] = row
         count = n if last is None else min(last, n)
-        return _to_host(torch.stack(logits[n - count:])) if count else torch.zeros(0, len(self.owner.columns))
+        return base.to_host(torch.stack(logits[n - count:])) if count else torch.zeros(0, len(self.owner.columns))
 
     def _waves(self, start: int, n: int) -> list[list[int]]:
         """The new entries in waves: an entry whose input is a new entry's output waits for it."""
@@ -565,8 +565,3 @@ class Eagle3Sequence(SequenceEntries):
 
     def fork(self, length: int) -> None:
         return None  # cheap to refill from the target's features; nothing is shared
-
-
-def _to_host(logits: torch.Tensor) -> torch.Tensor:
-    """A level's logits on the host, in float32 (the drafter reads them there; one copy a level on a GPU)."""
-    return logits.float().cpu()

@@ -146,7 +146,6 @@ class HeadModel:
 
     backend = "head"
     peer_kind = None  # specdec's own: no other library's loop runs it
-    device, on_gpu = "cpu", False  # the network runs on the CPU
     tree_tolerance = 1e-5
     spare_cells = None  # no cache of keys and values
     spare_sequences = None
@@ -162,11 +161,16 @@ class HeadModel:
     layer_count = 0
     state_layers = None  # it reads the target's final-norm states
 
-    def __init__(self, net: HeadNet, vocab_map: VocabMap, target: base.CausalLM, path: str = ""):
+    def __init__(self, net: HeadNet, vocab_map: VocabMap, target: base.CausalLM, path: str = "",
+                 device: torch.device | None = None):
+        """net: moved to `device` (None: the target's, a GPU's too; llama.cpp's is the CPU)."""
         if net.shape.width != target.hidden_size:
             raise SpecDecError(f"the head {path} reads states {net.shape.width} wide; the target's are "
                                f"{target.hidden_size}")
-        self.net, self.path = net, str(path)
+        self.net, self.path = net.to(device or torch.device(target.device)), str(path)
+        # where the network computes; its logits come back to the host
+        self.torch_device = net.fuse.weight.device
+        self.device, self.on_gpu = str(self.torch_device), self.torch_device.type == "cuda"
         # the output rows through specdec's CPU kernel where the target's GGUF matrix suits it (the same
         # rows, quantized as the target reads them; far fewer bytes per draft level), else the network's matmul
         self.score = _kernel_score(target, vocab_map) or (lambda guessed: net.score(guessed.to(net.outputs.dtype)))
@@ -229,7 +233,7 @@ class HeadModel:
         with torch.inference_mode(), one_thread():
             for wave in _plan(targets):
                 states = torch.stack([sequence.input_state(entry) for sequence, entry in wave])  # [n, width]
-                tokens = torch.tensor([sequence.token(entry) for sequence, entry in wave])
+                tokens = torch.tensor([sequence.token(entry) for sequence, entry in wave], device=self.torch_device)
                 guessed = self.net.guess(states, tokens).float()  # [n, width]
                 scores = self.score(guessed).float()  # [n, vocab]
                 for i, (sequence, entry) in enumerate(wave):
@@ -241,7 +245,7 @@ class HeadModel:
         """[n, vocab + 1]: the predicted tokens' logits, then the input-only unknown id at -inf."""
         rows = torch.full((len(logits), self.vocab_size), -torch.inf)
         if logits:
-            rows[:, : self.vocab_size - 1] = torch.stack(logits)
+            rows[:, : self.vocab_size - 1] = base.to_host(torch.stack(logits))
         return rows
 
 
@@ -306,10 +310,11 @@ class HeadSequence(SequenceEntries):
         """The target's final-norm states at positions first, first + 1, ... of the committed text
         ([n, width]). Positions below the last keep theirs only while they could still be read (the
         head reads one state back). Entries fed after them read them (`input_state` prefers them to a
-        guess); an entry guessed before they came is a draft node the engine's keep drops next."""
+        guess); an entry guessed before they came is a draft node the engine's keep drops next. On the
+        head's device, whichever the forward that made them left them on."""
         last = first + len(states) - 1
         self._observed = {p: s for p, s in self._observed.items() if last - KEPT_STATES < p < first}
-        for position, state in enumerate(states.detach().float().cpu(), start=first):
+        for position, state in enumerate(states.detach().float().to(self.owner.torch_device), start=first):
             if position > last - KEPT_STATES:
                 self._observed[position] = state
 
@@ -328,13 +333,11 @@ class HeadSequence(SequenceEntries):
         """The state entry's guess reads: its parent's, the target's where known, else the head's own
         (zeros at position 0 and where `_plan` left the parent uncomputed)."""
         parent = self._parents[entry]
-        if parent < 0:
-            return torch.zeros(self.owner.hidden_size)
-        observed = self.observed(parent)
+        observed = self.observed(parent) if parent >= 0 else None
         if observed is not None:
             return observed
-        guess = self.guesses[parent]
-        return guess if guess is not None else torch.zeros(self.owner.hidden_size)
+        guess = self.guesses[parent] if parent >= 0 else None
+        return guess if guess is not None else torch.zeros(self.owner.hidden_size, device=self.owner.torch_device)
 
     def keep(self, start: int, indices) -> None:
         indices = self.kept_path(start, indices)
