@@ -598,7 +598,7 @@ def test_a_prompt_taken_whole_from_the_prefix_cache_still_tells_the_head_the_tar
 def test_the_head_computes_on_its_targets_device(hf_head, monkeypatch):
     """Beside a target on a GPU the head computes there, the target's states moved to it as reported and its
     logits brought back to the host. Checked on the "meta" device, which holds no data and mixes with no
-    other device: any tensor of a level left on the CPU (a token, a state, a zero state) fails the forward.
+    other device: a state or a zero state left on the CPU fails the forward (a CPU index of a device tensor is legal).
     A prefill, a tree, a kept path and a step after it, as a generation runs them."""
     from specdec.runtime import base
 
