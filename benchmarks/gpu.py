@@ -606,7 +606,7 @@ def head_speculation(target: StaticHFModel, head) -> str:
     from specdec import ModelDrafter, TreeShape
     from specdec.api import SpeculativeDecoder
 
-    new, prompt = eight_b_prompt()
+    _, prompt = eight_b_prompt()
     plain = SpeculativeDecoder(target, None).generate(prompt, max_new_tokens=32, temperature=0).tokens
     drafted = SpeculativeDecoder(target, ModelDrafter(head, tree=TreeShape(nodes=8, width=2)), 3)
     result = drafted.generate(prompt, max_new_tokens=32, temperature=0)
@@ -651,7 +651,7 @@ def eagle3_head(target: StaticHFModel):
                                rope={"rope_theta": 500000.0, "max_position_embeddings": 2048}, layers=None)
     net = Eagle3Net(head_config, target.model.model.embed_tokens.weight)
     layers = (1, 2, 3) if SMALL else (2, config.num_hidden_layers // 2, config.num_hidden_layers - 3)  # EAGLE-3's default
-    return Eagle3Model(net, target, layers, device=torch.device(DEVICE), dtype=target.model.dtype)
+    return Eagle3Model(net, target, layers, dtype=target.model.dtype)  # on the target's device
 
 
 @torch.inference_mode()

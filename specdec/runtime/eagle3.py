@@ -279,7 +279,7 @@ def load_eagle3(directory: str | Path, target: base.CausalLM) -> Eagle3Model:
     if missing or unexpected:
         raise SpecDecError(f"the EAGLE-3 head {directory}: tensors missing {missing or 'none'}, "
                            f"not understood {unexpected or 'none'}")
-    model = Eagle3Model(net.eval(), target, layers, str(directory), torch.device(target.device), dtype)
+    model = Eagle3Model(net.eval(), target, layers, str(directory), dtype=dtype)
     if target.backend == "llamacpp":  # beside llama.cpp, on the CPU: its matrices in Q8_0 where the kernel runs
         model.quantize()
     return model
@@ -363,10 +363,11 @@ class Eagle3Model:
 
     def __init__(self, net: Eagle3Net, target: base.CausalLM, layers: tuple[int, ...], path: str = "",
                  device: torch.device | None = None, dtype: torch.dtype | None = None):
-        """net: placed on `device` (its target's: a GPU's too) in `dtype` (None: where and as it is)."""
+        """net: placed on `device` (None: the target's, a GPU's too; llama.cpp's is the CPU) in `dtype`
+        (None: as it is)."""
         config = net.config
         self.columns = torch.arange(config.draft_vocab) + net.d2t.cpu()  # [draft vocab]: each column's target id
-        self.net = net.placed(device or net.norm.weight.device, dtype or net.dtype)
+        self.net = net.placed(device or torch.device(target.device), dtype or net.dtype)
         self.path, self.state_layers = path, tuple(layers)
         # where it computes; its logits come back to the host
         self.torch_device = net.norm.weight.device

@@ -333,11 +333,13 @@ class HeadSequence(SequenceEntries):
         """The state entry's guess reads: its parent's, the target's where known, else the head's own
         (zeros at position 0 and where `_plan` left the parent uncomputed)."""
         parent = self._parents[entry]
-        observed = self.observed(parent) if parent >= 0 else None
-        if observed is not None:
-            return observed
-        guess = self.guesses[parent] if parent >= 0 else None
-        return guess if guess is not None else torch.zeros(self.owner.hidden_size, device=self.owner.torch_device)
+        if parent >= 0:
+            observed = self.observed(parent)
+            if observed is not None:
+                return observed
+            if self.guesses[parent] is not None:
+                return self.guesses[parent]
+        return torch.zeros(self.owner.hidden_size, device=self.owner.torch_device)
 
     def keep(self, start: int, indices) -> None:
         indices = self.kept_path(start, indices)
