@@ -599,3 +599,21 @@ def test_the_head_computes_on_its_targets_device(hf_eagle3, monkeypatch):
     head.observe(s, states(3).to("meta"))  # a verify's, on the target's device
     assert head.forward([path[2], 4]).shape == (2, len(head_model.columns))
     assert returned == ["meta"] * 3
+
+
+def test_a_head_without_embeddings_of_its_own_reads_the_targets_tensor_not_a_copy(hf_eagle3, tiny_target):
+    """A head in the "eagle3" layout ships no embed_tokens and reads the target's: on the device and in the
+    precision where the target already keeps them, the same memory (an 8B target's are 1 GB), the tensor
+    left as it was. Beside a target in another precision, a copy in the head's."""
+    target_dir, _ = tiny_target
+    target, draft, directory = hf_eagle3
+    own = target.model.get_input_embeddings().weight
+    before = own.detach().clone()
+    shares = draft.net.embed_tokens.untyped_storage().data_ptr() == own.untyped_storage().data_ptr()
+    assert shares == (draft.net.config.layout == "eagle3")
+    assert torch.equal(own, before) and own.dtype == torch.float64
+    half_target = specdec.load_model(target_dir, device="cpu", dtype="bfloat16")
+    half = load_draft(directory, half_target)
+    assert half.net.embed_tokens.dtype == torch.bfloat16
+    assert (half.net.embed_tokens.untyped_storage().data_ptr()
+            == half_target.model.get_input_embeddings().weight.untyped_storage().data_ptr()) == shares

@@ -131,8 +131,10 @@ class CausalLM(Protocol):
         the backend computes just their rows; None: the whole vocabulary. Returns whether it narrowed."""
         ...
 
-    def input_embeddings(self) -> torch.Tensor | None:
-        """Its input embedding matrix, [vocab, hidden_size] float32 on the CPU; None where its weights are not read."""
+    def input_embeddings(self, device: torch.device | str = "cpu",
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """Its input embedding matrix, [vocab, hidden_size] on `device` in `dtype`; None where its weights are not read.
+        Where the model holds it there already, its own tensor (read-only), not a copy: an 8B target's is 1 GB."""
         ...
 
     def output_rows(self, embeddings: torch.Tensor | None = None) -> torch.Tensor | None:

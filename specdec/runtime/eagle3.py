@@ -263,8 +263,8 @@ def load_eagle3(directory: str | Path, target: base.CausalLM) -> Eagle3Model:
     layers = config.aux_layers(_target_layers(target))
     _check_fits(config, weights, target, layers, directory)
     embeddings = weights.pop("embed_tokens.weight", None)
-    if embeddings is None:
-        embeddings = target.input_embeddings()
+    if embeddings is None:  # the target's own tensor where it computes in the head's precision: no second copy
+        embeddings = target.input_embeddings(torch.device(target.device), dtype)
         if embeddings is None or embeddings.shape[0] < target.vocab_size or embeddings.shape[1] != config.hidden:
             raise SpecDecError(f"the EAGLE-3 head {directory} has no embed_tokens of its own and the target's input "
                                f"embeddings are {None if embeddings is None else list(embeddings.shape)}, not "
@@ -396,7 +396,7 @@ class Eagle3Model:
         if on:
             raise SpecDecError(f"{self.describe()}: a draft head keeps no states of its own")
 
-    def input_embeddings(self) -> None:
+    def input_embeddings(self, device="cpu", dtype=None) -> None:
         return None
 
     def output_rows(self, embeddings: torch.Tensor | None = None) -> None:

@@ -192,7 +192,7 @@ class HeadModel:
         if on:
             raise SpecDecError(f"{self.describe()}: a draft head keeps no final-norm states of its own")
 
-    def input_embeddings(self) -> None:
+    def input_embeddings(self, device="cpu", dtype=None) -> None:
         return None  # a head's matrices are the target's rows of a pruned vocabulary
 
     def output_rows(self, embeddings: torch.Tensor | None = None) -> None:

@@ -145,8 +145,8 @@ class HFModel(base.CheckedTrees):
     def sequence(self) -> HFSequence:
         return HFSequence(self)
 
-    def input_embeddings(self) -> torch.Tensor:
-        return self.model.get_input_embeddings().weight.detach().float().cpu()
+    def input_embeddings(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight.detach().to(device, dtype)
 
     def output_rows(self, embeddings: torch.Tensor | None = None) -> torch.Tensor:
         return self.model.get_output_embeddings().weight.detach().float().cpu()[: self.vocab_size]

@@ -277,8 +277,10 @@ class LlamaCppModel(base.CheckedTrees):
     def sequence(self) -> LlamaCppSequence:
         return LlamaCppSequence(self)
 
-    def input_embeddings(self) -> torch.Tensor | None:
-        return _gguf_matrix(self.path, "token_embd.weight")
+    def input_embeddings(self, device: torch.device | str = "cpu",
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        rows = _gguf_matrix(self.path, "token_embd.weight")  # float32, read from the file
+        return None if rows is None else rows.to(device, dtype)
 
     def output_rows(self, embeddings: torch.Tensor | None = None) -> torch.Tensor | None:
         rows = _gguf_matrix(self.path, "output.weight")

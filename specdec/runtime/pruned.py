@@ -165,7 +165,7 @@ class PrunedVocab:
     def tree_refusal(self) -> str | None:
         return self.inner.tree_refusal()
 
-    def input_embeddings(self) -> None:
+    def input_embeddings(self, device="cpu", dtype=None) -> None:
         return None  # its rows are in draft ids; a pruned model is never a target
 
     def output_rows(self, embeddings: torch.Tensor | None = None) -> None:
