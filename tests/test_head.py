@@ -595,6 +595,23 @@ def test_a_prompt_taken_whole_from_the_prefix_cache_still_tells_the_head_the_tar
         engine.close(state)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_heads_norm_in_half_precision_squares_in_float32(dtype):
+    """The heads' norm (a small head's and an EAGLE-3 head's) beside a float16 or bfloat16 target: within that
+    dtype's rounding of the norm computed in float64, for states past 256, whose squares overflow float16
+    (squared in float16 the norm returned zeros there)."""
+    from specdec.runtime.head import RMSNorm
+
+    norm = RMSNorm(64).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    states = torch.randn(8, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 400
+    want = norm(states)
+    got = norm.to(dtype)(states.to(dtype))
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=2 * torch.finfo(dtype).eps, atol=0)
+
+
 def test_the_head_computes_on_its_targets_device(hf_head, monkeypatch):
     """Beside a target on a GPU the head computes there, the target's states moved to it as reported and its
     logits brought back to the host. Checked on the "meta" device, which holds no data and mixes with no

@@ -150,8 +150,6 @@ def load_draft(path: str | os.PathLike, target: CausalLM, config: RuntimeConfig 
     the target's device unless `config` names one (with a transformers target), and never batch
     invariant (a draft's numerics never change what is accepted). A distilled draft that predicts
     only part of the target's vocabulary is wrapped to speak the target's ids (`runtime.pruned`)."""
-    import torch
-
     from specdec.runtime import eagle3, head
     from specdec.runtime.pruned import PrunedVocab, VocabMap
 
@@ -161,8 +159,6 @@ def load_draft(path: str | os.PathLike, target: CausalLM, config: RuntimeConfig 
         # beside a torch target on a GPU in its precision (it computes there: `HeadModel`), on the CPU as the CPU
         # multiplies best
         gpu_dtype = getattr(target, "torch_dtype", None) if target.device != "cpu" else None
-        if gpu_dtype == torch.float16:  # the head's norms square in their input's dtype: float16 overflows past 256
-            gpu_dtype = torch.float32
         net, vocab_map = head.load_head(path, gpu_dtype or head.inference_dtype())
         return PrunedVocab(head.HeadModel(net, vocab_map, target, str(path)), vocab_map, target.tokenizer)
     config = replace(config or RuntimeConfig(), **options)

@@ -41,7 +41,7 @@ from specdec import tree
 from specdec.errors import SpecDecError
 from specdec.runtime import base, cpu_head
 from specdec.runtime.entries import SequenceEntries
-from specdec.runtime.head import inference_dtype, one_thread
+from specdec.runtime.head import RMSNorm, inference_dtype, one_thread
 
 KEPT_STATES = 4096  # positions whose target states a sequence keeps (a default drafter feeds its head lazily)
 
@@ -114,16 +114,6 @@ def read_config(directory: str | Path) -> Eagle3Config:
             norm_before_residual=bool(raw.get("norm_before_residual", False)), layout=layout)
     except (KeyError, TypeError, ValueError) as error:
         raise SpecDecError(f"{path}: an EAGLE-3 config without a usable {error}") from error
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, width: int, eps: float):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(width)), eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 class Attention(nn.Module):

@@ -45,12 +45,16 @@ class HeadShape:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, width: int):
+    """x / rms(x) * weight, in x's dtype; the squares and their mean in float32 at least, as transformers' Llama
+    norm takes them (in float16 a square overflows past 256; in bfloat16 each rounds)."""
+
+    def __init__(self, width: int, eps: float = 1e-6):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(width))
+        self.weight, self.eps = nn.Parameter(torch.ones(width)), eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        wide = x if x.element_size() >= 4 else x.float()
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 class Block(nn.Module):
