@@ -129,6 +129,8 @@ def generations(tape: Tape, make, prompts: list[list[int]], new: int, counted: C
         iterations = result.stats.iterations
         rows.append((host / iterations * 1e6, len(result.tokens) / result.stats.target_forwards,
                      sum(counted.ops.values()) / iterations if counted is not None else None))
+    if decoder.prefixes is not None:  # its kept rows back to the pool: the next decoder's would grow it
+        decoder.prefixes.clear()
     return rows
 
 

@@ -282,6 +282,15 @@ class Budget:
         rates = [(self.tokens + gained[count]) / (self.seconds + added[count]) for count in range(len(values) + 1)]
         return max(range(len(values) + 1), key=lambda count: (rates[count], -count))
 
+    def some_prefix_pays(self, values: list[float]) -> bool:
+        """Whether `best_prefix(values)` takes any node: at once where the first node alone raises tokens per
+        second (computed as `best_prefix` computes it: then one node beats none, and the best is not none),
+        else weighed whole. Asked of every chain source at most iterations of the default (`depth`)."""
+        if not values or values[0] < NEGLIGIBLE:
+            return False
+        first = (self.tokens + values[0]) / (self.seconds + self.added_cost(1))
+        return first > self.tokens / self.seconds or self.best_prefix(values) > 0
+
     def take_chain(self, values: list[float], at_least: int = 0) -> int:
         """Add the `best_prefix` of a chain's next nodes, or at least `at_least` of them (a probe);
         returns the count."""
@@ -447,7 +456,7 @@ class CostAwarePolicy:
         the longest: a shorter one pays only if some prefix of the longest does."""
         model = {"model"} if "model" in self.probes and self.budget().take_level(self.model_rate(), 1) else set()
         return frozenset(model | {kind for kind in self.probes.keys() & CHAIN_PRIORS.keys()
-                                  if self.budget().best_prefix(self.chain_values(kind, self.max_depth))})
+                                  if self.budget().some_prefix_pays(self.chain_values(kind, self.max_depth))})
 
     def may_pay(self, kind: str) -> bool:
         """As `depth` last found (held as it holds it), or a probe of the source is due; before any

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 
 import specdec
@@ -220,6 +221,26 @@ def test_a_chain_looks_past_a_step_in_the_cost_curve():
     assert taken == 2
     assert Budget(stepped, 1, 1).take_chain(values) == 8
     assert Budget(stepped, 1, 1).take_chain([0.01, 0.01]) == 0
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.floats(0.01, 10.0), min_size=2, max_size=6), st.lists(st.floats(0.0, 1.0), max_size=12),
+       st.integers(1, 8), st.floats(0.0, 3.0), st.floats(0.0, 2.0))
+def test_whether_some_prefix_pays_is_whether_the_best_prefix_takes_a_node(costs_at, values, batch, tokens, overhead):
+    """`some_prefix_pays` answers from the first node where it can, exactly as `best_prefix(values) > 0`:
+    over cost curves of any shape (steps included), batches, budgets part spent and chains of any values."""
+    curve = costs.Profile(target={2 ** i: sum(costs_at[: i + 1]) for i in range(len(costs_at))}, step_overhead=overhead)
+    budget = Budget(curve, batch, batch * 3)
+    budget.tokens += tokens
+    assert budget.some_prefix_pays(values) == (budget.best_prefix(values) > 0)
+
+
+def test_a_negligible_first_node_never_pays_even_for_free_and_a_tie_takes_none():
+    nearly_free = Budget(costs.Profile(target={1: 1.0, 2: 1.0 + 1e-7}), 1, 1)
+    assert nearly_free.some_prefix_pays([0.01]) and nearly_free.best_prefix([0.01]) == 1
+    assert not nearly_free.some_prefix_pays([0.004, 0.9]) and nearly_free.best_prefix([0.004, 0.9]) == 0
+    even = Budget(costs.Profile(target={1: 1.0, 2: 1.5}), 1, 1)  # (1 + 0.5) / (1 + 0.5) tokens per second: as none
+    assert not even.some_prefix_pays([0.5]) and even.best_prefix([0.5]) == 0
 
 
 def test_a_big_batch_makes_nodes_dear():
