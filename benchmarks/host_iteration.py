@@ -8,7 +8,8 @@ then again with each forward replayed from the recording, the host spinning for 
 touching memory (so a policy that reads the verify's time sees what it saw). The host's part is the
 iteration's time less the spins; aten ops per iteration (a GPU launches a kernel for most) are counted on a
 third run. A policy that decides by measured time may draft otherwise on a replay than on the recording:
-its prompts whose feeds were not recorded are dropped and counted.
+its prompts whose feeds were not recorded are dropped and counted. So are most of a draft model's: its catching
+up runs outside the graphs, for real, and reads cells the replayed forwards never wrote.
 
     taskset -c 1 python benchmarks/host_iteration.py --suite complete --prompts 6
 """
