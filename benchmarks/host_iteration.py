@@ -5,11 +5,11 @@ the text of a step costs 9.5 us alone and about 90 us between two forwards of th
 waits while the device computes and finds its caches as it left them. So each generation is run twice: once
 recording every forward of the static pool (its output and its time, keyed by the prompt and what was fed),
 then again with each forward replayed from the recording, the host spinning for the recorded time without
-touching memory (so a policy that reads the verify's time sees what it saw). The host's part is the
-iteration's time less the spins; aten ops per iteration (a GPU launches a kernel for most) are counted on a
-third run. A policy that decides by measured time may draft otherwise on a replay than on the recording:
-its prompts whose feeds were not recorded are dropped and counted. So are most of a draft model's: its catching
-up runs outside the graphs, for real, and reads cells the replayed forwards never wrote.
+touching memory. The host's part is the iteration's time less the spins; aten ops per iteration (a GPU launches
+a kernel for most) are counted on a third run. The default's live costs are frozen at the measured profile in
+every run (`LiveCosts.observe` does nothing: taking a step in costs about 1 us), so that it decides on a replay
+as on the recording. Prompts whose feeds were not recorded are dropped and counted: most of a draft model's,
+whose catching up runs outside the graphs, for real, and reads cells the replayed forwards never wrote.
 
     taskset -c 1 python benchmarks/host_iteration.py --suite complete --prompts 6
 """
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 import gpu  # noqa: E402
 from host_step import Counted  # noqa: E402
-from specdec import AutoDrafter, ModelDrafter, PromptLookupDrafter, SpeculativeDecoder  # noqa: E402
+from specdec import AutoDrafter, ModelDrafter, PromptLookupDrafter, SpeculativeDecoder, costs  # noqa: E402
 from specdec.bench.suites import suite_tasks  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
 from specdec.runtime import load_model, static  # noqa: E402
@@ -143,6 +143,7 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    costs.LiveCosts.observe = costs.LiveCosts.observe_draft = lambda *args: None  # decisions that replay alike
     tape, counted = Tape(), Counted()
     not_counting_prefills(counted)
     target = gpu.load(gpu.DEMO / "target", "graphs", "float32").target
