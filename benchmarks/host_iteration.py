@@ -8,8 +8,8 @@ then again with each forward replayed from the recording, the host spinning for 
 touching memory. The host's part is the iteration's time less the spins; aten ops per iteration (a GPU launches
 a kernel for most) are counted on a third run. The default's live costs are frozen at the measured profile in
 every run (`LiveCosts.observe` does nothing: taking a step in costs about 1 us), so that it decides on a replay
-as on the recording. Prompts whose feeds were not recorded are dropped and counted: most of a draft model's,
-whose catching up runs outside the graphs, for real, and reads cells the replayed forwards never wrote.
+as on the recording. Prompts whose feeds were not recorded are dropped and counted: many of a draft model's
+chain, whose catching up runs outside the graphs, for real, and reads cells the replayed forwards never wrote.
 
     taskset -c 1 python benchmarks/host_iteration.py --suite complete --prompts 6
 """
