@@ -17,6 +17,7 @@ chain, whose catching up runs outside the graphs, for real, and reads cells the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -41,38 +42,67 @@ class NotRecorded(Exception):
 
 
 class Tape:
-    """The static pool's forwards, recorded and then replayed (`_Graphs.__call__` patched)."""
+    """The static pool's forwards in a generation's iterations, recorded and then replayed (`_Graphs.__call__`
+    patched): each forward by its model, prompt and number, its whole inputs checked. A prefill's forwards run
+    for real (their time is the prefill's); a forward outside the graphs after it (a draft model's catching
+    up) runs for real too, timed apart (`eager_s`)."""
 
-    def __init__(self):
-        self.recording, self.prompt, self.model, self.device_s = True, None, None, 0.0
-        self.forwards: dict[tuple, tuple] = {}
-        self.real, batch = static._Graphs.__call__, static.StaticHFModel.forward_batch
-        tape = self
+    def __init__(self, counted: Counted):
+        self.recording, self.counted, self.in_prefill, self.inside = True, counted, False, False
+        self.forwards: dict[tuple, tuple] = {}  # (model, prompt, number) -> (inputs, output, seconds)
+        self.texts: dict[int, list[int]] = {}  # prompt -> the recording's tokens
+        self.begin(None)
+        tape, graphs_call, prefill = self, static._Graphs.__call__, Engine.prefill
+        batch, eager = static.StaticHFModel.forward_batch, static.StaticHFModel.step_forward
 
         def call(graphs, inputs, shape, cache, states=None):
-            return tape.forward(graphs, inputs, shape, cache, states)
+            if tape.in_prefill:
+                return graphs_call(graphs, inputs, shape, cache, states)
+            tape.inside = True
+            try:
+                return tape.forward(lambda: graphs_call(graphs, inputs, shape, cache, states), inputs, shape)
+            finally:
+                tape.inside = False
 
         def forward_batch(model, feeds):  # the model whose graphs run (a pool that grew has new ones)
             tape.model = model
             return batch(model, feeds)
-        static._Graphs.__call__, static.StaticHFModel.forward_batch = call, forward_batch
 
-    def forward(self, graphs, inputs, shape, cache, states):
-        """The forward's output: run and recorded, or replayed; its seconds added to `device_s`."""
-        rows, bucket, _ = shape
-        fed = inputs.numpy()  # tokens, positions, cells [rows * bucket] each, trunks, counts [rows], the tree's bits
-        n = rows * bucket
-        what = (fed[: 2 * n], fed[3 * n + rows : 3 * n + 2 * rows], fed[3 * n + 2 * rows :])  # not where: cells, trunks
-        key = (id(self.model), self.prompt, shape, *(part.tobytes() for part in what))
+        def step_forward(model, *args, **kwargs):
+            if tape.in_prefill or tape.inside:
+                return eager(model, *args, **kwargs)
+            started, tape.counted.outside = time.perf_counter(), False
+            try:
+                return eager(model, *args, **kwargs)
+            finally:
+                tape.counted.outside, tape.eager_s = True, tape.eager_s + time.perf_counter() - started
+
+        def uncounted_prefill(engine, *args, **kwargs):
+            tape.in_prefill, tape.counted.outside = True, False
+            try:
+                return prefill(engine, *args, **kwargs)
+            finally:
+                tape.in_prefill, tape.counted.outside = False, True
+        static._Graphs.__call__, static.StaticHFModel.forward_batch = call, forward_batch
+        static.StaticHFModel.step_forward, Engine.prefill = step_forward, uncounted_prefill
+
+    def begin(self, prompt) -> None:
+        """A generation of this prompt starts: its forwards are numbered from 0, its times from nothing."""
+        self.prompt, self.model, self.numbers, self.device_s, self.eager_s = prompt, None, {}, 0.0, 0.0
+
+    def forward(self, run, inputs, shape):
+        """The forward's output: run and recorded, or replayed while the host spins its recorded time."""
+        number = self.numbers[id(self.model)] = self.numbers.get(id(self.model), -1) + 1
+        key, fed = (id(self.model), self.prompt, number), (shape, inputs.numpy().tobytes())
         started = time.perf_counter()
         if self.recording:
-            out = self.real(graphs, inputs, shape, cache, states)
-            self.forwards[key] = (tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone(),
+            out = run()
+            self.forwards[key] = (fed, tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone(),
                                   time.perf_counter() - started)
-        elif key not in self.forwards:
+        elif key not in self.forwards or self.forwards[key][0] != fed:
             raise NotRecorded
         else:
-            out, seconds = self.forwards[key]
+            _, out, seconds = self.forwards[key]
             while time.perf_counter() - started < seconds:  # the device's time, spent touching nothing
                 pass
         self.device_s += time.perf_counter() - started
@@ -89,47 +119,37 @@ def strategies(target, draft) -> dict:
             "default": lambda: auto(ModelDrafter(draft), PromptLookupDrafter())}
 
 
-def not_counting_prefills(counted: Counted) -> None:
-    """A prefill's ops are not an iteration's (its forward is not replayed: it runs eagerly)."""
-    prefill = Engine.prefill
-
-    def uncounted(self, *args, **kwargs):
-        counted.outside = False
-        try:
-            return prefill(self, *args, **kwargs)
-        finally:
-            counted.outside = True
-    Engine.prefill = uncounted
-
-
-def generations(tape: Tape, make, prompts: list[list[int]], new: int, counted: Counted | None = None):
-    """Per prompt (host us per iteration, tokens per verify, aten ops per iteration), from a fresh decoder
-    (nothing remembered from an earlier pass); None for a prompt the replay could not follow."""
+def generations(tape: Tape, make, prompts: list[list[int]], new: int, counting: bool = False):
+    """Per prompt (host us per iteration, eager forwards' us per iteration, tokens per verify, aten ops per
+    iteration), from a fresh decoder (nothing remembered from an earlier pass); None for a prompt whose replay
+    fed what was not recorded or gave another text."""
     decoder = make()
-    tape.prompt = -1
+    tape.begin(-1)
     try:
         decoder.generate(prompts[0], max_new_tokens=8, temperature=0)  # warm
     except NotRecorded:
-        pass  # a policy that decides by time may not follow its recorded warm-up: the prompts may still be
+        pass
     rows = []
-    for tape.prompt, prompt in enumerate(prompts):
-        tape.device_s = 0.0
-        if counted is not None:
-            counted.ops.clear()
+    for number, prompt in enumerate(prompts):
+        tape.begin(number)
+        tape.counted.ops.clear()
         started = time.perf_counter()
         try:
-            if counted is not None:
-                with counted:
-                    result = decoder.generate(prompt, max_new_tokens=new, temperature=0)
-            else:
+            with tape.counted if counting else contextlib.nullcontext():
                 result = decoder.generate(prompt, max_new_tokens=new, temperature=0)
         except NotRecorded:
             rows.append(None)
             continue
-        host = time.perf_counter() - started - result.stats.prefill_seconds - tape.device_s
+        if tape.recording:
+            tape.texts[number] = result.tokens
+        elif result.tokens != tape.texts[number]:
+            rows.append(None)
+            continue
+        host = time.perf_counter() - started - result.stats.prefill_seconds - tape.device_s - tape.eager_s
         iterations = result.stats.iterations
-        rows.append((host / iterations * 1e6, len(result.tokens) / result.stats.target_forwards,
-                     sum(counted.ops.values()) / iterations if counted is not None else None))
+        rows.append((host / iterations * 1e6, tape.eager_s / iterations * 1e6,
+                     len(result.tokens) / result.stats.target_forwards,
+                     sum(tape.counted.ops.values()) / iterations if counting else None))
     if decoder.prefixes is not None:  # its kept rows back to the pool: the next decoder's would grow it
         decoder.prefixes.clear()
     return rows
@@ -144,29 +164,27 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     costs.LiveCosts.observe = costs.LiveCosts.observe_draft = lambda *args: None  # decisions that replay alike
-    tape, counted = Tape(), Counted()
-    not_counting_prefills(counted)
+    tape = Tape(Counted())
     target = gpu.load(gpu.DEMO / "target", "graphs", "float32").target
     draft = load_model(gpu.DEMO / "draft", device="cpu", dtype="float32", compile="graphs")
     prompts = [gpu._ids(target.tokenizer, task) for task, _ in zip(suite_tasks(args.suite), range(args.prompts))]
     print(f"the demo pair, `{args.suite}`, {len(prompts)} prompts x {args.new} tokens, greedy; host us per iteration "
-          f"outside the forwards (median over prompts; one line per replay)\n")
-    print("| strategy | cold (forwards run) | warm (forwards replayed) | tokens per verify | aten ops per iteration "
-          "| prompts followed |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+          f"outside the forwards (median over prompts; one figure per replay)\n")
+    print("| strategy | cold (forwards run) | warm (forwards replayed) | eager forwards, us per iteration "
+          "| tokens per verify | aten ops per iteration | prompts followed |\n"
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, make in strategies(target, draft).items():
-        tape.recording, tape.forwards = True, {}
+        tape.recording, tape.forwards, tape.texts = True, {}, {}
         cold = generations(tape, make, prompts, args.new)
         tape.recording = False
         warm = [generations(tape, make, prompts, args.new) for _ in range(args.replays)]
-        ops = generations(tape, make, prompts, args.new, counted)
+        ops = [row[3] for row in generations(tape, make, prompts, args.new, counting=True) if row is not None]
         followed = [row for rows in warm for row in rows if row is not None]
-        launches = [row[2] for row in ops if row is not None]
-        print(f"| {name} | {statistics.median(row[0] for row in cold):.0f} | "
-              + " / ".join(f"{statistics.median(row[0] for row in rows if row):.0f}" for rows in warm if any(rows))
-              + f" | {statistics.median(row[1] for row in followed):.2f} | "
-              + (f"{statistics.median(launches):.0f}" if launches else "-")
-              + f" | {len(followed)} of {len(prompts) * args.replays} |", flush=True)
-
+        median = lambda rows, i, form: format(statistics.median(row[i] for row in rows), form) if rows else "-"  # noqa: E731
+        cells = [name, median(cold, 0, ".0f"), " / ".join(median([r for r in rows if r], 0, ".0f") for rows in warm),
+                 median(followed, 1, ".0f"), median(followed, 2, ".2f"), median([(o,) for o in ops], 0, ".0f"),
+                 f"{len(followed)} of {len(prompts) * args.replays}"]
+        print("| " + " | ".join(cells) + " |", flush=True)
 
 if __name__ == "__main__":
     main()

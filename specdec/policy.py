@@ -288,7 +288,8 @@ class Budget:
         else weighed whole. Asked of every chain source at most iterations of the default (`depth`)."""
         if not values or values[0] < NEGLIGIBLE:
             return False
-        first = (self.tokens + values[0]) / (self.seconds + self.added_cost(1))
+        now, after = self.profile.steps([self.verify_size, self.verify_size + self.batch])
+        first = (self.tokens + values[0]) / (self.seconds + max(1e-9, (after - now) / self.batch))
         return first > self.tokens / self.seconds or self.best_prefix(values) > 0
 
     def take_chain(self, values: list[float], at_least: int = 0) -> int:
