@@ -1,17 +1,16 @@
 """What an iteration of each strategy costs the host outside its forwards, as a GPU's host pays it: warm.
 
-On the CPU a forward streams the model's weights through the caches, so the host's work after it runs cold:
-the text of a step costs 9.5 us alone and about 90 us between two forwards of the demo target. A GPU's host
-waits while the device computes and finds its caches as it left them. So each generation is run twice: once
-recording every forward of the static pool (its inputs, output and time),
-then again with each forward replayed from the recording, the host spinning for the recorded time without
-touching memory. A forward is replayed by its number in the generation, its whole inputs checked, and a
-replay's text is checked against the recording's: a prompt that departs is dropped and counted. The host's part
-is the iteration's time less the forwards and the prefill (whose forwards run for real); a forward outside the
-graphs after the prefill (the default's draft reading the prompt lazily) runs for real, timed apart. Aten ops
-per iteration (a GPU launches a kernel for most) are counted on a third run. The default's live costs are frozen
-at the measured profile in every run (`LiveCosts.observe` does nothing: taking a step in costs about 1 us), so
-that it decides on a replay as on the recording.
+On the CPU a forward streams the model's weights through the caches, so the host's work after it runs cold: the
+text of a step costs 9.5 us alone and about 90 us between two forwards of the demo target. A GPU's host waits while
+the device computes and finds its caches as it left them. So each generation is run twice: once recording every
+forward of the static pool (its inputs, output and time), then again with each forward replayed from the recording,
+the host spinning for the recorded time without touching memory. A forward is replayed by its number in the
+generation, its whole inputs checked, and a replay's text is checked against the recording's: a prompt that departs
+is dropped and counted. The host's part is the iteration's time less the forwards and the prefill (whose forwards
+run for real); a forward outside the graphs after the prefill (the default's draft reading the prompt lazily) runs
+for real, timed apart. Aten ops per iteration (a GPU launches a kernel for most) are counted on a third run. The
+default's live costs are frozen at the measured profile in every run (`LiveCosts.observe` does nothing: taking a
+step in costs about 1 us), so that it decides on a replay as on the recording.
 
     taskset -c 1 python benchmarks/host_iteration.py --suite complete --prompts 6
 """
