@@ -604,7 +604,7 @@ def test_the_head_computes_on_its_targets_device(hf_eagle3, monkeypatch):
 def test_a_head_without_embeddings_of_its_own_reads_the_targets_tensor_not_a_copy(hf_eagle3, tiny_target):
     """A head in the "eagle3" layout ships no embed_tokens and reads the target's: on the device and in the
     precision where the target already keeps them, the same memory (an 8B target's are 1 GB), the tensor
-    left as it was. Beside a target in another precision, a copy in the head's."""
+    left as it was: beside a float64 target and beside a bfloat16 one (the head computes in its target's dtype)."""
     target_dir, _ = tiny_target
     target, draft, directory = hf_eagle3
     own = target.model.get_input_embeddings().weight
