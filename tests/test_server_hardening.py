@@ -54,6 +54,15 @@ def streamed_text(events: list) -> str:
     return "".join(c["text"] for e in events if isinstance(e, dict) and "choices" in e for c in e["choices"])
 
 
+def until_running(live, rows: int = 1, waiting: int = 0, timeout: float = 30) -> None:
+    """Wait until the server runs `rows` generations with `waiting` queued: what a test that signals or drains
+    next assumes (a fixed sleep lost a request still on its way to the drain's 503 on a loaded machine)."""
+    deadline = time.time() + timeout
+    while (metric(live, "specdec_batch_size"), metric(live, "specdec_queue_depth")) != (rows, waiting):
+        assert time.time() < deadline, f"the server never ran {rows} generations with {waiting} waiting"
+        time.sleep(0.02)
+
+
 # ---------------------------------------------------------------- batching and cancellation
 
 
@@ -98,11 +107,7 @@ def test_shutdown_ends_waiting_and_running_streams_in_bounded_time(model_dirs):
     try:
         with ThreadPoolExecutor(3) as pool:
             streams = [pool.submit(stream, live.url, body) for _ in range(3)]
-            # all three in (a fixed sleep lost one to the drain's 503 on a loaded machine); the first runs for >= 1 s
-            deadline = time.time() + 30
-            while metric(live, "specdec_batch_size") + metric(live, "specdec_queue_depth") < 3 and time.time() < deadline:
-                time.sleep(0.05)
-            assert (metric(live, "specdec_batch_size"), metric(live, "specdec_queue_depth")) == (1, 2)
+            until_running(live, 1, waiting=2)  # the first runs for >= 1 s
             started = time.time()
             app.state.service.drain(timeout=0.3)
             ended = time.time() - started
@@ -527,7 +532,7 @@ def test_long_prompts_are_prefilled_in_turns_between_the_others_steps(model_dirs
     try:
         with ThreadPoolExecutor(3) as pool:
             running = pool.submit(stream, live.url, {"model": MODEL, "prompt": "hi", "max_tokens": 60, "temperature": 0})
-            time.sleep(0.3)
+            until_running(live)
             joining = [pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=60) for body in bodies]
             texts = [f.result().json()["choices"][0]["text"] for f in joining]
             running.result()
@@ -552,7 +557,7 @@ def test_a_request_cancelled_while_its_prompt_is_prefilled_frees_its_slots(model
     try:
         with ThreadPoolExecutor(1) as pool:
             running = pool.submit(stream, live.url, {"model": MODEL, "prompt": "hi", "max_tokens": 60, "temperature": 0})
-            time.sleep(0.3)
+            until_running(live)
             post_and_hang_up(live.url, {"model": MODEL, "prompt": "ab cd ef gh ij kl ab cd ef gh ij kl ab cd", "max_tokens": 4}, after=0.3)
             deadline = time.time() + 5
             while metric(live, "specdec_cancelled_total") < 1:
@@ -577,7 +582,7 @@ def test_sigterm_answers_new_requests_with_503_while_draining(model_dirs):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 40, "temperature": 0}
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(stream, live.url, body)
-        time.sleep(0.3)
+        until_running(live)
         live.server.handle_exit(signal.SIGTERM, None)
         time.sleep(0.1)
         refused = httpx.post(live.url + "/v1/completions", json=body, timeout=10)
@@ -596,7 +601,7 @@ def test_a_second_signal_ends_running_generations_at_once(model_dirs):
     live = LiveServer(create_app(decoder, MODEL, depth=None), shutdown_timeout=30.0)
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(stream, live.url, {"model": MODEL, "prompt": "hi", "max_tokens": 60, "temperature": 0})
-        time.sleep(0.3)
+        until_running(live)
         live.server.handle_exit(signal.SIGTERM, None)
         time.sleep(0.1)
         signalled = time.time()
