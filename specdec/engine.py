@@ -335,7 +335,7 @@ def _feed(sequence: CachedSequence, last: int, draft: Draft, on_device: bool = F
     if not len(draft):  # plain decoding: one token, continuing the chain
         return Feed(sequence, [last], on_device=on_device)
     root = sequence.cache_len
-    parents = [root - 1] + tree.entries(draft.parents, root).tolist()
+    parents = [root - 1] + tree.entries(draft.parents.tolist(), root)
     return Feed(sequence, [last] + draft.tokens.tolist(), parents, on_device=on_device)
 
 

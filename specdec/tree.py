@@ -29,12 +29,8 @@ def check_parents(parents: torch.Tensor | Sequence[int], start: int = 0) -> None
             raise ValueError(f"entry {start + i} cannot follow entry {parent}: parents must be -1 or earlier entries")
 
 
-def depths(parents: torch.Tensor) -> torch.Tensor:
+def depths(parents: Sequence[int]) -> list[int]:
     """Depth of each node: 1 for a child of the root."""
-    return torch.tensor(_depths(parents.tolist()), dtype=torch.long)
-
-
-def _depths(parents: list[int]) -> list[int]:
     depth: list[int] = []
     for parent in parents:
         depth.append(1 if parent < 0 else depth[parent] + 1)
@@ -45,9 +41,9 @@ def is_chain(parents: torch.Tensor) -> bool:
     return parents.tolist() == list(range(-1, parents.numel() - 1))
 
 
-def children(parents: torch.Tensor, node: int) -> list[int]:
+def children(parents: Sequence[int], node: int) -> list[int]:
     """Children of `node` (-1 = the root) in index order, which is the order they are verified in."""
-    return [i for i, parent in enumerate(parents.tolist()) if parent == node]
+    return [i for i, parent in enumerate(parents) if parent == node]
 
 
 def child(parents: list[int], tokens: list[int], node: int, token: int) -> int | None:
@@ -57,7 +53,7 @@ def child(parents: list[int], tokens: list[int], node: int, token: int) -> int |
     return next((i for i, (parent, t) in enumerate(zip(parents, tokens)) if parent == node and t == token), None)
 
 
-def trials(parents: torch.Tensor, path: list[int], in_order: bool = False) -> list[tuple[int, bool]]:
+def trials(parents: Sequence[int], path: list[int], in_order: bool = False) -> list[tuple[int, bool]]:
     """Every node that verification reached (a child of the root or of an accepted node), and
     whether it was accepted (on the accepted `path`). in_order: the verifier tries a node's children
     one after another until one is accepted (`verify.verify_tree`, sampling), so the children after
@@ -72,10 +68,10 @@ def trials(parents: torch.Tensor, path: list[int], in_order: bool = False) -> li
     return tried
 
 
-def entries(parents: torch.Tensor, root: int) -> torch.Tensor:
+def entries(parents: Sequence[int], root: int) -> list[int]:
     """Node parents as cache entries, for a tree whose root is entry `root` and whose node i is
     entry root + 1 + i (the runtime protocol's parents)."""
-    return torch.where(parents < 0, torch.full_like(parents, root), parents + root + 1)
+    return [root if parent < 0 else parent + root + 1 for parent in parents]
 
 
 def new_entries(tokens, parents: Sequence[int] | None, start: int) -> tuple[list[int], list[int]]:
@@ -106,14 +102,27 @@ def ancestry(parents: Sequence[int], trunk: int, start: int, n: int) -> torch.Te
     """[n, start + n] bool: which entries each of entries start .. start + n - 1 attends to, its
     ancestors and itself, for a cache whose entries have `parents` (every entry's). Entries below
     `trunk` are a chain that every later entry descends from, so each sees them whole."""
-    mask = torch.zeros(n, start + n, dtype=torch.bool)
-    for j in range(n):
-        entry = start + j
-        while entry >= trunk:
-            mask[j, entry] = True
-            entry = parents[entry]
-        mask[j, : entry + 1] = True
+    cut, rows = ancestry_bits(parents, trunk, start, n)
+    width = start + n - cut
+    bits = torch.tensor([[row >> k & 1 for k in range(width)] for row in rows], dtype=torch.bool)
+    mask = torch.ones(n, start + n, dtype=torch.bool)  # every cell below the cut is seen
+    mask[:, cut:] = bits.view(n, width)
     return mask
+
+
+def ancestry_bits(parents: Sequence[int], trunk: int, start: int, n: int) -> tuple[int, list[int]]:
+    """`ancestry` as integers: (cut, each new entry's row from cell `cut` on, bit k for cell cut + k).
+    Every new entry sees all cells below `cut`: the lowest cell that some entry's path leaves the chain
+    below (at most `trunk`)."""
+    walks = []  # per new entry: its path from `trunk` on, itself first; the chain entry below it joins (-1: none)
+    for entry in range(start, start + n):
+        own = []
+        while entry >= trunk:
+            own.append(entry)
+            entry = parents[entry]
+        walks.append((own, entry))
+    cut = min([trunk] + [joined + 1 for _, joined in walks])  # cells 0 .. joined are seen whole
+    return cut, [sum(1 << (entry - cut) for entry in own) | ((1 << (joined + 1 - cut)) - 1) for own, joined in walks]
 
 
 def sliding_window(allowed: torch.Tensor, key_positions: torch.Tensor, positions: torch.Tensor,

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
 from specdec import tree
 
 
-@dataclass
+@dataclass(frozen=True)
 class Draft:
     """What a drafter proposes: only new tokens, never the prefix; a chain or a token tree.
 
@@ -35,14 +36,14 @@ class Draft:
 
     def __post_init__(self):
         if self.parents is None:
-            self.parents = torch.tensor(tree.chain_parents(self.tokens.numel()), dtype=torch.long)
+            object.__setattr__(self, "parents", torch.tensor(tree.chain_parents(self.tokens.numel()), dtype=torch.long))
 
     def __len__(self) -> int:
         return self.tokens.numel()
 
-    @property
-    def depth(self) -> int:
-        return int(tree.depths(self.parents).max()) if len(self) else 0
+    @cached_property
+    def depth(self) -> int:  # asked several times an iteration; a draft never changes (frozen)
+        return max(tree.depths(self.parents.tolist()), default=0)
 
     @property
     def label(self) -> str | None:
@@ -125,7 +126,7 @@ class GenerationStats:
 
     def record_trials(self, draft: Draft, path: list[int]) -> None:
         """Count, per source, the nodes verification reached and those it accepted."""
-        for node, accepted in tree.trials(draft.parents, path):
+        for node, accepted in tree.trials(draft.parents.tolist(), path):
             for kind in {kind for kind, _ in draft.sources[node]}:
                 counts = self.source_trials.setdefault(kind, [0, 0])
                 counts[0] += 1

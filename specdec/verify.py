@@ -70,10 +70,10 @@ def verify_tree(
     with a pruned vocabulary is verified without widening its q to the target's.
     """
     assert target_probs.shape[0] == tokens.numel() + 1, "target_probs needs a row for the root and one per node"
-    path, node = [], -1
+    path, node, parent_of = [], -1, parents.tolist()
     while True:
         rest = target_probs[node + 1]
-        for child in tree.children(parents, node):
+        for child in tree.children(parent_of, node):
             token = int(tokens[child])
             q = 1.0 if draft_probs is None else float(draft_probs[child, column(columns, token)])
             # q > 0 for a token drawn from q; u < r/q accepts.

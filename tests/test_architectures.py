@@ -150,7 +150,7 @@ def test_a_batched_forward_equals_each_row_alone(arch, implementation, arch_dirs
     in one forward: every row's logits equal its own forward alone (where a model cannot take
     padding exactly, its rows go one at a time: still equal)."""
     model = load_or_skip(arch_dirs[arch], arch, implementation)
-    parents = tree.entries(torch.tensor(TREE_PARENTS), len(TREE_PREFIX) - 1).tolist()
+    parents = tree.entries(TREE_PARENTS, len(TREE_PREFIX) - 1)
     first = (TREE_PREFIX, TREE_TOKENS, parents if model.tree_refusal() is None else None)  # no trees where they are refused
     rows = [first, (PROMPT[:3], [7, 8], None), ([], PROMPT, None), (PROMPT, [9], None)]
     batched, alone = [model.sequence() for _ in rows], [model.sequence() for _ in rows]
@@ -170,7 +170,7 @@ def seven_node_tree_is_exact(model: specdec.CausalLM) -> bool:
     sequence = model.sequence()
     sequence.forward(TREE_PREFIX)
     try:
-        tree_logits = sequence.forward(TREE_TOKENS, tree.entries(parents, len(TREE_PREFIX) - 1).tolist())
+        tree_logits = sequence.forward(TREE_TOKENS, tree.entries(TREE_PARENTS, len(TREE_PREFIX) - 1))
     except Exception:
         return False
     for node in range(len(TREE_TOKENS)):

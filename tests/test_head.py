@@ -241,7 +241,7 @@ def test_a_tree_forwards_rows_equal_each_path_alone(hf_head):
     target, draft, _ = hf_head
     sequence = observed_sequence(draft, target, PREFIX)
     root = len(PREFIX) - 1
-    rows = sequence.forward(TREE_TOKENS, tree.entries(torch.tensor(TREE_PARENTS), root).tolist())  # [7, columns]
+    rows = sequence.forward(TREE_TOKENS, tree.entries(TREE_PARENTS, root))  # [7, columns]
     first_state = sequence.inner.guesses[root + 1]  # the root's children read the target's state
     assert_guessed_from(draft, first_state, final_norm_output(target, PREFIX), TREE_TOKENS[0], logits=rows[0])
     paths = [[TREE_TOKENS[j] for j in path_to(torch.tensor(TREE_PARENTS), node)] for node in range(len(TREE_TOKENS))]
@@ -254,7 +254,7 @@ def test_keep_and_truncate_keep_the_guesses_of_the_path(hf_head):
     target, draft, _ = hf_head
     sequence = observed_sequence(draft, target, PREFIX)
     start = len(PREFIX)
-    sequence.forward(TREE_TOKENS, tree.entries(torch.tensor(TREE_PARENTS), start - 1).tolist())
+    sequence.forward(TREE_TOKENS, tree.entries(TREE_PARENTS, start - 1))
     head = sequence.inner
     path = path_to(torch.tensor(TREE_PARENTS), 6)  # nodes 0, 1, 3, 6: tokens 4, 5, 7, 10
     guessed = [head.guesses[start + node] for node in path]
@@ -634,7 +634,7 @@ def test_the_head_computes_on_its_targets_device(hf_head, monkeypatch):
     start = len(PREFIX)
     head.forward(PREFIX, last=1)
     head.observe(start - 1, torch.zeros(1, target.hidden_size, dtype=torch.float64))  # from the host
-    head.forward(TREE_TOKENS, tree.entries(torch.tensor(TREE_PARENTS), start - 1).tolist())
+    head.forward(TREE_TOKENS, tree.entries(TREE_PARENTS, start - 1))
     head.keep(start, [start, start + 1])
     head.observe(start - 1, torch.zeros(3, target.hidden_size, device="meta"))  # a verify's, on the device
     assert head.forward([3], last=1).shape == (1, head_model.vocab_size)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 import specdec
 from conftest import ARCHS
@@ -38,7 +39,7 @@ def fed_tree(model):
     returns the sequence and the tree's logits."""
     sequence = model.sequence()
     sequence.forward(PREFIX)
-    return sequence, sequence.forward(TREE_TOKENS, tree.entries(torch.tensor(TREE_PARENTS), len(PREFIX) - 1).tolist())
+    return sequence, sequence.forward(TREE_TOKENS, tree.entries(TREE_PARENTS, len(PREFIX) - 1))
 
 
 @pytest.mark.parametrize("runtime", ARCHS + GGUF, indirect=True)
@@ -131,6 +132,39 @@ def test_the_small_batch_product_equals_f_linear_wherever_it_is_used():
         x = torch.randn(1, rows, 24)
         assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5)
     assert cpu_matmul.transposed_wins(40, 24, torch.float32, 1) <= set(cpu_matmul.BUCKETS)
+
+
+@st.composite
+def caches_with_new_entries(draw):
+    """(parents of every entry, trunk, start, n): a committed chain below `trunk`, kept nodes up to `start`,
+    then n new entries, each after any earlier entry (so some leave the chain below the trunk)."""
+    trunk = draw(st.integers(0, 6))
+    start = trunk + draw(st.integers(0, 3))
+    n = draw(st.integers(1, 9))
+    parents = list(range(-1, trunk - 1))
+    for entry in range(trunk, start + n):
+        parents.append(draw(st.integers(-1, entry - 1)))
+    return parents, trunk, start, n
+
+
+@given(caches_with_new_entries())
+def test_the_tree_masks_are_each_entrys_ancestors(cache):
+    """`tree.ancestry` and its integers (`tree.ancestry_bits`, the static pool's rows) against a walk of every
+    parent to the root: each new entry sees itself and its ancestors; the cut is the first cell below the trunk
+    that some new entry does not see, and bit k of an entry's row is whether it sees cell cut + k."""
+    parents, trunk, start, n = cache
+    seen = []
+    for entry in range(start, start + n):
+        cells = set()
+        while entry >= 0:
+            cells.add(entry)
+            entry = parents[entry]
+        seen.append(cells)
+    mask = tree.ancestry(parents, trunk, start, n)
+    assert [set(row.nonzero().flatten().tolist()) for row in mask] == seen
+    cut, rows = tree.ancestry_bits(parents, trunk, start, n)
+    assert cut == next((cell for cell in range(trunk) if any(cell not in cells for cells in seen)), trunk)
+    assert rows == [sum(1 << (cell - cut) for cell in cells if cell >= cut) for cells in seen]
 
 
 def test_the_tree_masks_follow_parents_and_positions():

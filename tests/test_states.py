@@ -87,7 +87,7 @@ def tree_paths(prefix: list[int]) -> list[list[int]]:
 
 
 def tree_parents(prefix: list[int]) -> list[int]:
-    return tree.entries(torch.tensor(TREE_PARENTS), len(prefix) - 1).tolist()
+    return tree.entries(TREE_PARENTS, len(prefix) - 1)
 
 
 def check_every_kind_of_forward(model) -> None:

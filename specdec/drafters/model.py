@@ -326,7 +326,7 @@ class ModelDrafter:
     def feed_nodes(self, slot: _Slot, tokens: list[int], parents: list[int]):
         """Feed draft nodes (parents in branch indices) in one forward, as a tree."""
         root = slot.cached - 1  # the last committed token's entry; branch node j is entry root + 1 + j
-        logits = yield Feed(slot.cache, tokens, tree.entries(torch.tensor(parents, dtype=torch.long), root).tolist())
+        logits = yield Feed(slot.cache, tokens, tree.entries(parents, root))
         slot.forwards += 1
         slot.branch_tokens += tokens
         slot.branch_parents += parents

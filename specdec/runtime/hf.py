@@ -347,9 +347,13 @@ class HFSequence(SequenceEntries):
     def attends(self, all_parents: list[int], start: int, n: int) -> torch.Tensor | None:
         """[n, start + n] bool: which entries each new entry attends to (its ancestors and itself);
         None when the new entries continue a chain (the model's causal mask is the same)."""
-        if self._trunk == start and all(all_parents[start + j] == start + j - 1 for j in range(n)):
+        if self.continues_chain(all_parents, start, n):
             return None
         return tree.ancestry(all_parents, self._trunk, start, n)
+
+    def continues_chain(self, all_parents: list[int], start: int, n: int) -> bool:
+        """Whether the n new entries after `start` continue the cache's chain, each after the one before."""
+        return self._trunk == start and all(all_parents[start + j] == start + j - 1 for j in range(n))
 
     def _forward_recomputing_cache(self, tokens, positions, all_parents, last) -> torch.Tensor:
         """The first forward past longrope's switch: feed the cached tokens again with the new

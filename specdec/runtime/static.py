@@ -31,12 +31,12 @@ import os
 import sys
 import time
 
-import numpy
 import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specdec import tree
 from specdec.errors import SpecDecError
 from specdec.runtime import base
 from specdec.runtime.fused import FusedForward, fused_refusal, write_cells
@@ -320,16 +320,16 @@ class _Step:
             tokens += row_tokens + [0] * pad
             positions += row_positions + [0] * pad
             slots += list(range(start, start + n)) + [scratch] * pad
-            ancestry = sequence.attends(all_parents, start, n)
-            # cells below `trunk` are seen whole: cut it where some new entry's path leaves the chain earlier
-            if ancestry is not None:
-                hidden = (~ancestry[:, :trunk].all(dim=0)).nonzero()
-                trunk = int(hidden[0]) if len(hidden) else trunk
+            # each entry's cells from the trunk on, as one integer (bit j: cell trunk + j); a chain after a chain
+            # (trunk == start): each entry sees the new ones up to itself. Cells below `trunk` are seen whole: a
+            # tree cuts it where some new entry's path leaves the chain earlier
+            if sequence.continues_chain(all_parents, start, n):
+                seen.append([(2 << i) - 1 for i in range(n)])
+            else:
+                trunk, bits = tree.ancestry_bits(all_parents, trunk, start, n)
+                seen.append(bits)
             trunks.append(trunk)
             counts.append(n)
-            # each entry's cells from the trunk on, as one integer (bit j: cell trunk + j); a chain after a chain
-            # (trunk == start): each entry sees the new ones up to itself
-            seen.append([(2 << i) - 1 for i in range(n)] if ancestry is None else _bitsets(ancestry[:, trunk:]))
         padding = rows - len(placed)  # padding rows: other sequences' rows (or free ones), scratch only
         tokens += [0] * bucket * padding
         positions += [0] * bucket * padding
@@ -368,12 +368,6 @@ class _Step:
         padding = index[:bucket][None, :] >= counts[:, None]
         allowed = torch.where(padding[:, :, None], (cells == owner.capacity)[None, None, :], allowed)
         return owner.layer_masks(allowed, owner.pool.positions[:rows], positions)  # windows by cells' positions
-
-
-def _bitsets(part: torch.Tensor) -> list[int]:
-    """Each row of a boolean [n, width] as one integer, bit j set where column j is."""
-    packed = numpy.packbits(part.numpy(), axis=1, bitorder="little")
-    return [int.from_bytes(row.tobytes(), "little") for row in packed]
 
 
 def _words(bitset: int, words: int) -> list[int]:
