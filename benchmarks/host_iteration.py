@@ -151,7 +151,7 @@ def generations(tape: Tape, make, prompts: list[list[int]], new: int, counting: 
         rows.append((host / iterations * 1e6, tape.eager_s / iterations * 1e6,
                      len(result.tokens) / result.stats.target_forwards,
                      sum(tape.counted.ops.values()) / iterations if counting else None))
-    if decoder.prefixes is not None:  # its kept rows back to the pool: the next decoder's would grow it
+    if decoder.prefixes is not None:  # the next decoder reuses nothing of this one's (`PrefixCache.of` shares a cache)
         decoder.prefixes.clear()
     return rows
 

@@ -10,6 +10,7 @@ torch.compile without code generation ("aot_eager"), which is what a graph would
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 import torch
@@ -102,6 +103,25 @@ def test_rows_are_reused_swapped_and_grown(model_dirs):
     torch.testing.assert_close(fresh.forward(PROMPT)[-1], before, rtol=1e-10, atol=1e-10)
     for sequence in (second, third, fresh, *more):
         sequence.release()
+
+
+def test_a_sequence_dropped_unreleased_gives_its_row_back(model_dirs):
+    """Rows are held weakly, as llama.cpp's sequences give their cells back when dropped: decoders made one
+    after another over one target (each keeping finished sequences in the prefix cache they share, which goes
+    with the last of them) leave its pool as it was, where each growth would capture every graph again."""
+    target = static64(model_dirs["llama"])
+    rows = target.pool.rows
+    for _ in range(rows + 1):
+        decoder = specdec.SpeculativeDecoder(target, None)
+        decoder.generate(PROMPT * 3, max_new_tokens=4, temperature=0)
+        assert decoder.prefixes.tokens > 0  # it keeps a finished sequence, in a row of its own
+        del decoder
+        gc.collect()
+    assert target.pool.rows == rows
+    dropped = target.sequence()
+    row = dropped.row
+    del dropped
+    assert target.sequence().row == row
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])

@@ -30,6 +30,7 @@ import contextlib
 import os
 import sys
 import time
+import weakref
 
 import torch
 from tqdm import tqdm
@@ -77,7 +78,9 @@ class StaticHFModel(HFModel):
         # would capture every graph again (a GPU check found the default paying for it inside its verifies)
         self.pool = _Pool(_cache_layout(self), max(1, rows) + KEPT_ROWS, -(-(self.capacity + 1) // 16) * 16,
                           self.torch_device)
-        self._holders: list[StaticSequence | None] = [None] * self.pool.rows  # who owns each row
+        # who holds each row, weakly: a sequence dropped without release() gives its row back (a prefix
+        # cache's kept ones, once the last decoder sharing it is gone), as llama.cpp's give their cells back
+        self._holders: list[weakref.ref[StaticSequence] | None] = [None] * self.pool.rows
         self._runner = None
         self.compile_seconds: dict[tuple[int, int], float] = {}  # (rows, tokens) -> seconds its first forward took
         self._upload = _Uploader(self.torch_device)
@@ -95,11 +98,20 @@ class StaticHFModel(HFModel):
         return self.state_layers or ("norm" if self.keeps_states else None)
 
     def sequence(self) -> StaticSequence:
-        if None not in self._holders:
+        free = self._free_rows()
+        if not free:
             self._grow(2 * self.pool.rows)
-        sequence = StaticSequence(self, self._holders.index(None))
-        self._holders[sequence.row] = sequence
+            free = self._free_rows()
+        sequence = StaticSequence(self, free[0])
+        self._holders[sequence.row] = weakref.ref(sequence)
         return sequence
+
+    def _holder(self, row: int) -> StaticSequence | None:
+        held = self._holders[row]
+        return None if held is None else held()
+
+    def _free_rows(self) -> list[int]:
+        return [row for row in range(len(self._holders)) if self._holder(row) is None]
 
     def describe(self) -> str:
         forward = "fused forward" if self.fused else f"transformers' forward ({self.unfused_because})"
@@ -119,7 +131,7 @@ class StaticHFModel(HFModel):
         started = time.perf_counter()
         top = next((b for b in BATCHES if b >= rows), BATCHES[-1])  # past the largest, batches run eagerly
         shapes = [(batch, bucket) for batch in BATCHES if batch <= top for bucket in tokens if bucket <= self.capacity]
-        free = self._holders.count(None)
+        free = len(self._free_rows())
         if free < top:  # grown to what the batch needs (a sequence asked of a full pool doubles it)
             self._grow(self.pool.rows + top - free)
         sequences = [self.sequence() for _ in range(top)]  # before any capture: a pool that grows captures again
@@ -239,9 +251,9 @@ class StaticHFModel(HFModel):
         free = iter(sorted(set(range(count)) - {s.row for s in sequences}))
         for sequence in [s for s in sequences if s.row >= count]:
             target = next(free)
-            other = self._holders[target]
+            other = self._holder(target)
             self.pool.swap(target, sequence.row)
-            self._holders[target], self._holders[sequence.row] = sequence, other
+            self._holders[target], self._holders[sequence.row] = weakref.ref(sequence), other and weakref.ref(other)
             if other is not None:
                 other.row = sequence.row
             sequence.row = target
