@@ -456,8 +456,9 @@ class CostAwarePolicy:
         values are what count). A level of the draft model counts without its catching up, a chain at
         the longest: a shorter one pays only if some prefix of the longest does."""
         model = {"model"} if "model" in self.probes and self.budget().take_level(self.model_rate(), 1) else set()
+        empty = self.budget()  # asked of every chain source, never taken from (`some_prefix_pays` only reads it)
         return frozenset(model | {kind for kind in self.probes.keys() & CHAIN_PRIORS.keys()
-                                  if self.budget().some_prefix_pays(self.chain_values(kind, self.max_depth))})
+                                  if empty.some_prefix_pays(self.chain_values(kind, self.max_depth))})
 
     def may_pay(self, kind: str) -> bool:
         """As `depth` last found (held as it holds it), or a probe of the source is due; before any
