@@ -102,11 +102,10 @@ def ancestry(parents: Sequence[int], trunk: int, start: int, n: int) -> torch.Te
     """[n, start + n] bool: which entries each of entries start .. start + n - 1 attends to, its
     ancestors and itself, for a cache whose entries have `parents` (every entry's). Entries below
     `trunk` are a chain that every later entry descends from, so each sees them whole."""
-    cut, rows = ancestry_bits(parents, trunk, start, n)
-    width = start + n - cut
-    bits = torch.tensor([[row >> k & 1 for k in range(width)] for row in rows], dtype=torch.bool)
-    mask = torch.ones(n, start + n, dtype=torch.bool)  # every cell below the cut is seen
-    mask[:, cut:] = bits.view(n, width)
+    walks = _walks(parents, trunk, start, n)
+    joined = torch.tensor([joined for _, joined in walks], dtype=torch.long)
+    mask = torch.arange(start + n)[None, :] <= joined[:, None]  # the chain's cells 0 .. joined
+    mask[[j for j, (own, _) in enumerate(walks) for _ in own], [entry for own, _ in walks for entry in own]] = True
     return mask
 
 
@@ -114,15 +113,22 @@ def ancestry_bits(parents: Sequence[int], trunk: int, start: int, n: int) -> tup
     """`ancestry` as integers: (cut, each new entry's row from cell `cut` on, bit k for cell cut + k).
     Every new entry sees all cells below `cut`: the lowest cell that some entry's path leaves the chain
     below (at most `trunk`)."""
-    walks = []  # per new entry: its path from `trunk` on, itself first; the chain entry below it joins (-1: none)
+    walks = _walks(parents, trunk, start, n)
+    cut = min([trunk] + [joined + 1 for _, joined in walks])
+    return cut, [sum(1 << (entry - cut) for entry in own) | ((1 << (joined + 1 - cut)) - 1) for own, joined in walks]
+
+
+def _walks(parents: Sequence[int], trunk: int, start: int, n: int) -> list[tuple[list[int], int]]:
+    """Each new entry's walk to the root: (its path from `trunk` on, itself first; the chain entry below
+    `trunk` that the path joins, -1 for none). The entry sees its path and the chain's cells 0 .. joined."""
+    walks = []
     for entry in range(start, start + n):
         own = []
         while entry >= trunk:
             own.append(entry)
             entry = parents[entry]
         walks.append((own, entry))
-    cut = min([trunk] + [joined + 1 for _, joined in walks])  # cells 0 .. joined are seen whole
-    return cut, [sum(1 << (entry - cut) for entry in own) | ((1 << (joined + 1 - cut)) - 1) for own, joined in walks]
+    return walks
 
 
 def sliding_window(allowed: torch.Tensor, key_positions: torch.Tensor, positions: torch.Tensor,

@@ -42,7 +42,8 @@ class Draft:
         return self.tokens.numel()
 
     @cached_property
-    def depth(self) -> int:  # asked several times an iteration; a draft never changes (frozen)
+    def depth(self) -> int:  # asked several times an iteration: kept, as no field is set again (frozen) nor
+        # any of its tensors written in place
         return max(tree.depths(self.parents.tolist()), default=0)
 
     @property

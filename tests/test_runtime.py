@@ -136,13 +136,15 @@ def test_the_small_batch_product_equals_f_linear_wherever_it_is_used():
 
 @st.composite
 def caches_with_new_entries(draw):
-    """(parents of every entry, trunk, start, n): a committed chain below `trunk`, kept nodes up to `start`,
-    then n new entries, each after any earlier entry (so some leave the chain below the trunk)."""
-    trunk = draw(st.integers(0, 6))
-    start = trunk + draw(st.integers(0, 3))
-    n = draw(st.integers(1, 9))
+    """(parents of every entry, trunk, start, n): a committed chain below `trunk`, then entries each after any
+    earlier one (so some paths leave the chain below the trunk); the n new entries from `start` on, which may
+    lie below the trunk (an EAGLE-3 head reads committed entries again). Up to 89 cells: rows wider than the
+    static pool's 64-bit words."""
+    trunk = draw(st.integers(0, 80))
+    start = draw(st.integers(0, trunk + 3))
+    n = draw(st.integers(0, 9))
     parents = list(range(-1, trunk - 1))
-    for entry in range(trunk, start + n):
+    for entry in range(trunk, max(trunk, start + n)):
         parents.append(draw(st.integers(-1, entry - 1)))
     return parents, trunk, start, n
 
@@ -165,6 +167,14 @@ def test_the_tree_masks_are_each_entrys_ancestors(cache):
     cut, rows = tree.ancestry_bits(parents, trunk, start, n)
     assert cut == next((cell for cell in range(trunk) if any(cell not in cells for cells in seen)), trunk)
     assert rows == [sum(1 << (cell - cut) for cell in cells if cell >= cut) for cells in seen]
+
+
+def test_the_static_pools_rows_for_a_chain_continuing_the_cache_are_its_shortcuts():
+    """`_Step.of` writes a chain after a chain without walking it: entry i sees the new entries up to itself."""
+    for start in range(8):
+        for n in range(1, 8):
+            parents = list(range(-1, start + n - 1))
+            assert tree.ancestry_bits(parents, start, start, n) == (start, [(2 << i) - 1 for i in range(n)])
 
 
 def test_the_tree_masks_follow_parents_and_positions():

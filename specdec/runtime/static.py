@@ -27,6 +27,7 @@ Invariant (with `entries.SequenceEntries`'): entry i of a sequence sits in cell 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -99,6 +100,9 @@ class StaticHFModel(HFModel):
 
     def sequence(self) -> StaticSequence:
         free = self._free_rows()
+        if not free:  # a sequence dropped in a reference cycle holds its row until collected: cheaper than a growth
+            gc.collect()
+            free = self._free_rows()
         if not free:
             self._grow(2 * self.pool.rows)
             free = self._free_rows()
@@ -253,7 +257,7 @@ class StaticHFModel(HFModel):
             target = next(free)
             other = self._holder(target)
             self.pool.swap(target, sequence.row)
-            self._holders[target], self._holders[sequence.row] = weakref.ref(sequence), other and weakref.ref(other)
+            self._holders[target], self._holders[sequence.row] = self._holders[sequence.row], self._holders[target]
             if other is not None:
                 other.row = sequence.row
             sequence.row = target
@@ -333,8 +337,9 @@ class _Step:
             positions += row_positions + [0] * pad
             slots += list(range(start, start + n)) + [scratch] * pad
             # each entry's cells from the trunk on, as one integer (bit j: cell trunk + j); a chain after a chain
-            # (trunk == start): each entry sees the new ones up to itself. Cells below `trunk` are seen whole: a
-            # tree cuts it where some new entry's path leaves the chain earlier
+            # (trunk == start): each entry sees the new ones up to itself (a shortcut: `ancestry_bits` gives the
+            # same rows). Cells below `trunk` are seen whole: a tree cuts it where some new entry's path leaves the
+            # chain earlier
             if sequence.continues_chain(all_parents, start, n):
                 seen.append([(2 << i) - 1 for i in range(n)])
             else:
