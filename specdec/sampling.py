@@ -119,11 +119,20 @@ class StepNoise:
         return noise if noise is not None else self.streams.noise(self.start + offset, self.size)
 
 
+def argmax(values: torch.Tensor) -> int | list[int]:
+    """`values.argmax(dim=-1).tolist()`: each row's largest (the first among equals, a NaN before any number).
+    On the host it is numpy's, which reads a float32 or float64 row about 12 times as fast as torch 2.x's CPU
+    kernel (5 rows of Gemma 3's 262k logits: 62 against 745 µs, a verify's every greedy step)."""
+    if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64):
+        return values.numpy().argmax(axis=-1).tolist()
+    return values.argmax(dim=-1).tolist()
+
+
 def draw(probs: torch.Tensor, noise: torch.Tensor) -> int:
     """The token argmax(probs / noise), noise ~ Exp(1) i.i.d. (the Gumbel-max trick): a draw from
     probs ([vocab], need not be normalised), exact; with the same noise, two close distributions
     mostly draw the same token."""
-    return int(torch.argmax(_keys(probs, noise)))
+    return argmax(_keys(probs, noise))
 
 
 def ranked(probs: torch.Tensor, noise: torch.Tensor, count: int) -> list[int]:

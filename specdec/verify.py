@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from specdec import tree
-from specdec.sampling import draw, sample, uniform
+from specdec.sampling import argmax, draw, sample, uniform
 from specdec.types import VerifyResult
 
 
@@ -111,7 +111,7 @@ def verify_tree_greedy(
     target_logits: torch.Tensor,  # [n + 1, vocab], rows as in verify_tree
 ) -> VerifyResult:
     """Follow the target's argmax down the tree while some child carries it; then emit that argmax."""
-    choices = target_logits.argmax(dim=-1).tolist()  # no draft: plain greedy decoding, choices[0]
+    choices = argmax(target_logits)  # no draft: plain greedy decoding, choices[0]
     return _follow_target(tokens, parents, lambda node, accepted: choices[node + 1])
 
 

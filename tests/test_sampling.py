@@ -7,7 +7,7 @@ from itertools import accumulate
 import torch
 
 from specdec.drafters.prompt_lookup import Ngrams, lookup_continuation, lookup_match
-from specdec.sampling import RandomStreams, probs_from_logits, sample
+from specdec.sampling import RandomStreams, argmax, probs_from_logits, sample
 from specdec.params import SamplingParams
 
 LOGITS = torch.log(torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15], dtype=torch.float64))
@@ -164,3 +164,15 @@ def test_a_match_that_runs_n_tokens_back_needs_the_last_n_tokens_earlier(context
         assert ngrams.repeats(text) == slow
         if lookup_match(text, 8)[1] >= n:
             assert slow
+
+
+@given(st.lists(st.lists(st.sampled_from([0.0, 1.0, 2.0, -1.5, float("inf"), float("-inf"), float("nan")]),
+                         min_size=3, max_size=3), min_size=1, max_size=6),
+       st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), st.booleans())
+def test_argmax_is_torchs_ties_nans_and_views_included(rows, dtype, transposed):
+    """`sampling.argmax` (numpy's on the host, for speed) picks what torch's argmax does: the first of equal
+    largest values, a NaN before any number, on a row, rows, and a strided view of them."""
+    values = torch.tensor(rows, dtype=dtype)
+    values = values.t() if transposed else values  # a view whose rows are strided
+    assert argmax(values) == values.argmax(dim=-1).tolist()
+    assert argmax(values[0]) == values[0].argmax(dim=-1).tolist()

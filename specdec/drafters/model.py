@@ -36,7 +36,7 @@ from specdec.errors import check_integer
 from specdec.runtime import CausalLM, check_same_vocabulary, require_trees
 from specdec.runtime import base as runtime
 from specdec.runtime.base import Feed, forward_together
-from specdec.sampling import probs_from_logits, sample
+from specdec.sampling import argmax, probs_from_logits, sample
 from specdec.types import Draft
 from specdec.params import SamplingParams
 from specdec.verify import verify_chain, verify_greedy
@@ -65,7 +65,7 @@ def pick_children(q: torch.Tensor, count: int, sampled: bool, rng: torch.Generat
             drawn_from = rest / left if exclude else q
             token = sample(drawn_from, rng)
         else:
-            drawn_from, token = None, int(rest.argmax())
+            drawn_from, token = None, argmax(rest)
         yield token, drawn_from
         rest[token] = 0
         exclude = [*exclude, token]
