@@ -19,7 +19,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     """
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logits = logits.to(dtype)
-    logits = (logits - logits.max(dim=-1, keepdim=True).values) / _representable(params.temperature, dtype)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / _representable(params.temperature, dtype)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
@@ -27,7 +27,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     if params.top_p < 1:
         probs = _nucleus(probs, params.top_p)
     if params.min_p > 0:  # the likeliest token always stays (its own ratio is 1)
-        probs = probs.masked_fill(probs < params.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
