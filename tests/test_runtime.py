@@ -138,7 +138,7 @@ def test_the_small_batch_product_equals_f_linear_wherever_it_is_used():
 def caches_with_new_entries(draw):
     """(parents of every entry, trunk, start, n): a committed chain below `trunk`, then entries each after any
     earlier one (so some paths leave the chain below the trunk); the n new entries from `start` on, which may
-    lie below the trunk (an EAGLE-3 head reads committed entries again). Up to 89 cells: rows wider than the
+    lie below the trunk (an EAGLE-3 head reads committed entries again). Up to 92 cells: rows wider than the
     static pool's 64-bit words."""
     trunk = draw(st.integers(0, 80))
     start = draw(st.integers(0, trunk + 3))
