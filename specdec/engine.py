@@ -253,7 +253,7 @@ class Engine:
                  noise: StepNoise | None) -> StepResult:
         verified = logits  # logprobs stay the raw distribution's
         if state.shapers:
-            tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
+            tokens, parents = draft.tokens.tolist(), draft.parent_list
             for shaper in state.shapers:
                 verified = shaper.shape(verified, tokens, parents)
         result = _verify(draft, verified, state.sampling, state.streams, noise)
@@ -303,7 +303,7 @@ def _checked(draft: Draft, gamma: int, vocab_size: int, sampling: SamplingParams
     """The draft, its drafter's contract checked: a broken drafter would silently break losslessness."""
     if not len(draft):  # nothing drafted: nothing to check (most steps of a default that finds nothing to draft)
         return draft
-    tree.check_parents(draft.parents)
+    tree.check_parents(draft.parent_list)
     if draft.depth > gamma:
         raise ValueError(f"the drafter proposed {draft.depth} tokens deep; at most {gamma} were asked for")
     if draft.probs is not None and not sampling.greedy:
@@ -335,7 +335,7 @@ def _feed(sequence: CachedSequence, last: int, draft: Draft, on_device: bool = F
     if not len(draft):  # plain decoding: one token, continuing the chain
         return Feed(sequence, [last], on_device=on_device)
     root = sequence.cache_len
-    parents = [root - 1] + tree.entries(draft.parents.tolist(), root)
+    parents = [root - 1] + tree.entries(draft.parent_list, root)
     return Feed(sequence, [last] + draft.tokens.tolist(), parents, on_device=on_device)
 
 

@@ -536,7 +536,7 @@ class CostAwarePolicy:
         if draft.sources is None:
             return
         self.pays_for = 0  # the estimates move: whether a source pays is asked again
-        for node, accepted in trials(draft.parents.tolist(), result.path, self.draws):
+        for node, accepted in trials(draft.parent_list, result.path, self.draws):
             for source in draft.sources[node]:
                 self._acceptance(source).observe(1, accepted)
 

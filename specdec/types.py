@@ -41,10 +41,14 @@ class Draft:
     def __len__(self) -> int:
         return self.tokens.numel()
 
+    # asked several times an iteration, so kept: no field is set again (frozen) nor any tensor written in place
     @cached_property
-    def depth(self) -> int:  # asked several times an iteration: kept, as no field is set again (frozen) nor
-        # any of its tensors written in place
-        return max(tree.depths(self.parents.tolist()), default=0)
+    def parent_list(self) -> list[int]:
+        return self.parents.tolist()
+
+    @cached_property
+    def depth(self) -> int:
+        return max(tree.depths(self.parent_list), default=0)
 
     @property
     def label(self) -> str | None:
@@ -127,7 +131,7 @@ class GenerationStats:
 
     def record_trials(self, draft: Draft, path: list[int]) -> None:
         """Count, per source, the nodes verification reached and those it accepted."""
-        for node, accepted in tree.trials(draft.parents.tolist(), path):
+        for node, accepted in tree.trials(draft.parent_list, path):
             for kind in {kind for kind, _ in draft.sources[node]}:
                 counts = self.source_trials.setdefault(kind, [0, 0])
                 counts[0] += 1
