@@ -22,7 +22,8 @@ Sections:
    target's, and the speedups Leviathan's formula gives for acceptance rates measured on the CPU;
 8. every family the fused forward covers, on the device's compiled kernels: a random model of each (float32),
    its logits and greedy text against transformers' forward on the same pool, and t(1) both ways;
-9. the 8B shape's one-token step at each context (cells per row), against the bytes a row's cells hold.
+9. the 8B shape's one-token step at each context (cells per row), attention reading the read bucket its rows
+   need and (as before read buckets) the whole row, against the bytes a row's cells hold; 16 rows at 4096.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import specdec  # noqa: E402
 from specdec.runtime.hf import HFModel  # noqa: E402
-from specdec.runtime.base import synchronize  # noqa: E402
+from specdec.runtime.base import Feed, synchronize  # noqa: E402
 from specdec.runtime.static import BUCKETS, StaticHFModel, _Step  # noqa: E402
 
 SMALL = os.environ.get("SMALL") == "1"
@@ -400,7 +401,8 @@ def static_figures(model, tokenizer, backend: str, prompt: list[int], new: int, 
 
     static = StaticHFModel(model, tokenizer, "8B-shaped", context=1024, backend=backend, fused=fused)
     backend = f"{backend}, {'fused' if fused else 'transformers forward'}"
-    results = {f"{backend}: warm-up s": static.warm_up(tokens=buckets)}
+    # every row here holds under 512 cells (a prompt of 128, 128 new; 199 + 64): the first read bucket's shapes
+    results = {f"{backend}: warm-up s (512 cells read)": static.warm_up(tokens=buckets, reads=static.reads[:1])}
     plain = SpeculativeDecoder(static, None)
     seconds, text = per_token(plain, prompt, new)
     results[f"{backend}: plain tok/s"] = 1 / seconds
@@ -507,7 +509,7 @@ def step_parts(static: StaticHFModel) -> tuple[dict, list[int]]:
     from specdec.api import SpeculativeDecoder
 
     new, prompt = eight_b_prompt()
-    parts = {"warm-up s": static.warm_up(tokens=(1,))}
+    parts = {"warm-up s (512 cells read)": static.warm_up(tokens=(1,), reads=static.reads[:1])}
     decoder = SpeculativeDecoder(static, None)
     iterations = []
     for _ in range(3):
@@ -530,7 +532,7 @@ def step_parts(static: StaticHFModel) -> tuple[dict, list[int]]:
         # the last forward's graph: replays write its key and value past the row's count, where nothing sees them
         (shape, *_), (graph, buffer, _) = next((key, entry) for key, entry in static.runner().shapes.items()
                                                if key[0][:2] == (1, 1))
-        cache = static.pool.cache(1)
+        cache = static.pool.cache(1, next(cells for cells in static.reads if cells > len(prompt)))  # the step's
         replay = graph.replay if graph is not None else lambda: static.step_forward(*_Step.views(buffer, shape), cache)
         replays = []
         for _ in range(5):
@@ -580,12 +582,12 @@ def eight_b_drafts(until: float) -> dict:
     Leviathan et al.'s formula gives for the CPU's acceptance rates at those costs."""
     model, tokenizer = shaped()
     target = StaticHFModel(model, tokenizer, "8B-shaped", context=1024, fused=True)
-    target.warm_up()
+    target.warm_up(reads=target.reads[:1])  # its rows hold under 512 cells
     costs = verify_costs(target)
     results = {"target t(1) ms": costs["t(1) ms"], "t(k)/t(1)": {k: v for k, v in costs.items() if k != "t(1) ms"}}
     draft = StaticHFModel(random_llama(LLAMA_1B_SMALL if SMALL else LLAMA_1B, tied=True), tokenizer, "1B-shaped",
                           context=1024, fused=True)
-    draft.warm_up(tokens=(1,))
+    draft.warm_up(tokens=(1,), reads=draft.reads[:1])
     results["1B draft d(1)/t(1)"] = verify_costs(draft, (1,))["t(1) ms"] / costs["t(1) ms"]
     del draft
     head = eagle3_head(target)
@@ -742,7 +744,7 @@ def families(until: float) -> dict:
         for fused in (False, True):
             pool = StaticHFModel(model, tokenizer, model_type, context=1024, backend=COMPILE, fused=fused)
             way = "fused" if fused else "transformers"
-            row[f"{way}: warm-up s"] = round(pool.warm_up(tokens=(1, 4, 16)), 2)
+            row[f"{way}: warm-up s"] = round(pool.warm_up(tokens=(1, 4, 16), reads=pool.reads[:1]), 2)
             sequence = pool.sequence()
             sequence.forward(prompt)  # a prefill chunk; then a step of the 4 bucket, the compiled kernels'
             logits.append(sequence.forward(prompt[:4]))
@@ -762,31 +764,76 @@ def families(until: float) -> dict:
 CONTEXTS = (1024, 4096, 16384, 32768)  # cells per row (`--context`); 4096 is the default
 
 
-@section("9-8b-context", 120)
+@section("9-8b-context", 150)
 def eight_b_context(until: float) -> dict:
-    """What a row's context costs the 8B shape's one-token step: the pool's attention reads every cell of a
-    row each step, used or not. t(1) on the fused pool at each context (199 cells used) against the
-    smallest, beside the bytes a row's cells hold against the weights': what length buckets, or a decoding
-    attention kernel that reads a row's own length, would win."""
+    """What a row's context costs the 8B shape's one-token step: attention reads the read bucket that holds the
+    rows' cells (`static.read_buckets`: 512, 1024, ... cells), where it read every cell of a row, used or not.
+    t(1) on the fused pool at each context, 199 cells used, both ways (the whole row: the pool's read buckets cut
+    to the last one), beside the bytes a row's cells hold against the weights'; and at the default context a
+    step of 16 rows, where the rows' cells weigh most."""
     model, tokenizer = shaped()
     results = {}
-    for context in (256, 512, 1024) if SMALL else CONTEXTS:
-        if time.monotonic() > until - 20:
+    contexts = (512, 2048, 4096) if SMALL else CONTEXTS
+    for context in contexts:
+        if time.monotonic() > until - 30:
             note(f"- 9. context {context}: skipped (time)")
             break
-        pool = StaticHFModel(model, tokenizer, "8B-shaped", context=context, rows=1, fused=True)
+        rows = 16 if context == contexts[1] else 1
+        pool = StaticHFModel(model, tokenizer, "8B-shaped", context=context, rows=rows, fused=True)
         assert pool.capacity == context, f"a pool of {pool.capacity} cells a row for a context of {context}"
-        pool.warm_up(tokens=(1,))
-        results[context] = {"t(1) ms": verify_costs(pool, (1,))["t(1) ms"],
-                            "a row's cells / weights": round(pool.pool.bytes(1) / pool.weight_bytes, 3)}
+        row = {"a row's cells / weights": round(pool.pool.bytes(1) / pool.weight_bytes, 3)}
+        buckets, logits = pool.reads, []
+        for way, reads in (("read bucket", buckets), ("whole row", buckets[-1:])):
+            pool.reads = reads  # the whole row: as every step read before read buckets
+            pool.warm_up(tokens=(1,), reads=reads[:1])  # what 200 cells read (16 rows: their first step captures)
+            row[f"t(1) ms, {way}"] = verify_costs(pool, (1,))["t(1) ms"]
+            logits.append(step_logits(pool))
+            if rows > 1:
+                row[f"16 rows' step ms, {way}"] = batch_step_ms(pool, rows)
+        # the same step's logits both ways: whether the device's kernels round them alike over more cells
+        row["largest |logit difference| between the two ways"] = (logits[0] - logits[1]).abs().max().item()
+        results[context] = row
+        note(f"- 9. context {context}: " + json.dumps(row))
         del pool
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
-    smallest = next(iter(results.values()), {}).get("t(1) ms")
+    smallest = next(iter(results.values()), {}).get("t(1) ms, read bucket")
     for row in results.values():
-        row["t(1) / the smallest context's"] = round(row["t(1) ms"] / smallest, 3)
+        row["t(1) / the smallest context's, whole row"] = round(row["t(1) ms, whole row"] / smallest, 3)
+        row["t(1) / the smallest context's, read bucket"] = round(row["t(1) ms, read bucket"] / smallest, 3)
     note("## 9. The 8B shape's step by context (cells per row)\n" + json.dumps(results, indent=1))
     return results
+
+
+def step_logits(model: StaticHFModel) -> torch.Tensor:
+    """A step's logits after 199 cells."""
+    sequence = model.sequence()
+    try:
+        sequence.forward(list(range(1, 200)))
+        return sequence.forward([5])
+    finally:
+        sequence.release()
+
+
+def batch_step_ms(model: StaticHFModel, rows: int) -> float:
+    """A one-token step of `rows` sequences together, 199 cells cached in each (median of 5, ms)."""
+    sequences = [model.sequence() for _ in range(rows)]
+    try:
+        for sequence in sequences:
+            sequence.forward(list(range(1, 200)))
+        samples = []
+        for _ in range(5):
+            synchronize(DEVICE)
+            started = time.perf_counter()
+            model.forward_batch([Feed(sequence, [5], on_device=True) for sequence in sequences])
+            synchronize(DEVICE)
+            samples.append(time.perf_counter() - started)
+            for sequence in sequences:
+                sequence.truncate(199)
+        return round(statistics.median(samples) * 1e3, 3)
+    finally:
+        for sequence in sequences:
+            sequence.release()
 
 
 def read_bandwidth() -> float:

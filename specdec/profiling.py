@@ -220,7 +220,7 @@ def model_identity(model: CausalLM) -> dict:
     stamps = [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files if p.exists()]
     return {"path": str(path.resolve()), "files": stamps, "backend": model.backend, "dtype": model.dtype,
             "device": str(model.device), "threads": model.threads or torch.get_num_threads(),
-            "compiled": model.compile_backend, "context": model.max_length,  # a static row attends over all of it
+            "compiled": model.compile_backend, "context": model.max_length,  # a static pool's rows and read buckets
             "output_layer": model.output_layer}
 
 

@@ -11,6 +11,7 @@ import torch
 import specdec
 from specdec import costs, profiling
 from specdec.demo import DEMO_DIR, demo_gguf
+from specdec.runtime import static
 from gguf_data import made_test_models
 from tiny import save_tiny_model
 
@@ -25,6 +26,13 @@ CHEAP_VERIFY = costs.Profile(target={1: 1.0, 4: 1.05, 8: 1.15, 16: 1.5, 64: 4.0}
 measured_profile = profiling.profile
 # the real ones, for the tests of them (the fixture below makes them no-ops)
 live_observe, live_observe_draft = costs.LiveCosts.observe, costs.LiveCosts.observe_draft
+
+
+@pytest.fixture(autouse=True)
+def small_read_buckets(monkeypatch):
+    """The static pool's read buckets from 16 cells, not 512: the tests' rows hold 64 cells, so every test of
+    the pool crosses read buckets (16, 32, 64) as decoding a long context crosses 512, 1024, ..."""
+    monkeypatch.setattr(static, "SMALLEST_READ", 16)
 
 
 @pytest.fixture(autouse=True)

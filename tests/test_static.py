@@ -18,9 +18,9 @@ import specdec
 from conftest import ARCHS, reference_greedy
 from specdec.errors import SpecDecError
 from specdec.losslessness import check_lossless, format_report
-from specdec.runtime import load_model
+from specdec.runtime import load_model, static
 from specdec.runtime.hf import HFModel
-from specdec.runtime.static import BUCKETS, StaticHFModel, static_refusal
+from specdec.runtime.static import BUCKETS, StaticHFModel, read_buckets, static_refusal
 from tiny import save_tiny_model
 
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]  # repeats, so prompt lookup has something to find
@@ -163,7 +163,10 @@ def test_compiled_forwards_equal_plain_greedy(model_dirs, load64):
     near = specdec.ModelDrafter(load64(model_dirs["llama-near"]))
     for drafter, gamma in ((None, "auto"), (near, 3)):
         assert specdec.SpeculativeDecoder(target, drafter, gamma=gamma).generate(PROMPT, max_new_tokens=NEW, temperature=0).tokens == want
-    assert set(target.compile_seconds) == {(1, 1), (1, 4), (1, 16)}  # plain steps, verifies of 4, the prompt
+    # plain steps, verifies of 4, the prompt; each at the read buckets its rows reached (10 + 40 cells: all three)
+    assert target.reads == (16, 32, 64)
+    assert {shape[:2] for shape in target.compile_seconds} == {(1, 1), (1, 4), (1, 16)}
+    assert {shape[2] for shape in target.compile_seconds} == {16, 32, 64}
 
 
 def test_graph_buffers_equal_plain_greedy(model_dirs, load64):
@@ -182,6 +185,34 @@ def test_graph_buffers_equal_plain_greedy(model_dirs, load64):
     assert len(target.runner().shapes) >= 4  # rows and token buckets, each with its own buffers
     for request, result in zip(requests, results):
         assert result.tokens == decoder.generate(**request).tokens
+
+
+def test_read_buckets_double_from_512_cells_up_to_the_row(monkeypatch):
+    monkeypatch.setattr(static, "SMALLEST_READ", 512)  # as shipped (the tests' fixture starts them at 16)
+    assert read_buckets(4096) == (512, 1024, 2048, 4096)
+    assert read_buckets(32768) == (512, 1024, 2048, 4096, 8192, 16384, 32768)
+    assert read_buckets(1000) == (512, 1008)  # the last rounded up to 16 cells
+    assert read_buckets(512) == (512,) and read_buckets(100) == (112,)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_forward_reads_no_cell_past_its_read_bucket(model_dirs, fused):
+    """Attention reads the read bucket that holds its rows' cells (16 of 16, 32, 64 here), not the whole row:
+    cells past it may hold anything, NaN here, and change nothing (reading them made every logit NaN). In a
+    batch of 3 padded to 4 rows, the padding row reads its cell 0 only."""
+    eager = specdec.load_model(model_dirs["llama"], device="cpu", dtype="float64")
+    static = StaticHFModel(eager.model, eager.tokenizer, "llama", backend="graphs", fused=fused)
+    assert static.reads == (16, 32, 64)
+    prompts = [PROMPT, PROMPT[:7], PROMPT[2:]]
+    sequences = [static.sequence() for _ in prompts]
+    for sequence, prompt in zip(sequences, prompts):
+        sequence.forward(prompt)
+    for tensor in (*static.pool.keys, *static.pool.values):
+        tensor[:, :, 16:] = float("nan")
+    got = static.forward_batch([specdec.runtime.base.Feed(sequence, [5]) for sequence in sequences])
+    assert (4, 1, 16) in static.compile_seconds  # three rows of at most 11 cells: the batch bucket 4, 16 cells read
+    for rows, prompt in zip(got, prompts):
+        torch.testing.assert_close(rows[-1], eager.sequence().forward(prompt + [5])[-1], rtol=1e-10, atol=1e-10)
 
 
 def test_a_released_sequence_is_refused(model_dirs):
@@ -300,7 +331,8 @@ def test_a_decoder_compiles_its_forwards_before_its_first_request(model_dirs, ca
     decoder = specdec.load(model_dirs["llama"], model_dirs["llama-near"], backend="transformers", device="cpu",
                            dtype="float64", compile="aot_eager", slots=3)
     buckets = [b for b in BUCKETS if b <= decoder.target.capacity]
-    assert set(decoder.target.compile_seconds) == {(rows, b) for rows in (1, 2, 4) for b in buckets}
+    assert set(decoder.target.compile_seconds) == {(rows, b, cells) for rows in (1, 2, 4) for b in buckets
+                                                   for cells in decoder.target.reads if cells >= b}
     assert set(decoder.drafter.draft_model.compile_seconds) == set(decoder.target.compile_seconds)
     assert "the target's forwards compiled in" in capsys.readouterr().err
     plain = specdec.load(model_dirs["llama"], backend="transformers", device="cpu", compile="graphs", plain=True)

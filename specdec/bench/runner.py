@@ -363,8 +363,8 @@ def model_facts(model: CausalLM) -> dict:
             "context": model.max_length, "threads": model.threads,
             "output_layer": model.output_layer, "batch_invariant": model.batch_invariant,
             "compiled": model.compile_backend,
-            "compile_seconds": {f"{rows}x{tokens}": round(seconds, 3)
-                                for (rows, tokens), seconds in model.compile_seconds.items()}}
+            "compile_seconds": {"x".join(map(str, shape)): round(seconds, 3)
+                                for shape, seconds in model.compile_seconds.items()}}
 
 
 def read_bandwidth(threads: int = 1, megabytes: int = 256, repeats: int = 5) -> float:

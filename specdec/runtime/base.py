@@ -109,7 +109,7 @@ class CausalLM(Protocol):
     output_layer: str | None  # who computes a GGUF model's logits: "specdec" (`cpu_head`), "llama.cpp" or "split"
     # (llama.cpp's for a one-row forward, specdec's for more); None: its own
     compile_backend: str | None  # how a static pool's forwards run (`static.COMPILE_BACKENDS`); None: eagerly
-    compile_seconds: dict[tuple[int, int], float]  # (rows, tokens) -> seconds that shape's first forward took
+    compile_seconds: dict[tuple[int, ...], float]  # a compiled shape (rows, tokens, ...) -> its first forward's seconds
     columns: torch.Tensor | None  # [columns]: each logit column's target id (`PrunedVocab`); None: every id in order
     reads_target_states: bool  # its sequences take the target's verified states (`observe`: a draft head)
     peer_kind: str | None  # whose generation loops the bench runs on it beside specdec's (`bench.peers`); None: none

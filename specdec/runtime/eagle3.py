@@ -368,7 +368,7 @@ class Eagle3Model:
         self.parameters = sum(p.numel() for p in net.parameters())
         self.dtype = str(net.dtype).removeprefix("torch.")
         self.weight_bytes = self.parameters * net.norm.weight.element_size()
-        self.compile_seconds: dict[tuple[int, int], float] = {}
+        self.compile_seconds: dict[tuple[int, ...], float] = {}
 
     def quantize(self) -> None:
         """Its linear layers multiplied as Q8_0 by specdec's CPU kernel (`cpu_head.quantize_linears`), where

@@ -191,11 +191,12 @@ def layer_weights(layer) -> LayerWeights:
 
 
 def layer_step(kernels: _Kernels, weights: LayerWeights, hidden, normed, cos, sin, mask, pool_keys, pool_values,
-               row_index, slots, next_norm):
+               row_index, slots, reads: int, next_norm):
     """One decoder layer: (hidden, normed) -> the next layer's (hidden, its norm of it). `normed` is this
     layer's input norm of `hidden` [rows, n, width], computed where the previous layer added its residual;
     the new keys and values are written into the pool's rows [rows, kv heads, cells, d] at cells
-    slots[r, j] of row row_index[r] (`write_cells`), and attention reads the whole rows (the mask hides the rest)."""
+    slots[r, j] of row row_index[r] (`write_cells`), and attention reads the rows' first `reads` cells (the
+    mask, [rows, 1, n, reads], hides the rest)."""
     rows, n, _ = hidden.shape
     queries, keys, values = F.linear(normed, *weights.qkv).split(weights.widths, dim=-1)
     queries, keys, values = (x.view(rows, n, -1, weights.head_dim) for x in (queries, keys, values))
@@ -204,7 +205,8 @@ def layer_step(kernels: _Kernels, weights: LayerWeights, hidden, normed, cos, si
     queries, keys = kernels.rotate(queries.transpose(1, 2), keys.transpose(1, 2), cos, sin)
     write_cells(pool_keys, row_index, slots, keys)
     write_cells(pool_values, row_index, slots, values.transpose(1, 2))
-    attended = grouped_attention(queries, pool_keys, pool_values, mask, weights.scaling, kernels)
+    attended = grouped_attention(queries, pool_keys[:, :, :reads], pool_values[:, :, :reads], mask, weights.scaling,
+                                 kernels)
     delta = F.linear(attended.transpose(1, 2).reshape(rows, n, -1), *weights.o)
     hidden, normed = kernels.residual(hidden, delta, weights.norm_attended, weights.norm_mlp_in)
     gated = kernels.gated(F.linear(normed, *weights.gate_up))
@@ -283,6 +285,15 @@ def gated(gate_up, activation=F.silu):
     return activation(gate) * up
 
 
+def allow_compiled_shapes(entries: int = 1024) -> None:
+    """Let torch.compile keep `entries` compiled shapes of one function, where a pool compiles one per (rows,
+    tokens, cells read) bucket and a target and its draft model share the functions: past dynamo's limits (8
+    per function, 256 in all by default) a further shape would silently run eagerly."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, entries)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, entries)
+
+
 SCOPES = ("pieces", "layers")  # what one compiled graph holds: each elementwise step, or a whole layer
 
 
@@ -296,8 +307,8 @@ class _Kernels:
 
     def __init__(self, family: Family, scope: str | None, products: bool, scores_cap: float | None = None,
                  backend: str = "inductor"):
-        if scope:  # one entry per (rows, tokens) bucket: past dynamo's limit (8) a shape would run eagerly
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        if scope:
+            allow_compiled_shapes()
 
         def compiled(function, at: str):
             return torch.compile(function, backend=backend, dynamic=False, fullgraph=True) if scope == at else function

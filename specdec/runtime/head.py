@@ -187,7 +187,7 @@ class HeadModel:
         self.dtype = str(net.fuse.weight.dtype).removeprefix("torch.")
         draft_id = {target_id: i for i, target_id in enumerate(vocab_map.target_ids)}
         self.stop_token_ids = frozenset(draft_id[t] for t in target.stop_token_ids if t in draft_id)
-        self.compile_seconds: dict[tuple[int, int], float] = {}  # nothing compiled
+        self.compile_seconds: dict[tuple[int, ...], float] = {}  # nothing compiled
 
     def sequence(self) -> HeadSequence:
         return HeadSequence(self)

@@ -70,7 +70,7 @@ class HFModel(base.CheckedTrees):
         self.rope_switch = longrope_switch(model.config)  # None, or the first position that runs long factors
         self.torch_device = model.device  # fixed: the model is moved before it is wrapped (HF's property is slow)
         self.device, self.on_gpu = str(self.torch_device), self.torch_device.type == "cuda"
-        self.compile_seconds: dict[tuple[int, int], float] = {}  # nothing compiled (`StaticHFModel` fills its own)
+        self.compile_seconds: dict[tuple[int, ...], float] = {}  # nothing compiled (`StaticHFModel` fills its own)
         if self.on_gpu:
             avoid_cudnn_attention()
         self.torch_dtype = model.dtype

@@ -79,7 +79,7 @@ class LlamaCppModel(base.CheckedTrees):
         trained = lib.llama_model_n_ctx_train(self._model)
         self.max_length = min(context or DEFAULT_CONTEXT, trained) if trained > 0 else (context or DEFAULT_CONTEXT)
         self.on_gpu = bool(gpu_layers)
-        self.compile_seconds: dict[tuple[int, int], float] = {}  # nothing compiled
+        self.compile_seconds: dict[tuple[int, ...], float] = {}  # nothing compiled
         # KV cells: `slots` sequences of max_length entries fit at once. The prefix cache it is loaded
         # for (prefix_tokens) keeps its prefixes in cells no running sequence holds and gives them
         # back when a decode needs them (`prefix.make_room`), so cells beyond the slots' are added

@@ -9,9 +9,10 @@ one-token step then costs several times what reading the weights does. Here inst
 - a forward over several sequences (the server's batch, or one alone) first swaps their rows into
   rows 0, 1, ... (a copy only when the batch changes), then runs on the pool's first `batch` rows:
   one view per batch bucket, so the graphs captured over it keep their addresses. New entries are
-  padded to a token bucket (`BUCKETS`), rows to a batch bucket (`BATCHES`), and each (batch, tokens)
-  shape is compiled once: `torch.compile`, CUDA graphs on a GPU. Forwards of more new entries (a
-  prefill chunk) run eagerly on the same pool;
+  padded to a token bucket (`BUCKETS`), rows to a batch bucket (`BATCHES`), the cells attention reads to a
+  read bucket (`read_buckets`: powers of two up to the row; what the batch's rows hold, not the whole row),
+  and each (batch, tokens, cells read) shape is compiled once: `torch.compile`, CUDA graphs on a GPU.
+  Forwards of more new entries (a prefill chunk) run eagerly on the same pool;
 - a forward's inputs are a few integers per row (`_Step`): tokens, positions and cells, each row's trunk and
   count of new entries, and the tree part of its mask (the few cells the host knows, 64 to a word of bits).
   They go up in one copy through a pinned buffer without waiting, straight into a graph's own
@@ -41,12 +42,16 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from specdec import tree
 from specdec.errors import SpecDecError
 from specdec.runtime import base
-from specdec.runtime.fused import FusedForward, fused_refusal, write_cells
+from specdec.runtime.fused import FusedForward, allow_compiled_shapes, fused_refusal, write_cells
 from specdec.runtime.hf import HFModel, HFSequence, as_float, longrope_switch, named_tree_refusal
 
 BUCKETS = (1, 4, 16, 64)  # new entries per compiled forward; verify trees and chains pad up to these
 BATCHES = (1, 2, 4, 8, 16, 32)  # rows per compiled forward; a server's batch pads up to these
-DEFAULT_CONTEXT = 4096  # cells per row unless asked: every step attends over the whole row
+DEFAULT_CONTEXT = 4096  # cells per row unless asked
+# the fewest cells per row a forward reads: attention reads the read bucket holding every cell its rows use (powers of
+# two from here up to the row, `read_buckets`), as each one's bytes count: an 8B model's 4096-cell row is 512 MB, and a
+# step of 16 such rows read 8.6 GB of keys and values beside 16 GB of weights, whatever the rows held
+SMALLEST_READ = 512
 # finished sequences a prefix cache keeps here: each holds a whole row (512 MB for an 8B model at 4096 cells)
 KEPT_ROWS = 4
 # graphs: each shape captured by hand as a CUDA graph (`_Graphs`; on the CPU the same buffers, replayed
@@ -79,11 +84,12 @@ class StaticHFModel(HFModel):
         # would capture every graph again (a GPU check found the default paying for it inside its verifies)
         self.pool = _Pool(_cache_layout(self), max(1, rows) + KEPT_ROWS, -(-(self.capacity + 1) // 16) * 16,
                           self.torch_device)
+        self.reads = read_buckets(self.capacity)
         # who holds each row, weakly: a sequence dropped without release() gives its row back (a prefix
         # cache's kept ones, once the last decoder sharing it is gone), as llama.cpp's give their cells back
         self._holders: list[weakref.ref[StaticSequence] | None] = [None] * self.pool.rows
         self._runner = None
-        self.compile_seconds: dict[tuple[int, int], float] = {}  # (rows, tokens) -> seconds its first forward took
+        self.compile_seconds: dict[tuple[int, ...], float] = {}  # (rows, tokens, reads) -> its first forward's seconds
         self._upload = _Uploader(self.torch_device)
         refusal = fused_refusal(model)
         if fused and refusal:
@@ -127,24 +133,26 @@ class StaticHFModel(HFModel):
         """Whether a shape's first forward compiles (Inductor, a trace) or captures (a CUDA graph) something."""
         return self.compile_backend in ("inductor", "aot_eager") or (self.compile_backend == "graphs" and self.on_gpu)
 
-    def warm_up(self, rows: int = 1, tokens: tuple[int, ...] = BUCKETS) -> float:
-        """Compile (capture) now the shapes of batches of up to `rows` sequences (their batch buckets) and
-        these token buckets, rather than on first use; the seconds it took (0.0: nothing compiles here)."""
+    def warm_up(self, rows: int = 1, tokens: tuple[int, ...] = BUCKETS, reads: tuple[int, ...] | None = None) -> float:
+        """Compile (capture) now the shapes of batches of up to `rows` sequences (their batch buckets), these
+        token buckets and read buckets (None: every one), rather than on first use; the seconds it took (0.0:
+        nothing compiles here)."""
         if not self.compiles:
             return 0.0
         started = time.perf_counter()
         top = next((b for b in BATCHES if b >= rows), BATCHES[-1])  # past the largest, batches run eagerly
-        shapes = [(batch, bucket) for batch in BATCHES if batch <= top for bucket in tokens if bucket <= self.capacity]
+        shapes = [(batch, bucket, cells) for batch in BATCHES if batch <= top for bucket in tokens
+                  if bucket <= self.capacity for cells in (self.reads if reads is None else reads) if cells >= bucket]
         free = len(self._free_rows())
         if free < top:  # grown to what the batch needs (a sequence asked of a full pool doubles it)
             self._grow(self.pool.rows + top - free)
         sequences = [self.sequence() for _ in range(top)]  # before any capture: a pool that grows captures again
         try:
-            for batch, bucket in tqdm(shapes, desc="compiling the pool's forwards", unit="shape", leave=False,
-                                      file=sys.stderr, disable=not self.on_gpu):
+            for batch, bucket, cells in tqdm(shapes, desc="compiling the pool's forwards", unit="shape", leave=False,
+                                             file=sys.stderr, disable=not self.on_gpu):
                 # Inductor's graph trees record on the second or third call (hand capture: the first)
                 for _ in range(3):
-                    self.forward_batch([base.Feed(s, [0] * bucket) for s in sequences[:batch]])
+                    self._forward([base.Feed(s, [0] * bucket) for s in sequences[:batch]], reads=cells)
                     for sequence in sequences[:batch]:
                         sequence.truncate(0)
         finally:
@@ -153,9 +161,13 @@ class StaticHFModel(HFModel):
         base.synchronize(self.torch_device)
         return time.perf_counter() - started
 
-    @torch.inference_mode()
     def forward_batch(self, feeds: list[base.Feed]) -> list[torch.Tensor]:
         """Every feed's new entries in one forward over the pool's first rows (see the module docstring)."""
+        return self._forward(feeds)
+
+    @torch.inference_mode()
+    def _forward(self, feeds: list[base.Feed], reads: int = 0) -> list[torch.Tensor]:
+        """forward_batch's, its attention reading at least `reads` cells a row (the warm-up's read buckets)."""
         base.check_distinct(feeds)
         if any(feed.sequence.owner is not self for feed in feeds):
             raise ValueError("a batched forward takes sequences of its own model only")
@@ -170,14 +182,17 @@ class StaticHFModel(HFModel):
         self._to_first_rows([feed.sequence for feed in feeds])
         by_row = sorted(placed, key=lambda entry: entry[0].sequence.row)  # row r of the forward is the pool's row r
         inputs, shape = _Step.of(self, by_row, rows, tokens_bucket)
-        cache = self.pool.cache(rows)
+        # every cell a row's entries may see lies below its own count once these are written
+        used = max(reads, *(feed.sequence.cache_len + len(tokens) for feed, tokens, _, _ in placed))
+        cache = self.pool.cache(rows, next(cells for cells in self.reads if cells >= used))
         began = time.perf_counter()
         if compiled:
-            first = (rows, tokens_bucket) not in self.compile_seconds
+            compiled_shape = (rows, tokens_bucket, cache.reads)
+            first = compiled_shape not in self.compile_seconds
             out = self.runner()(inputs, shape, cache, self.states_kind)
             if first:
                 base.synchronize(self.torch_device)
-                self.compile_seconds[(rows, tokens_bucket)] = time.perf_counter() - began
+                self.compile_seconds[compiled_shape] = time.perf_counter() - began
         else:
             out = self.step_forward(*self._uploaded(inputs, shape), cache, self.states_kind, bucketed=False)
         return self._results(placed, out)
@@ -219,9 +234,7 @@ class StaticHFModel(HFModel):
                            capture_on=self.torch_device if self.torch_device.type == "cuda" else None)
         step = self.step_forward
         if self.compile_backend != "static":
-            # every model's every shape is an entry of `step_forward`'s code: past dynamo's limit (8 by
-            # default) a further one would silently run eagerly
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+            allow_compiled_shapes()  # every model's every shape is an entry of `step_forward`'s code
             inductor = self.compile_backend == "inductor"
             mode = "reduce-overhead" if inductor and self.torch_device.type == "cuda" else None
             step = torch.compile(step, mode=mode, dynamic=False, backend=self.compile_backend)
@@ -236,7 +249,7 @@ class StaticHFModel(HFModel):
         positions recorded, the mask built, the model run. -> `_forward_logits`'s output."""
         self.pool.positions[: tokens.shape[0]].scatter_(1, slots, positions)  # before the mask: windows compare them
         cache.slots = slots
-        mask = _Step.mask(self, trunks, counts, tree, positions)
+        mask = _Step.mask(self, trunks, counts, tree, positions, cache.reads)
         return self._forward_logits(tokens, positions, mask, cache, states, bucketed)
 
     def _forward_logits(self, tokens, positions, mask, cache, states=None, bucketed: bool = True):
@@ -370,21 +383,22 @@ class _Step:
                 tree.view(rows, bucket, words))
 
     @staticmethod
-    def mask(owner: StaticHFModel, trunks, counts, tree, positions):
-        """The model's attention mask(s), [rows, 1, bucket, cells]: entry j of row r sees its row's
-        trunk (cells < trunk) and its ancestors from the trunk on (`tree`, [rows, bucket, words]: bit j of
-        word w, cell trunk + 64 w + j); padding entries see the scratch cell only."""
+    def mask(owner: StaticHFModel, trunks, counts, tree, positions, reads: int):
+        """The model's attention mask(s) over a row's first `reads` cells, [rows, 1, bucket, reads]: entry j of
+        row r sees its row's trunk (cells < trunk) and its ancestors from the trunk on (`tree`, [rows, bucket,
+        words]: bit j of word w, cell trunk + 64 w + j); padding entries see cell 0 only (finite in every row:
+        zeros or a first entry's; what padding writes goes to the scratch cell, which nothing sees)."""
         rows, bucket, words = tree.shape
         index, width = owner.pool.index, 64 * words
-        cells = index[: owner.pool.cells]
+        cells = index[: reads + 1]  # and a column past them, where the tree part's columns beyond them land
         allowed = (cells[None, None, :] < trunks[:, None, None]).expand(rows, bucket, -1).clone()
         seen = ((tree[..., None] >> index[:64]) & 1).view(rows, bucket, width) != 0
-        columns = (trunks[:, None, None] + torch.arange(width, device=tree.device)).clamp(max=owner.capacity)
-        # beyond a row's span (the width's padding too): False, on cells it never sees; clamped ones on scratch
+        columns = (trunks[:, None, None] + torch.arange(width, device=tree.device)).clamp(max=reads)
+        # beyond a row's span (the width's padding too): False, on cells it never sees or on the column past them
         allowed.scatter_(2, columns.expand(rows, bucket, width), seen)
         padding = index[:bucket][None, :] >= counts[:, None]
-        allowed = torch.where(padding[:, :, None], (cells == owner.capacity)[None, None, :], allowed)
-        return owner.layer_masks(allowed, owner.pool.positions[:rows], positions)  # windows by cells' positions
+        allowed = torch.where(padding[:, :, None], (cells[:reads] == 0)[None, None, :], allowed[..., :reads])
+        return owner.layer_masks(allowed, owner.pool.positions[:rows, :reads], positions)  # windows by positions
 
 
 def _words(bitset: int, words: int) -> list[int]:
@@ -394,6 +408,13 @@ def _words(bitset: int, words: int) -> list[int]:
         word, bitset = bitset & 0xFFFF_FFFF_FFFF_FFFF, bitset >> 64
         out.append(word - (1 << 64) if word >> 63 else word)
     return out
+
+
+def read_buckets(capacity: int) -> tuple[int, ...]:
+    """The cells a row's attention may read (`SMALLEST_READ` and its doubles below `capacity`, then the capacity
+    rounded up to 16: attention kernels pad a mask otherwise). Each is a compiled shape of its own."""
+    reads = [SMALLEST_READ << k for k in range(max(0, capacity - 1).bit_length()) if SMALLEST_READ << k < capacity]
+    return (*reads, -(-capacity // 16) * 16)
 
 
 def _bucket(count: int) -> int:
@@ -409,8 +430,8 @@ class _Pool:
         self.layout, self.cells, self.device = layout, cells, device
         self.rows = 0
         self.grow(rows)
-        # 0, 1, ...: over the cells, a bucket's entries, a word's bits
-        self.index = torch.arange(max(cells, BUCKETS[-1]), device=device)
+        # 0, 1, ...: over the cells and one past them, a bucket's entries, a word's bits
+        self.index = torch.arange(max(cells + 1, BUCKETS[-1]), device=device)
 
     def bytes(self, rows: int) -> int:
         """What `rows` rows of keys, values and positions take."""
@@ -431,7 +452,7 @@ class _Pool:
             for new, previous in zip((*self.keys, *self.values, self.positions), (*old[0], *old[1], old[2])):
                 new[: previous.shape[0]] = previous
         self.rows = rows
-        self._caches: dict[int, SlotCache] = {}
+        self._caches: dict[tuple[int, int], SlotCache] = {}
 
     def _check_room(self, rows: int) -> None:
         if self.device.type != "cuda":
@@ -445,14 +466,15 @@ class _Pool:
                                f"{needed / 1e9:.1f} GB and {free / 1e9:.1f} GB of {self.device} are free: lower "
                                "--context or --slots, or run with --compile off")
 
-    def cache(self, rows: int) -> SlotCache:
-        if rows not in self._caches:
+    def cache(self, rows: int, reads: int) -> SlotCache:
+        """The first `rows` rows as a forward's cache, its attention reading their first `reads` cells."""
+        if (rows, reads) not in self._caches:
             keys, values = [k[:rows] for k in self.keys], [v[:rows] for v in self.values]
             # written in place inside the compiled forward: Inductor's CUDA graphs keep their addresses
             for tensor in (*keys, *values, self.positions):
                 torch._dynamo.mark_static_address(tensor)
-            self._caches[rows] = SlotCache(keys, values)
-        return self._caches[rows]
+            self._caches[(rows, reads)] = SlotCache(keys, values, reads)
+        return self._caches[(rows, reads)]
 
     def tensors(self):
         return (*self.keys, *self.values, self.positions)
@@ -559,9 +581,9 @@ class SlotLayer(CacheLayerMixin):
     is_compileable = True
     supports_early_init = False
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, reads: int):
         super().__init__()
-        self.keys, self.values, self.is_initialized = keys, values, True
+        self.keys, self.values, self.reads, self.is_initialized = keys, values, reads, True
 
     def lazy_initialization(self, key_states, value_states) -> None:
         pass
@@ -570,7 +592,7 @@ class SlotLayer(CacheLayerMixin):
         raise NotImplementedError  # SlotCache.update writes at its slots
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.keys.shape[2], 0
+        return self.reads, 0
 
     def get_seq_length(self) -> int:
         return 0  # not used: positions and the 4-D mask are always given
@@ -581,28 +603,29 @@ class SlotLayer(CacheLayerMixin):
 
 class SlotCache(Cache):
     """Rows of the pool as transformers sees them: `update` writes each row's new keys and values at
-    its cells (`slots`, [rows, n], set before each forward) and returns the whole rows; the mask
-    hides the rest."""
+    its cells (`slots`, [rows, n], set before each forward) and returns the rows' first `reads` cells; the
+    mask hides the rest."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
-        super().__init__(layers=[SlotLayer(k, v) for k, v in zip(keys, values)])
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], reads: int):
+        super().__init__(layers=[SlotLayer(k, v, reads) for k, v in zip(keys, values)])
+        self.reads = reads
         self.slots: torch.Tensor | None = None
         # [rows, 1] beside slots [rows, n]
         self.row_index = torch.arange(keys[0].shape[0], device=keys[0].device)[:, None]
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [rows, heads, n, head dim], written at cells slots[r, j] of row r
-        in place (`fused.write_cells`); returns the layer's whole rows."""
-        keys, values, row_index, slots = self.cells(layer_idx)
+        in place (`fused.write_cells`); returns the layer's rows, their first `reads` cells."""
+        keys, values, row_index, slots, reads = self.cells(layer_idx)
         write_cells(keys, row_index, slots, key_states)
         write_cells(values, row_index, slots, value_states)
-        return keys, values
+        return keys[:, :, :reads], values[:, :, :reads]
 
     def cells(self, layer_idx: int) -> tuple:
-        """A layer's pool rows (keys, values: [rows, kv heads, cells, d]) and where this forward writes in
-        them: (keys, values, row_index [rows, 1], slots [rows, n])."""
+        """A layer's pool rows (keys, values: [rows, kv heads, cells, d]), where this forward writes in
+        them and what it reads: (keys, values, row_index [rows, 1], slots [rows, n], reads)."""
         layer = self.layers[layer_idx]
-        return layer.keys, layer.values, self.row_index, self.slots
+        return layer.keys, layer.values, self.row_index, self.slots, self.reads
 
 
 class _Uploader:
