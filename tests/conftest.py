@@ -28,11 +28,14 @@ measured_profile = profiling.profile
 live_observe, live_observe_draft = costs.LiveCosts.observe, costs.LiveCosts.observe_draft
 
 
-@pytest.fixture(autouse=True)
-def small_read_buckets(monkeypatch):
+@pytest.fixture(autouse=True, scope="session")
+def small_read_buckets():
     """The static pool's read buckets from 16 cells, not 512: the tests' rows hold 64 cells, so every test of
-    the pool crosses read buckets (16, 32, 64) as decoding a long context crosses 512, 1024, ..."""
-    monkeypatch.setattr(static, "SMALLEST_READ", 16)
+    the pool crosses read buckets (16, 32, 64) as decoding a long context crosses 512, 1024, ... For the whole
+    session, before any fixture builds a pool (a module's shared one too)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(static, "SMALLEST_READ", 16)
+        yield
 
 
 @pytest.fixture(autouse=True)

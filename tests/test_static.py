@@ -193,6 +193,26 @@ def test_read_buckets_double_from_512_cells_up_to_the_row(monkeypatch):
     assert read_buckets(32768) == (512, 1024, 2048, 4096, 8192, 16384, 32768)
     assert read_buckets(1000) == (512, 1008)  # the last rounded up to 16 cells
     assert read_buckets(512) == (512,) and read_buckets(100) == (112,)
+    # no bucket just under the last: 4096 beside 4112 would double the compiled shapes for 16 cells
+    assert read_buckets(4100) == (512, 1024, 2048, 4112) and read_buckets(600) == (608,)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_steps_across_read_buckets_equal_the_eager_cache(model_dirs, load64, fused):
+    """One token at a time from 1 cell to a row of 60 (not a multiple of 16: read buckets 16, 32, 64, the scratch
+    cell at 64), then a tree across a bucket's end: each step's logits those of the eager cache, in float64."""
+    eager = load64(model_dirs["llama"])
+    pool = StaticHFModel(eager.model, eager.tokenizer, "llama", context=60, backend="graphs", fused=fused)
+    assert (pool.capacity, pool.reads, pool.scratch) == (60, (16, 32, 64), 64)
+    mine, reference = pool.sequence(), eager.sequence()
+    tokens = [(5 * i + 1) % 14 + 1 for i in range(56)]
+    for token in tokens:
+        torch.testing.assert_close(mine.forward([token]), reference.forward([token]), rtol=1e-10, atol=1e-10)
+    mine.truncate(30), reference.truncate(30)  # 30 cells, then 5 tree entries: the forward reads 32 cells, then 64
+    for tree_tokens, parents in (([5, 6, 7, 8, 9], [29, 29, 30, 32, 30]), ([4, 4, 4], [31, 35, 36])):
+        torch.testing.assert_close(mine.forward(tree_tokens, parents), reference.forward(tree_tokens, parents),
+                                   rtol=1e-10, atol=1e-10)
+    assert {shape[2] for shape in pool.compile_seconds} == {16, 32, 64}
 
 
 @pytest.mark.parametrize("fused", [False, True])

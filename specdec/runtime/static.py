@@ -4,8 +4,8 @@
 one-token step then costs several times what reading the weights does. Here instead
 - the model holds a *pool*: per layer, keys and values of `rows` sequences × `cells` entries,
   allocated once. A sequence owns a row; its entries are written in place (an index_put_ at their cell
-  numbers) and rolled back by moving a count. Cell `capacity` of every row is scratch: padding
-  writes it and only padding sees it, so it stays finite and changes nothing;
+  numbers) and rolled back by moving a count. The cell past the largest read bucket (`scratch`) is
+  written by padding only and read by nothing;
 - a forward over several sequences (the server's batch, or one alone) first swaps their rows into
   rows 0, 1, ... (a copy only when the batch changes), then runs on the pool's first `batch` rows:
   one view per batch bucket, so the graphs captured over it keep their addresses. New entries are
@@ -78,13 +78,14 @@ class StaticHFModel(HFModel):
             raise SpecDecError(f"{path}: no static cache for this model ({refusal}); run it with compile off")
         self.capacity = self.max_length = min(self.max_length, context or DEFAULT_CONTEXT)
         self.compile_backend = backend
-        # cell `capacity` is the scratch cell; the row is rounded up to 16 cells (attention kernels pad the mask
-        # otherwise, every layer, every step); cells past the scratch one are never written nor seen
+        self.reads = read_buckets(self.capacity)
+        # padding writes the scratch cell, past every read bucket: no forward reads it. The row holds 16 cells more
+        # (attention kernels pad a mask that is not a multiple of 16, every layer, every step); past the scratch
+        # cell they are never written nor read
+        self.scratch = self.reads[-1]
         # rows for the finished sequences a prefix cache keeps (KEPT_ROWS) from the start: a pool that grew later
         # would capture every graph again (a GPU check found the default paying for it inside its verifies)
-        self.pool = _Pool(_cache_layout(self), max(1, rows) + KEPT_ROWS, -(-(self.capacity + 1) // 16) * 16,
-                          self.torch_device)
-        self.reads = read_buckets(self.capacity)
+        self.pool = _Pool(_cache_layout(self), max(1, rows) + KEPT_ROWS, self.scratch + 16, self.torch_device)
         # who holds each row, weakly: a sequence dropped without release() gives its row back (a prefix
         # cache's kept ones, once the last decoder sharing it is gone), as llama.cpp's give their cells back
         self._holders: list[weakref.ref[StaticSequence] | None] = [None] * self.pool.rows
@@ -340,7 +341,7 @@ class _Step:
     @staticmethod
     def of(owner: StaticHFModel, placed, rows: int, bucket: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """(the inputs end to end [host int64], their shape (rows, bucket, words))."""
-        scratch = owner.capacity
+        scratch = owner.scratch
         tokens, positions, slots, trunks, counts, seen = [], [], [], [], [], []
         for feed, row_tokens, row_positions, all_parents in placed:
             sequence, n = feed.sequence, len(row_tokens)
@@ -387,7 +388,7 @@ class _Step:
         """The model's attention mask(s) over a row's first `reads` cells, [rows, 1, bucket, reads]: entry j of
         row r sees its row's trunk (cells < trunk) and its ancestors from the trunk on (`tree`, [rows, bucket,
         words]: bit j of word w, cell trunk + 64 w + j); padding entries see cell 0 only (finite in every row:
-        zeros or a first entry's; what padding writes goes to the scratch cell, which nothing sees)."""
+        zeros or a first entry's; what padding writes goes to the scratch cell, past every read bucket)."""
         rows, bucket, words = tree.shape
         index, width = owner.pool.index, 64 * words
         cells = index[: reads + 1]  # and a column past them, where the tree part's columns beyond them land
@@ -411,10 +412,11 @@ def _words(bitset: int, words: int) -> list[int]:
 
 
 def read_buckets(capacity: int) -> tuple[int, ...]:
-    """The cells a row's attention may read (`SMALLEST_READ` and its doubles below `capacity`, then the capacity
-    rounded up to 16: attention kernels pad a mask otherwise). Each is a compiled shape of its own."""
-    reads = [SMALLEST_READ << k for k in range(max(0, capacity - 1).bit_length()) if SMALLEST_READ << k < capacity]
-    return (*reads, -(-capacity // 16) * 16)
+    """The cells a row's attention may read: `SMALLEST_READ` and its doubles below three quarters of `capacity`
+    (a last one just under it would cost the compiled shapes of a bucket and save a few cells), then the
+    capacity rounded up to 16 (attention kernels pad a mask otherwise). Each is a compiled shape of its own."""
+    doubles = (SMALLEST_READ << k for k in range(max(1, capacity).bit_length()))
+    return (*(cells for cells in doubles if 4 * cells < 3 * capacity), -(-capacity // 16) * 16)
 
 
 def _bucket(count: int) -> int:
