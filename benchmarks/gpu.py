@@ -782,6 +782,9 @@ def eight_b_context(until: float) -> dict:
         pool = StaticHFModel(model, tokenizer, "8B-shaped", context=context, rows=rows, fused=True)
         assert pool.capacity == context, f"a pool of {pool.capacity} cells a row for a context of {context}"
         row = {"a row's cells / weights": round(pool.pool.bytes(1) / pool.weight_bytes, 3)}
+        if rows > 1:  # what a one-slot decoder warms at the default context: every token and read bucket
+            row["warm-up s, one slot, every bucket (Inductor's disk cache as the sections before left it)"] = round(
+                pool.warm_up(), 2)
         buckets, logits = pool.reads, []
         for way, reads in (("read bucket", buckets), ("whole row", buckets[-1:])):
             pool.reads = reads  # the whole row: as every step read before read buckets

@@ -11,7 +11,8 @@
 #   ONLY=6,3 BUDGET_S=420 bash benchmarks/gpu_call.sh   (timeout_s 480: where the 8B step goes, which compile
 #                                                         scope to keep, plain decoding and a prediction)
 #   ONLY=2,7 BUDGET_S=280 bash benchmarks/gpu_call.sh   (the demo pair on every suite; drafting beside the 8B shape)
-#   ONLY=8,9 BUDGET_S=250 bash benchmarks/gpu_call.sh   (every covered family on the device's kernels; the step by context)
+#   ONLY=8,9 BUDGET_S=300 bash benchmarks/gpu_call.sh   (every covered family on the device's kernels; the step by
+#                                                         context, attention reading its read bucket and the whole row)
 set -uo pipefail
 mkdir -p "${OUT:=/tmp/gpu-out}"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
