@@ -752,6 +752,8 @@ def families(until: float) -> dict:
             texts.append(SpeculativeDecoder(pool, None).generate(prompt, max_new_tokens=64, temperature=0).tokens)
             costs = verify_costs(pool, (1, 16))
             row[f"{way}: t(1) ms"], row[f"{way}: t(16)/t(1)"] = costs["t(1) ms"], costs[16]
+            if fused and pool.sliding_window:
+                row |= windowed_reads(pool)
         row["largest logit difference / logits' std"] = float((logits[0] - logits[1]).abs().max() / logits[0].std())
         parted = next((i for i, (a, b) in enumerate(zip(*texts)) if a != b), None)
         row["greedy equal (64 tokens)"] = "yes" if parted is None else f"no: parted at token {parted}"
@@ -759,6 +761,35 @@ def families(until: float) -> dict:
         note(f"- 8. {model_type}: " + json.dumps(row))
         del model
     return results
+
+
+def windowed_reads(pool: StaticHFModel) -> dict:
+    """A sliding-window family's step after 900 cells (1024 read) both ways: its sliding layers reading their
+    window alone (`static.window_read`: 192 cells for a window of 64), or the 1024 as the others do. The largest
+    logit difference between the two ways (the same keys and values, gathered or read in place) and t(1)."""
+    row, logits = {}, []
+    for windowed in (True, False):
+        pool.window_reads = windowed
+        way = "window" if windowed else "read bucket"
+        sequence = pool.sequence()
+        try:
+            sequence.forward(list(range(1, 900)))
+            logits.append(sequence.forward([5]))
+            times = []
+            for _ in range(5):
+                sequence.truncate(899)
+                synchronize(DEVICE)
+                started = time.perf_counter()
+                sequence.forward([5], on_device=True)
+                synchronize(DEVICE)
+                times.append(time.perf_counter() - started)
+        finally:
+            sequence.release()
+        row[f"sliding layers read their {way}: t(1) ms after 900 cells"] = round(statistics.median(times) * 1e3, 3)
+    pool.window_reads = True
+    row["window against read bucket: largest logit difference / logits' std"] = float(
+        (logits[0] - logits[1]).abs().max() / logits[0].std())
+    return row
 
 
 CONTEXTS = (1024, 4096, 16384, 32768)  # cells per row (`--context`); 4096 is the default

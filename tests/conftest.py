@@ -31,10 +31,13 @@ live_observe, live_observe_draft = costs.LiveCosts.observe, costs.LiveCosts.obse
 @pytest.fixture(autouse=True, scope="session")
 def small_read_buckets():
     """The static pool's read buckets from 16 cells, not 512: the tests' rows hold 64 cells, so every test of
-    the pool crosses read buckets (16, 32, 64) as decoding a long context crosses 512, 1024, ... For the whole
+    the pool crosses read buckets (16, 32, 64) as decoding a long context crosses 512, 1024, ... And a sliding
+    layer's read leaves room for 8 cells past its window, not 128: the tests' windows of 8 cells read 16 where
+    the others read 64 (`static.window_read`), and a forward of more new cells reads the 64. For the whole
     session, before any fixture builds a pool (a module's shared one too)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(static, "SMALLEST_READ", 16)
+        patch.setattr(static, "WINDOW_SLACK", 8)
         yield
 
 

@@ -19,8 +19,11 @@ from conftest import ARCHS, reference_greedy
 from specdec.errors import SpecDecError
 from specdec.losslessness import check_lossless, format_report
 from specdec.runtime import load_model, static
+from specdec.runtime.base import Feed
+from specdec.runtime.fused import FusedForward
 from specdec.runtime.hf import HFModel
-from specdec.runtime.static import BUCKETS, StaticHFModel, read_buckets, static_refusal
+from specdec.runtime.static import (BUCKETS, StaticHFModel, first_in_window, read_buckets, static_refusal,
+                                     window_read)
 from tiny import save_tiny_model
 
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]  # repeats, so prompt lookup has something to find
@@ -230,9 +233,117 @@ def test_a_forward_reads_no_cell_past_its_read_bucket(model_dirs, fused):
     for tensor in (*static.pool.keys, *static.pool.values):
         tensor[:, :, 16:] = float("nan")
     got = static.forward_batch([specdec.runtime.base.Feed(sequence, [5]) for sequence in sequences])
-    assert (4, 1, 16) in static.compile_seconds  # three rows of at most 11 cells: the batch bucket 4, 16 cells read
+    assert (4, 1, 16, 0) in static.compile_seconds  # three rows of at most 11 cells: the batch bucket 4, 16 cells read
     for rows, prompt in zip(got, prompts):
         torch.testing.assert_close(rows[-1], eager.sequence().forward(prompt + [5])[-1], rtol=1e-10, atol=1e-10)
+
+
+def test_a_sliding_layer_reads_its_window_where_the_read_bucket_is_three_times_longer(monkeypatch):
+    monkeypatch.setattr(static, "WINDOW_SLACK", 128)  # as shipped (the tests' fixture leaves 8 cells)
+    assert window_read(512, 1024) == 0 and window_read(512, 2048) == 640  # Gemma 3 1B's window: 511 + 128 cells
+    assert window_read(1024, 2048) == 0 and window_read(1024, 4096) == 1152  # Gemma 3 4B-27B's
+    assert window_read(4096, 8192) == 0 and window_read(4096, 16384) == 4224  # Mistral 7B v0.1's
+    assert window_read(None, 32768) == 0
+    assert first_in_window([40, 41, 41], 8) == 33 and first_in_window([3], 8) == 0
+
+
+@pytest.fixture(scope="module")
+def sliding(tmp_path_factory) -> dict[str, str]:
+    """Mistral (every layer sliding) and Gemma 3 (sliding and full layers), windows of 8 cells."""
+    root = tmp_path_factory.mktemp("sliding")
+    return {arch: str(save_tiny_model(root / arch, arch, seed=seed, layers=3)) for seed, arch in
+            enumerate(("mistral", "gemma3"))}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_windowed_reads_equal_the_eager_cache(sliding, arch, fused):
+    """Past 32 cells a row's sliding layers read 16 cells (its window of 8 and 8 new or uncommitted ones) where
+    the others read 64: one token at a time to 56 cells, a tree of 5 and one below it (uncommitted cells inside
+    the window read), then a chain of 18 (more than the window read holds: every layer reads the 64). Each
+    step's logits those of the eager cache, in float64."""
+    eager = specdec.load_model(sliding[arch], device="cpu", dtype="float64")
+    pool = StaticHFModel(eager.model, eager.tokenizer, arch, backend="graphs", fused=fused)
+    assert (pool.reads, pool.sliding_window, window_read(8, 64)) == ((16, 32, 64), 8, 16)
+    mine, reference = pool.sequence(), eager.sequence()
+    tokens = [(5 * i + 1) % 14 + 1 for i in range(56)]
+    for token in tokens:
+        torch.testing.assert_close(mine.forward([token]), reference.forward([token]), rtol=1e-10, atol=1e-10)
+    mine.truncate(44), reference.truncate(44)
+    for tree_tokens, parents in (([5, 6, 7, 8, 9], [43, 43, 44, 46, 44]), ([4, 4, 4], [45, 48, 49])):
+        torch.testing.assert_close(mine.forward(tree_tokens, parents), reference.forward(tree_tokens, parents),
+                                   rtol=1e-10, atol=1e-10)
+    mine.truncate(40), reference.truncate(40)
+    torch.testing.assert_close(mine.forward(tokens[:18]), reference.forward(tokens[:18]), rtol=1e-10, atol=1e-10)
+    assert {(1, 1, 32, 0), (1, 1, 64, 16), (1, 16, 64, 16), (1, 64, 64, 0)} <= set(pool.compile_seconds)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_windowed_forwards_trace_whole(sliding, fused):
+    """torch.compile traces a forward whose sliding layers read their windows (aot_eager: what a GPU compiles and
+    captures), the fused forward's layers compiled whole too: no graph break, each step's logits the eager cache's."""
+    eager = specdec.load_model(sliding["gemma3"], device="cpu", dtype="float64")
+    pool = StaticHFModel(eager.model, eager.tokenizer, "gemma3", backend="aot_eager", fused=fused)
+    if fused:
+        pool.fused = FusedForward(pool.model, compiled=True, scope="layers", backend="aot_eager")
+    mine, reference = pool.sequence(), eager.sequence()
+    for token in [(5 * i + 1) % 14 + 1 for i in range(40)]:
+        torch.testing.assert_close(mine.forward([token]), reference.forward([token]), rtol=1e-10, atol=1e-10)
+    assert (1, 1, 64, 16) in pool.compile_seconds
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_a_sliding_layer_reads_no_cell_before_its_window(sliding, arch, fused):
+    """In a batch of 3 rows (padded to 4) of 36 to 45 cells, every cell of a sliding layer before its row's window
+    holds NaN, and cells past the read bucket in every layer: nothing changes (reading one would make the
+    logits NaN). Mistral's every layer, Gemma 3's local ones."""
+    eager = specdec.load_model(sliding[arch], device="cpu", dtype="float64")
+    pool = StaticHFModel(eager.model, eager.tokenizer, arch, backend="graphs", fused=fused)
+    tokens = [(3 * i + 2) % 14 + 1 for i in range(45)]
+    prompts = [tokens[:40], tokens, tokens[3:39]]
+    sequences = [pool.sequence() for _ in prompts]
+    for sequence, prompt in zip(sequences, prompts):
+        sequence.forward(prompt)
+    layers = [i for i, sliding in enumerate(pool.pool.sliding) if sliding]
+    assert layers == ([0, 1, 2] if arch == "mistral" else [0, 2])  # Gemma 3's layer types: local, global, local
+    for sequence, prompt in zip(sequences, prompts):
+        first = len(prompt) - 8 + 1  # the next token's window
+        for index in layers:
+            for tensor in (pool.pool.keys[index], pool.pool.values[index]):
+                tensor[sequence.row, :, :first] = float("nan")
+    for tensor in (*pool.pool.keys, *pool.pool.values):
+        tensor[:, :, 64:] = float("nan")
+    got = pool.forward_batch([specdec.runtime.base.Feed(sequence, [5]) for sequence in sequences])
+    assert (4, 1, 64, 16) in pool.compile_seconds
+    for rows, prompt in zip(got, prompts):
+        torch.testing.assert_close(rows[-1], eager.sequence().forward(prompt + [5])[-1], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_chunk_past_the_largest_bucket_computes_the_logits_it_gives_only(tmp_path, fused):
+    """A forward of more new entries than a compiled shape holds (a prefill chunk) runs the output product over
+    the tokens its feeds want: a prompt's chunk its last one, not 100. Alone and in a batch of rows of other
+    lengths wanting other counts, the logits are the eager cache's."""
+    directory = str(save_tiny_model(tmp_path / "llama", "llama", seed=3, context=256))
+    eager = specdec.load_model(directory, device="cpu", dtype="float64")
+    prompts = [[(7 * i + 3) % 14 + 1 for i in range(length)] for length in (100, 90, 70)]
+    # fed alone, then rows of 100 and 90 wanting 1 and 5 (the product over tokens 85-99), then all three
+    # with the last wanting every one (over all 100); then 70 after 20 cached, wanting 2
+    feeds = [[(0, 1)], [(0, 1), (1, 5)], [(0, 1), (1, 5), (2, None)]]
+    want = [[eager.sequence().forward(prompts[i], last=last) for i, last in rows] for rows in feeds]
+    want_after = eager.sequence().forward(prompts[1], last=2)
+    pool = StaticHFModel(eager.model, eager.tokenizer, "llama", backend="graphs", fused=fused)
+    widths = []  # the tokens each output product ran over (the model is shared: the eager ones ran above)
+    pool.model.lm_head.register_forward_hook(lambda module, inputs, output: widths.append(inputs[0].shape[1]))
+    for rows, wanted in zip(feeds, want):
+        sequences = [pool.sequence() for _ in rows]
+        got = pool.forward_batch([Feed(s, prompts[i], last=last) for s, (i, last) in zip(sequences, rows)])
+        for mine, reference in zip(got, wanted):
+            torch.testing.assert_close(mine, reference, rtol=1e-10, atol=1e-10)
+    sequences[1].truncate(20)
+    torch.testing.assert_close(sequences[1].forward(prompts[1][20:], last=2), want_after, rtol=1e-10, atol=1e-10)
+    assert widths == [1, 15, 100, 2]
 
 
 def test_a_released_sequence_is_refused(model_dirs):
@@ -351,7 +462,7 @@ def test_a_decoder_compiles_its_forwards_before_its_first_request(model_dirs, ca
     decoder = specdec.load(model_dirs["llama"], model_dirs["llama-near"], backend="transformers", device="cpu",
                            dtype="float64", compile="aot_eager", slots=3)
     buckets = [b for b in BUCKETS if b <= decoder.target.capacity]
-    assert set(decoder.target.compile_seconds) == {(rows, b, cells) for rows in (1, 2, 4) for b in buckets
+    assert set(decoder.target.compile_seconds) == {(rows, b, cells, 0) for rows in (1, 2, 4) for b in buckets
                                                    for cells in decoder.target.reads if cells >= b}
     assert set(decoder.drafter.draft_model.compile_seconds) == set(decoder.target.compile_seconds)
     assert "the target's forwards compiled in" in capsys.readouterr().err
@@ -374,8 +485,8 @@ def test_a_pool_the_gpu_cannot_hold_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2_000_000_000, 80_000_000_000))
     with pytest.raises(SpecDecError, match=r"the static pool \(21 rows × 4112 cells of keys and values\) needs "
                                            r"11\.3 GB and 2\.0 GB of cuda are free: lower --context or --slots"):
-        _Pool(layout, rows=21, cells=4112, device=torch.device("cuda"))
-    assert _Pool(layout, rows=1, cells=16, device=torch.device("cpu")).bytes(21) == 21 * 16 * (32 * 4096 + 8)
+        _Pool(layout, rows=21, cells=4112, device=torch.device("cuda"), sliding=[False] * 32)
+    assert _Pool(layout, rows=1, cells=16, device=torch.device("cpu"), sliding=[False] * 32).bytes(21) == 21 * 16 * (32 * 4096 + 8)
 
 
 class FakeCuda:
@@ -454,7 +565,7 @@ def test_a_pool_on_a_second_gpu_captures_its_graphs_there(monkeypatch):
 
     cuda = FakeCuda(monkeypatch, torch.device("cuda", 1))
     graphs = _Graphs(cuda.forward, _Uploader(torch.device("cpu")), capture_on=cuda.pool_device)
-    graphs(torch.arange(6), (1, 1, 1), cache=None)
+    graphs(torch.arange(7), (1, 1, 1), cache=None)
     (*warm_ups, (stream, capturing)) = cuda.ran
     assert capturing is not None and stream is capturing  # the forward's kernels were captured
     default = cuda.current_stream(cuda.pool_device)
@@ -473,7 +584,7 @@ def test_a_forward_that_waits_on_the_device_runs_without_a_graph(monkeypatch, ca
     default = cuda.current_stream(cuda.pool_device)
     graphs = _Graphs(cuda.forward, _Uploader(torch.device("cpu")), capture_on=cuda.pool_device)
     for _ in range(2):
-        graphs(torch.arange(6), (1, 1, 1), cache=None)
+        graphs(torch.arange(7), (1, 1, 1), cache=None)
     assert "runs without a CUDA graph" in capsys.readouterr().err
     assert cuda.current_stream(cuda.pool_device) is default and cuda.mode == 0
     eager = cuda.ran[-2:]  # each call's forward, on the default stream, nothing capturing

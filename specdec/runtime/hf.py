@@ -174,18 +174,20 @@ class HFModel(base.CheckedTrees):
     def known_tree_refusal(self) -> str | None:
         return named_tree_refusal(self.model.config)
 
-    def layer_masks(self, mask: torch.Tensor, key_positions: torch.Tensor, positions: torch.Tensor):
+    def layer_masks(self, mask: torch.Tensor, key_positions: torch.Tensor, positions: torch.Tensor,
+                    sliding: tuple[torch.Tensor, torch.Tensor] | None = None):
         """[batch, n, keys] bool -> the model's attention mask(s), for both backends (on the mask's
         device; `key_positions` [batch, keys], `positions` [batch, n]). An explicit mask replaces the
         model's own, so apply its sliding window here (`tree.sliding_window`, by position). Models
-        mixing full and sliding layers get one mask per layer type."""
+        mixing full and sliding layers get one mask per layer type. sliding: the sliding layers' own
+        (mask, key positions) where they read other keys (the static pool's windows), else `mask`'s."""
         window = self.sliding_window
-        if window is not None:
-            windowed = tree.sliding_window(mask, key_positions, positions, window)
-            if "full_attention" in (getattr(self.model.config, "layer_types", None) or []):
-                return {"full_attention": self._additive(mask), "sliding_attention": self._additive(windowed)}
-            mask = windowed
-        return self._additive(mask)
+        if window is None:
+            return self._additive(mask)
+        windowed = self._additive(tree.sliding_window(*(sliding or (mask, key_positions)), positions, window))
+        if "full_attention" in (getattr(self.model.config, "layer_types", None) or []):
+            return {"full_attention": self._additive(mask), "sliding_attention": windowed}
+        return windowed
 
     def _additive(self, mask: torch.Tensor) -> torch.Tensor:
         """[batch, n, keys] bool -> [batch, 1, n, keys] float: 0 where a token may attend, the dtype's

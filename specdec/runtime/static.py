@@ -12,9 +12,12 @@ one-token step then costs several times what reading the weights does. Here inst
   padded to a token bucket (`BUCKETS`), rows to a batch bucket (`BATCHES`), the cells attention reads to a
   read bucket (`read_buckets`: powers of two up to the row; what the batch's rows hold, not the whole row),
   and each (batch, tokens, cells read) shape is compiled once: `torch.compile`, CUDA graphs on a GPU.
+  A sliding-window layer (Gemma 2 and 3's local layers, Mistral's) reads its window alone where the read
+  bucket is long (`window_read`: a gather of each row's last window + `WINDOW_SLACK` cells).
   Forwards of more new entries (a prefill chunk) run eagerly on the same pool;
-- a forward's inputs are a few integers per row (`_Step`): tokens, positions and cells, each row's trunk and
-  count of new entries, and the tree part of its mask (the few cells the host knows, 64 to a word of bits).
+- a forward's inputs are a few integers per row (`_Step`): tokens, positions and cells, each row's trunk,
+  count of new entries and first cell a window reads, and the tree part of its mask (the few cells the host
+  knows, 64 to a word of bits).
   They go up in one copy through a pinned buffer without waiting, straight into a graph's own
   input buffer; everything else happens inside the captured forward (`step_forward`): each cell's
   position recorded, the attention mask built from those integers (and, for sliding windows, the cells'
@@ -22,7 +25,8 @@ one-token step then costs several times what reading the weights does. Here inst
 - the logits stay on the device when the caller asks (`Feed.on_device`): the engine then reads one small
   tensor per iteration (the argmax path, or the sampling distribution) and nothing else waits for the device.
 
-Invariant (with `entries.SequenceEntries`'): entry i of a sequence sits in cell i of its row, with its own position.
+Invariant (with `entries.SequenceEntries`'): entry i of a sequence sits in cell i of its row, with its own position,
+which is at most i (so a window by position starts at a cell at most its first position).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from specdec import tree
 from specdec.errors import SpecDecError
 from specdec.runtime import base
-from specdec.runtime.fused import FusedForward, allow_compiled_shapes, fused_refusal, write_cells
+from specdec.runtime.fused import FusedForward, allow_compiled_shapes, fused_refusal, read_cells, write_cells
 from specdec.runtime.hf import HFModel, HFSequence, as_float, longrope_switch, named_tree_refusal
 
 BUCKETS = (1, 4, 16, 64)  # new entries per compiled forward; verify trees and chains pad up to these
@@ -52,6 +56,9 @@ DEFAULT_CONTEXT = 4096  # cells per row unless asked
 # two from here up to the row, `read_buckets`), as each one's bytes count: an 8B model's 4096-cell row is 512 MB, and a
 # step of 16 such rows read 8.6 GB of keys and values beside 16 GB of weights, whatever the rows held
 SMALLEST_READ = 512
+# the cells past its window a sliding-window layer's read leaves room for: a forward's new entries and a tree's
+# uncommitted ones (a chain step, a verify of up to 64, a prefill chunk of 128 each fit; more reads the read bucket)
+WINDOW_SLACK = 128
 # finished sequences a prefix cache keeps here: each holds a whole row (512 MB for an 8B model at 4096 cells)
 KEPT_ROWS = 4
 # graphs: each shape captured by hand as a CUDA graph (`_Graphs`; on the CPU the same buffers, replayed
@@ -65,6 +72,7 @@ class StaticHFModel(HFModel):
 
     device_logits = True
     spare_sequences = KEPT_ROWS
+    window_reads = True  # sliding layers read their window alone where it pays (False: as the others; a benchmark's)
 
     def __init__(self, model, tokenizer, path: str = "", context: int | None = None, backend: str = "graphs",
                  rows: int = 2, fused: bool | None = None):
@@ -85,12 +93,15 @@ class StaticHFModel(HFModel):
         self.scratch = self.reads[-1]
         # rows for the finished sequences a prefix cache keeps (KEPT_ROWS) from the start: a pool that grew later
         # would capture every graph again (a GPU check found the default paying for it inside its verifies)
-        self.pool = _Pool(_cache_layout(self), max(1, rows) + KEPT_ROWS, self.scratch + 16, self.torch_device)
+        layout = _cache_layout(self)
+        self.pool = _Pool(layout, max(1, rows) + KEPT_ROWS, self.scratch + 16, self.torch_device,
+                          self._sliding_layers(len(layout)))
         # who holds each row, weakly: a sequence dropped without release() gives its row back (a prefix
         # cache's kept ones, once the last decoder sharing it is gone), as llama.cpp's give their cells back
         self._holders: list[weakref.ref[StaticSequence] | None] = [None] * self.pool.rows
         self._runner = None
-        self.compile_seconds: dict[tuple[int, ...], float] = {}  # (rows, tokens, reads) -> its first forward's seconds
+        # (rows, tokens, cells read, cells a sliding layer reads or 0) -> its first forward's seconds
+        self.compile_seconds: dict[tuple[int, ...], float] = {}
         self._upload = _Uploader(self.torch_device)
         refusal = fused_refusal(model)
         if fused and refusal:
@@ -104,6 +115,22 @@ class StaticHFModel(HFModel):
         """What a forward returns beside its logits, part of a compiled shape's key (its graph's second
         output): None, "norm" (the final norm's rows) or the layers whose inputs it gives."""
         return self.state_layers or ("norm" if self.keeps_states else None)
+
+    def _sliding_layers(self, count: int) -> list[bool]:
+        """Which of the `count` layers attend within the sliding window (`layer_masks` gives them their own mask)."""
+        types = getattr(self.model.config, "layer_types", None)
+        if self.sliding_window is None:
+            return [False] * count
+        return [kind == "sliding_attention" for kind in types] if types else [True] * count
+
+    def _window_cells(self, placed, reads: int) -> int:
+        """The cells each sliding layer reads in a forward over `placed` reading `reads` cells a row (`window_read`),
+        or 0 (it reads them too) where some row's window and new cells do not fit (a large tree, a long chunk)."""
+        cells = window_read(self.sliding_window, reads) if self.window_reads else 0
+        window = self.sliding_window
+        fits = cells and all(feed.sequence.cache_len + len(tokens) - first_in_window(positions, window) <= cells
+                             for feed, tokens, positions, _ in placed)
+        return cells if fits else 0
 
     def sequence(self) -> StaticSequence:
         free = self._free_rows()
@@ -182,33 +209,38 @@ class StaticHFModel(HFModel):
             self._grow(rows)
         self._to_first_rows([feed.sequence for feed in feeds])
         by_row = sorted(placed, key=lambda entry: entry[0].sequence.row)  # row r of the forward is the pool's row r
-        inputs, shape = _Step.of(self, by_row, rows, tokens_bucket)
         # every cell a row's entries may see lies below its own count once these are written
         used = max(reads, *(feed.sequence.cache_len + len(tokens) for feed, tokens, _, _ in placed))
-        cache = self.pool.cache(rows, next(cells for cells in self.reads if cells >= used))
+        reads = next(cells for cells in self.reads if cells >= used)
+        cache = self.pool.cache(rows, reads, self._window_cells(placed, reads))
+        inputs, shape = _Step.of(self, by_row, rows, tokens_bucket, cache)
         began = time.perf_counter()
         if compiled:
-            compiled_shape = (rows, tokens_bucket, cache.reads)
+            compiled_shape = (rows, tokens_bucket, cache.reads, cache.window)
             first = compiled_shape not in self.compile_seconds
             out = self.runner()(inputs, shape, cache, self.states_kind)
             if first:
                 base.synchronize(self.torch_device)
                 self.compile_seconds[compiled_shape] = time.perf_counter() - began
-        else:
-            out = self.step_forward(*self._uploaded(inputs, shape), cache, self.states_kind, bucketed=False)
-        return self._results(placed, out)
+            return self._results(placed, out)
+        # a forward as it comes (a prefill chunk) computes the output product for the tokens its feeds want only:
+        # a prompt's chunk wants its last (Gemma's 262k-wide product for 128 tokens cost more than its layers)
+        skipped = min(len(tokens) - _wanted(feed, len(tokens)) for feed, tokens, _, _ in placed)
+        out = self.step_forward(*self._uploaded(inputs, shape), cache, self.states_kind, bucketed=False,
+                                keep=tokens_bucket - skipped)
+        return self._results(placed, out, skipped)
 
-    def _results(self, placed, out) -> list[torch.Tensor]:
+    def _results(self, placed, out, skipped: int = 0) -> list[torch.Tensor]:
         """Each feed's wanted rows of logits (the tokenizer's columns, float32 or float64), in feed
         order, and of states (on its sequence, or None), from the forward's output `out` (logits, or
-        with states kept (logits, states)); its entries committed. Copies: a CUDA graph's outputs
-        are overwritten by its next replay."""
+        with states kept (logits, states); its logits start at token `skipped`); its entries committed.
+        Copies: a CUDA graph's outputs are overwritten by its next replay."""
         logits, states = out if self.keeps_states else (out, None)  # [rows, bucket, vocab], [rows, bucket, width]
         wanted, kept = [], []  # per feed: [rows, vocab], [rows, width] or None
         for feed, tokens, positions, all_parents in placed:
             n, row = len(tokens), feed.sequence.row
-            count = n if feed.last is None else min(feed.last, n)
-            wanted.append(as_float(logits[row, n - count: n, : self.vocab_size]))
+            count = _wanted(feed, n)
+            wanted.append(as_float(logits[row, n - count - skipped: n - skipped, : self.vocab_size]))
             kept.append(None if states is None else as_float(states[row, self.state_rows(n, count)]))
             feed.sequence.commit(tokens, positions, all_parents)
         host = [i for i, (feed, *_) in enumerate(placed) if not feed.on_device]
@@ -245,22 +277,28 @@ class StaticHFModel(HFModel):
         """A `_Step`'s host inputs on the device, as `_Step.views` (a forward without a graph's own buffer)."""
         return _Step.views(self._upload([inputs]), shape)
 
-    def step_forward(self, tokens, positions, slots, trunks, counts, tree, cache, states=None, bucketed: bool = True):
+    def step_forward(self, tokens, positions, slots, trunks, counts, starts, tree, cache, states=None,
+                     bucketed: bool = True, keep: int | None = None):
         """A forward from its `_Step`'s inputs on the device alone (what a graph captures): the new cells'
         positions recorded, the mask built, the model run. -> `_forward_logits`'s output."""
         self.pool.positions[: tokens.shape[0]].scatter_(1, slots, positions)  # before the mask: windows compare them
         cache.slots = slots
-        mask = _Step.mask(self, trunks, counts, tree, positions, cache.reads)
-        return self._forward_logits(tokens, positions, mask, cache, states, bucketed)
+        cache.columns = starts[:, None] + self.pool.index[: cache.window] if cache.window else None
+        mask = _Step.mask(self, trunks, counts, tree, positions, cache)
+        return self._forward_logits(tokens, positions, mask, cache, states, bucketed, keep)
 
-    def _forward_logits(self, tokens, positions, mask, cache, states=None, bucketed: bool = True):
-        """The logits [rows, tokens, vocab]; with states (their kind, `states_kind`), (logits, the states
-        [rows, tokens, width]). bucketed: a compiled shape (else a prefill chunk, run as it comes)."""
+    def _forward_logits(self, tokens, positions, mask, cache, states=None, bucketed: bool = True,
+                        keep: int | None = None):
+        """The logits [rows, tokens, vocab] (of the last `keep` tokens where given); with states (their kind,
+        `states_kind`), (logits, the states [rows, tokens, width]). bucketed: a compiled shape (else a prefill
+        chunk, run as it comes)."""
         if self.fused is not None:
-            return self.fused(tokens, positions, mask, cache, states, bucketed)
+            return self.fused(tokens, positions, mask, cache, states, bucketed, keep)
+        kept = {"logits_to_keep": keep} if keep and self.takes_logits_to_keep else {}
         out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
-                         **{self.cache_keyword: cache})
-        return (out.logits, self.taken_states()) if states else out.logits
+                         **{self.cache_keyword: cache}, **kept)
+        logits = out.logits if keep is None else out.logits[:, -keep:]  # already so where the model kept them
+        return (logits, self.taken_states()) if states else logits
 
     def _to_first_rows(self, sequences: list[StaticSequence]) -> None:
         """Swap rows so that the sequences hold rows 0 .. len - 1, moving only those outside them
@@ -334,15 +372,16 @@ class StaticSequence(HFSequence):
 
 class _Step:
     """One forward's inputs, built on the host as one row of integers: tokens, positions and cells
-    [rows, bucket], each row's trunk and count of new entries [rows], and the tree part of its mask as bits,
+    [rows, bucket], each row's trunk, count of new entries and first cell its sliding layers read (0 where they
+    read as the others do) [rows], and the tree part of its mask as bits,
     column j of entry i bit j % 64 of word [r, i, j // 64] ([rows, bucket, words], words a power of two: a
     graph per (rows, bucket, words); one word holds a target's verify and a draft tree of up to 64 cells)."""
 
     @staticmethod
-    def of(owner: StaticHFModel, placed, rows: int, bucket: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """(the inputs end to end [host int64], their shape (rows, bucket, words))."""
-        scratch = owner.scratch
-        tokens, positions, slots, trunks, counts, seen = [], [], [], [], [], []
+    def of(owner: StaticHFModel, placed, rows: int, bucket: int, cache: SlotCache) -> tuple[torch.Tensor, tuple]:
+        """(the inputs end to end [host int64], their shape (rows, bucket, words)), for a forward over `cache`."""
+        scratch, window = owner.scratch, cache.window
+        tokens, positions, slots, trunks, counts, starts, seen = [], [], [], [], [], [], []
         for feed, row_tokens, row_positions, all_parents in placed:
             sequence, n = feed.sequence, len(row_tokens)
             start, trunk = sequence.cache_len, sequence._trunk
@@ -361,45 +400,65 @@ class _Step:
                 seen.append(bits)
             trunks.append(trunk)
             counts.append(n)
+            # the window's cells within the read bucket: they hold every cell the row's sliding layers see
+            starts.append(min(first_in_window(row_positions, owner.sliding_window), cache.reads - window)
+                          if window else 0)
         padding = rows - len(placed)  # padding rows: other sequences' rows (or free ones), scratch only
         tokens += [0] * bucket * padding
         positions += [0] * bucket * padding
         slots += [scratch] * bucket * padding
         trunks += [0] * padding
         counts += [0] * padding
+        starts += [0] * padding
         widest = max((entry.bit_length() for entries in seen for entry in entries), default=1)
         words = 1 << (-(-max(1, widest) // 64) - 1).bit_length()
         bits = [word for entries in seen for entry in entries + [0] * (bucket - len(entries))
                 for word in _words(entry, words)]
-        inputs = torch.tensor(tokens + positions + slots + trunks + counts + bits + [0] * (padding * bucket * words))
+        inputs = torch.tensor(tokens + positions + slots + trunks + counts + starts + bits
+                              + [0] * (padding * bucket * words))
         return inputs, (rows, bucket, words)
 
     @staticmethod
     def views(inputs: torch.Tensor, shape: tuple[int, int, int]) -> tuple[torch.Tensor, ...]:
-        """The inputs (on the device) as (tokens, positions, slots, trunks, counts, tree)."""
+        """The inputs (on the device) as (tokens, positions, slots, trunks, counts, starts, tree)."""
         rows, bucket, words = shape
-        tokens, positions, slots, trunks, counts, tree = inputs.split([rows * bucket] * 3 + [rows] * 2
-                                                                      + [rows * bucket * words])
+        tokens, positions, slots, trunks, counts, starts, tree = inputs.split([rows * bucket] * 3 + [rows] * 3
+                                                                              + [rows * bucket * words])
         return (tokens.view(rows, bucket), positions.view(rows, bucket), slots.view(rows, bucket), trunks, counts,
-                tree.view(rows, bucket, words))
+                starts, tree.view(rows, bucket, words))
 
     @staticmethod
-    def mask(owner: StaticHFModel, trunks, counts, tree, positions, reads: int):
-        """The model's attention mask(s) over a row's first `reads` cells, [rows, 1, bucket, reads]: entry j of
-        row r sees its row's trunk (cells < trunk) and its ancestors from the trunk on (`tree`, [rows, bucket,
-        words]: bit j of word w, cell trunk + 64 w + j); padding entries see cell 0 only (finite in every row:
-        zeros or a first entry's; what padding writes goes to the scratch cell, past every read bucket)."""
+    def mask(owner: StaticHFModel, trunks, counts, tree, positions, cache: SlotCache):
+        """The model's attention mask(s) over the cells `cache` reads: a row's first `reads` cells, [rows, 1,
+        bucket, reads], and for sliding layers reading their window its `columns`, [rows, 1, bucket, window].
+        Entry j of row r sees its row's trunk (cells < trunk) and its ancestors from the trunk on (`tree`, [rows,
+        bucket, words]: bit j of word w, cell trunk + 64 w + j); padding entries see the first cell read only
+        (finite in every row: zeros or an entry's; what padding writes goes to the scratch cell, past every read
+        bucket)."""
         rows, bucket, words = tree.shape
-        index, width = owner.pool.index, 64 * words
+        reads, index, width = cache.reads, owner.pool.index, 64 * words
         cells = index[: reads + 1]  # and a column past them, where the tree part's columns beyond them land
         allowed = (cells[None, None, :] < trunks[:, None, None]).expand(rows, bucket, -1).clone()
         seen = ((tree[..., None] >> index[:64]) & 1).view(rows, bucket, width) != 0
         columns = (trunks[:, None, None] + torch.arange(width, device=tree.device)).clamp(max=reads)
         # beyond a row's span (the width's padding too): False, on cells it never sees or on the column past them
         allowed.scatter_(2, columns.expand(rows, bucket, width), seen)
-        padding = index[:bucket][None, :] >= counts[:, None]
-        allowed = torch.where(padding[:, :, None], (cells[:reads] == 0)[None, None, :], allowed[..., :reads])
-        return owner.layer_masks(allowed, owner.pool.positions[:rows, :reads], positions)  # windows by positions
+        padding = (index[:bucket][None, :] >= counts[:, None])[:, :, None]
+
+        def padded(allowed):  # padding entries see the first cell read
+            return torch.where(padding, index[: allowed.shape[-1]] == 0, allowed)
+
+        full = padded(allowed[..., :reads]), owner.pool.positions[:rows, :reads]  # windows by positions
+        if cache.columns is None:
+            return owner.layer_masks(*full, positions)
+        columns = cache.columns  # [rows, window], below `reads`
+        window = padded(allowed.gather(2, columns[:, None, :].expand(rows, bucket, -1)))
+        return owner.layer_masks(*full, positions, sliding=(window, owner.pool.positions[:rows].gather(1, columns)))
+
+
+def _wanted(feed: base.Feed, n: int) -> int:
+    """How many of a feed's n new tokens' logits it wants (its last ones)."""
+    return n if feed.last is None else min(feed.last, n)
 
 
 def _words(bitset: int, words: int) -> list[int]:
@@ -419,6 +478,22 @@ def read_buckets(capacity: int) -> tuple[int, ...]:
     return (*(cells for cells in doubles if 4 * cells < 3 * capacity), -(-capacity // 16) * 16)
 
 
+def window_read(window: int | None, reads: int) -> int:
+    """The cells a sliding-window layer reads where the others read `reads` a row: its window and `WINDOW_SLACK`
+    cells more, rounded up to 16; 0 (it reads the `reads` cells too) where that is over a third of them, or it has no
+    window. Reading a window gathers it, a copy: its cells read, written and read again."""
+    if window is None:
+        return 0
+    cells = -(-(window - 1 + WINDOW_SLACK) // 16) * 16
+    return cells if 3 * cells <= reads else 0
+
+
+def first_in_window(positions: list[int], window: int) -> int:
+    """The first cell a sliding layer may see from queries at `positions`: the window of the first position
+    starts there, and every cell's position is at most its index."""
+    return max(0, min(positions) - window + 1)
+
+
 def _bucket(count: int) -> int:
     """The smallest bucket holding `count`, or count itself beyond the largest (a forward not compiled)."""
     return next((b for b in BUCKETS if b >= count), count)
@@ -428,8 +503,9 @@ class _Pool:
     """Keys and values of `rows` sequences × `cells` entries per layer, each cell's position, and
     per batch size a cache object over the first rows (views that keep their addresses)."""
 
-    def __init__(self, layout: list, rows: int, cells: int, device: torch.device):
-        self.layout, self.cells, self.device = layout, cells, device
+    def __init__(self, layout: list, rows: int, cells: int, device: torch.device, sliding: list[bool]):
+        """sliding: which layers read their window alone where a forward's cache reads windows."""
+        self.layout, self.cells, self.device, self.sliding = layout, cells, device, sliding
         self.rows = 0
         self.grow(rows)
         # 0, 1, ...: over the cells and one past them, a bucket's entries, a word's bits
@@ -454,7 +530,7 @@ class _Pool:
             for new, previous in zip((*self.keys, *self.values, self.positions), (*old[0], *old[1], old[2])):
                 new[: previous.shape[0]] = previous
         self.rows = rows
-        self._caches: dict[tuple[int, int], SlotCache] = {}
+        self._caches: dict[tuple[int, int, int], SlotCache] = {}
 
     def _check_room(self, rows: int) -> None:
         if self.device.type != "cuda":
@@ -468,15 +544,17 @@ class _Pool:
                                f"{needed / 1e9:.1f} GB and {free / 1e9:.1f} GB of {self.device} are free: lower "
                                "--context or --slots, or run with --compile off")
 
-    def cache(self, rows: int, reads: int) -> SlotCache:
-        """The first `rows` rows as a forward's cache, its attention reading their first `reads` cells."""
-        if (rows, reads) not in self._caches:
+    def cache(self, rows: int, reads: int, window: int = 0) -> SlotCache:
+        """The first `rows` rows as a forward's cache, its attention reading their first `reads` cells, and its
+        sliding layers `window` cells from each row's start (`window_read`; 0: `reads` cells too)."""
+        key = (rows, reads, window)
+        if key not in self._caches:
             keys, values = [k[:rows] for k in self.keys], [v[:rows] for v in self.values]
             # written in place inside the compiled forward: Inductor's CUDA graphs keep their addresses
             for tensor in (*keys, *values, self.positions):
                 torch._dynamo.mark_static_address(tensor)
-            self._caches[(rows, reads)] = SlotCache(keys, values, reads)
-        return self._caches[(rows, reads)]
+            self._caches[key] = SlotCache(keys, values, reads, [window if sliding else 0 for sliding in self.sliding])
+        return self._caches[key]
 
     def tensors(self):
         return (*self.keys, *self.values, self.positions)
@@ -584,6 +662,7 @@ class SlotLayer(CacheLayerMixin):
     supports_early_init = False
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, reads: int):
+        """reads: the cells its attention reads a row (a window's, or the first ones)."""
         super().__init__()
         self.keys, self.values, self.reads, self.is_initialized = keys, values, reads, True
 
@@ -605,29 +684,34 @@ class SlotLayer(CacheLayerMixin):
 
 class SlotCache(Cache):
     """Rows of the pool as transformers sees them: `update` writes each row's new keys and values at
-    its cells (`slots`, [rows, n], set before each forward) and returns the rows' first `reads` cells; the
-    mask hides the rest."""
+    its cells (`slots`, [rows, n], set before each forward) and returns the cells its attention reads: the rows'
+    first `reads`, or a sliding layer's window (`columns` [rows, window], set before each forward where
+    `window`); the mask hides the rest."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], reads: int):
-        super().__init__(layers=[SlotLayer(k, v, reads) for k, v in zip(keys, values)])
-        self.reads = reads
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], reads: int, windows: list[int]):
+        """windows: per layer, the cells of its window it reads (0: the first `reads`)."""
+        super().__init__(layers=[SlotLayer(k, v, window or reads) for k, v, window in zip(keys, values, windows)])
+        self.reads, self.window, self.windowed = reads, max(windows, default=0), [window > 0 for window in windows]
         self.slots: torch.Tensor | None = None
+        self.columns: torch.Tensor | None = None
         # [rows, 1] beside slots [rows, n]
         self.row_index = torch.arange(keys[0].shape[0], device=keys[0].device)[:, None]
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [rows, heads, n, head dim], written at cells slots[r, j] of row r
         in place (`fused.write_cells`); returns the layer's rows, their first `reads` cells."""
-        keys, values, row_index, slots, reads = self.cells(layer_idx)
+        keys, values, row_index, slots, reads, columns = self.cells(layer_idx)
         write_cells(keys, row_index, slots, key_states)
         write_cells(values, row_index, slots, value_states)
-        return keys[:, :, :reads], values[:, :, :reads]
+        return read_cells(keys, reads, columns), read_cells(values, reads, columns)
 
     def cells(self, layer_idx: int) -> tuple:
         """A layer's pool rows (keys, values: [rows, kv heads, cells, d]), where this forward writes in
-        them and what it reads: (keys, values, row_index [rows, 1], slots [rows, n], reads)."""
+        them and what it reads: (keys, values, row_index [rows, 1], slots [rows, n], reads, its window's
+        columns [rows, window] or None)."""
         layer = self.layers[layer_idx]
-        return layer.keys, layer.values, self.row_index, self.slots, self.reads
+        columns = self.columns if self.windowed[layer_idx] else None
+        return layer.keys, layer.values, self.row_index, self.slots, self.reads, columns
 
 
 class _Uploader:

