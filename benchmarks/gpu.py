@@ -787,6 +787,7 @@ def windowed_reads(pool: StaticHFModel) -> dict:
             sequence.release()
         row[f"sliding layers read their {way}: t(1) ms after 900 cells"] = round(statistics.median(times) * 1e3, 3)
     pool.window_reads = True
+    row["cells a sliding layer read (the shapes run)"] = max(shape[3] for shape in pool.compile_seconds)
     row["window against read bucket: largest logit difference / logits' std"] = float(
         (logits[0] - logits[1]).abs().max() / logits[0].std())
     return row

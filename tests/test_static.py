@@ -259,16 +259,19 @@ def sliding(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("arch", ["mistral", "gemma3"])
 def test_windowed_reads_equal_the_eager_cache(sliding, arch, fused):
     """Past 32 cells a row's sliding layers read 16 cells (its window of 8 and 8 new or uncommitted ones) where
-    the others read 64: one token at a time to 56 cells, a tree of 5 and one below it (uncommitted cells inside
-    the window read), then a chain of 18 (more than the window read holds: every layer reads the 64). Each
-    step's logits those of the eager cache, in float64."""
+    the others read 64: one token at a time to 60 cells (from 56 on, the window read ends at the bucket's end
+    and starts before the window), a tree of 4 to the row's end, then at 44 cells a tree of 5 and 3 below it
+    (uncommitted cells inside the window read), then a chain of 18 (more than the window read holds: every layer
+    reads the 64). Each step's logits those of the eager cache, in float64."""
     eager = specdec.load_model(sliding[arch], device="cpu", dtype="float64")
     pool = StaticHFModel(eager.model, eager.tokenizer, arch, backend="graphs", fused=fused)
     assert (pool.reads, pool.sliding_window, window_read(8, 64)) == ((16, 32, 64), 8, 16)
     mine, reference = pool.sequence(), eager.sequence()
-    tokens = [(5 * i + 1) % 14 + 1 for i in range(56)]
+    tokens = [(5 * i + 1) % 14 + 1 for i in range(60)]
     for token in tokens:
         torch.testing.assert_close(mine.forward([token]), reference.forward([token]), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(mine.forward([3, 4, 5, 6], [59, 59, 60, 61]),
+                               reference.forward([3, 4, 5, 6], [59, 59, 60, 61]), rtol=1e-10, atol=1e-10)
     mine.truncate(44), reference.truncate(44)
     for tree_tokens, parents in (([5, 6, 7, 8, 9], [43, 43, 44, 46, 44]), ([4, 4, 4], [45, 48, 49])):
         torch.testing.assert_close(mine.forward(tree_tokens, parents), reference.forward(tree_tokens, parents),
@@ -282,6 +285,9 @@ def test_windowed_reads_equal_the_eager_cache(sliding, arch, fused):
 def test_windowed_forwards_trace_whole(sliding, fused):
     """torch.compile traces a forward whose sliding layers read their windows (aot_eager: what a GPU compiles and
     captures), the fused forward's layers compiled whole too: no graph break, each step's logits the eager cache's."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     eager = specdec.load_model(sliding["gemma3"], device="cpu", dtype="float64")
     pool = StaticHFModel(eager.model, eager.tokenizer, "gemma3", backend="aot_eager", fused=fused)
     if fused:
@@ -289,7 +295,7 @@ def test_windowed_forwards_trace_whole(sliding, fused):
     mine, reference = pool.sequence(), eager.sequence()
     for token in [(5 * i + 1) % 14 + 1 for i in range(40)]:
         torch.testing.assert_close(mine.forward([token]), reference.forward([token]), rtol=1e-10, atol=1e-10)
-    assert (1, 1, 64, 16) in pool.compile_seconds
+    assert (1, 1, 64, 16) in pool.compile_seconds and not counters["graph_break"]
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -324,25 +330,36 @@ def test_a_sliding_layer_reads_no_cell_before_its_window(sliding, arch, fused):
 def test_a_chunk_past_the_largest_bucket_computes_the_logits_it_gives_only(tmp_path, fused):
     """A forward of more new entries than a compiled shape holds (a prefill chunk) runs the output product over
     the tokens its feeds want: a prompt's chunk its last one, not 100. Alone and in a batch of rows of other
-    lengths wanting other counts, the logits are the eager cache's."""
+    lengths wanting other counts, the logits are the eager cache's, and so are the states a head reads (the
+    final norm's, for the rows of logits given)."""
     directory = str(save_tiny_model(tmp_path / "llama", "llama", seed=3, context=256))
     eager = specdec.load_model(directory, device="cpu", dtype="float64")
     prompts = [[(7 * i + 3) % 14 + 1 for i in range(length)] for length in (100, 90, 70)]
     # fed alone, then rows of 100 and 90 wanting 1 and 5 (the product over tokens 85-99), then all three
     # with the last wanting every one (over all 100); then 70 after 20 cached, wanting 2
     feeds = [[(0, 1)], [(0, 1), (1, 5)], [(0, 1), (1, 5), (2, None)]]
-    want = [[eager.sequence().forward(prompts[i], last=last) for i, last in rows] for rows in feeds]
-    want_after = eager.sequence().forward(prompts[1], last=2)
+    eager.keep_states(True)
+
+    def eager_forward(prompt, last):
+        sequence = eager.sequence()
+        return sequence.forward(prompt, last=last), sequence.states
+
+    want = [[eager_forward(prompts[i], last) for i, last in rows] for rows in feeds]
+    want_after = eager_forward(prompts[1], 2)
+    eager.keep_states(False)
     pool = StaticHFModel(eager.model, eager.tokenizer, "llama", backend="graphs", fused=fused)
+    pool.keep_states(True)
     widths = []  # the tokens each output product ran over (the model is shared: the eager ones ran above)
     pool.model.lm_head.register_forward_hook(lambda module, inputs, output: widths.append(inputs[0].shape[1]))
     for rows, wanted in zip(feeds, want):
         sequences = [pool.sequence() for _ in rows]
         got = pool.forward_batch([Feed(s, prompts[i], last=last) for s, (i, last) in zip(sequences, rows)])
-        for mine, reference in zip(got, wanted):
-            torch.testing.assert_close(mine, reference, rtol=1e-10, atol=1e-10)
+        for mine, sequence, (logits, states) in zip(got, sequences, wanted):
+            torch.testing.assert_close(mine, logits, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(sequence.states, states, rtol=1e-10, atol=1e-10)
     sequences[1].truncate(20)
-    torch.testing.assert_close(sequences[1].forward(prompts[1][20:], last=2), want_after, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(sequences[1].forward(prompts[1][20:], last=2), want_after[0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(sequences[1].states, want_after[1], rtol=1e-10, atol=1e-10)
     assert widths == [1, 15, 100, 2]
 
 

@@ -144,7 +144,9 @@ class FusedForward:
             layer_mask = mask[kind] if isinstance(mask, dict) else mask
             hidden, normed = kernels.layer(layer, hidden, normed, *rotations[kind], layer_mask, *cache.cells(index),
                                            next_norm)
-        logits = self.head(normed if keep is None else normed[:, -keep:])
+        if keep is not None:  # the output product's rows, and so the norm's states, as transformers' logits_to_keep
+            normed = normed[:, -keep:]
+        logits = self.head(normed)
         if self.softcap is not None:
             logits = soft_capped(logits, self.softcap)
         if not states:
@@ -301,8 +303,8 @@ def gated(gate_up, activation=F.silu):
 
 def allow_compiled_shapes(entries: int = 1024) -> None:
     """Let torch.compile keep `entries` compiled shapes of one function, where a pool compiles one per (rows,
-    tokens, cells read) bucket and a target and its draft model share the functions: past dynamo's limits (8
-    per function, 256 in all by default) a further shape would silently run eagerly."""
+    tokens, cells read, window read) bucket and a target and its draft model share the functions: past dynamo's
+    limits (8 per function, 256 in all by default) a further shape would silently run eagerly."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, entries)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, entries)

@@ -126,9 +126,12 @@ class HFModel(base.CheckedTrees):
             self._layer_inputs[index] = args[0] if args else kwargs["hidden_states"]
         return take
 
-    def state_rows(self, fed: int, returned: int) -> slice:
-        """Which of a row's `fed` new tokens' states a forward leaves (`returned`: its rows of logits)."""
-        return slice(0, fed) if self.state_layers is not None else slice(fed - returned, fed)
+    def state_rows(self, fed: int, returned: int, skipped: int = 0) -> slice:
+        """Which of a row's `fed` new tokens' states a forward leaves (`returned`: its rows of logits), as rows of
+        the states it took (the output layer's input skips the first `skipped` tokens where logits were kept)."""
+        if self.state_layers is not None:
+            return slice(0, fed)
+        return slice(fed - returned - skipped, fed - skipped)
 
     def _take_head_input(self, head, args) -> None:
         self._head_input = args[0]

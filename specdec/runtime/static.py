@@ -117,11 +117,12 @@ class StaticHFModel(HFModel):
         return self.state_layers or ("norm" if self.keeps_states else None)
 
     def _sliding_layers(self, count: int) -> list[bool]:
-        """Which of the `count` layers attend within the sliding window (`layer_masks` gives them their own mask)."""
-        types = getattr(self.model.config, "layer_types", None)
-        if self.sliding_window is None:
+        """Which of the `count` layers attend within the sliding window (`layer_masks` gives them their own mask).
+        None where the layer types do not name each cache layer (layers sharing caches): they read the bucket."""
+        types = getattr(self.model.config, "layer_types", None) or ["sliding_attention"] * count
+        if self.sliding_window is None or len(types) != count:
             return [False] * count
-        return [kind == "sliding_attention" for kind in types] if types else [True] * count
+        return [kind == "sliding_attention" for kind in types]
 
     def _window_cells(self, placed, reads: int) -> int:
         """The cells each sliding layer reads in a forward over `placed` reading `reads` cells a row (`window_read`),
@@ -224,10 +225,13 @@ class StaticHFModel(HFModel):
                 self.compile_seconds[compiled_shape] = time.perf_counter() - began
             return self._results(placed, out)
         # a forward as it comes (a prefill chunk) computes the output product for the tokens its feeds want only:
-        # a prompt's chunk wants its last (Gemma's 262k-wide product for 128 tokens cost more than its layers)
+        # a prompt's chunk wants its last (Gemma's 262k-wide product for 128 tokens cost more than its layers); a
+        # model without transformers' logits_to_keep computes every token's
         skipped = min(len(tokens) - _wanted(feed, len(tokens)) for feed, tokens, _, _ in placed)
+        if self.fused is None and not self.takes_logits_to_keep:
+            skipped = 0
         out = self.step_forward(*self._uploaded(inputs, shape), cache, self.states_kind, bucketed=False,
-                                keep=tokens_bucket - skipped)
+                                keep=tokens_bucket - skipped if skipped else None)
         return self._results(placed, out, skipped)
 
     def _results(self, placed, out, skipped: int = 0) -> list[torch.Tensor]:
@@ -241,7 +245,7 @@ class StaticHFModel(HFModel):
             n, row = len(tokens), feed.sequence.row
             count = _wanted(feed, n)
             wanted.append(as_float(logits[row, n - count - skipped: n - skipped, : self.vocab_size]))
-            kept.append(None if states is None else as_float(states[row, self.state_rows(n, count)]))
+            kept.append(None if states is None else as_float(states[row, self.state_rows(n, count, skipped)]))
             feed.sequence.commit(tokens, positions, all_parents)
         host = [i for i, (feed, *_) in enumerate(placed) if not feed.on_device]
         if host:  # one copy to the host for every feed that wants its logits (and states) there
@@ -294,11 +298,10 @@ class StaticHFModel(HFModel):
         chunk, run as it comes)."""
         if self.fused is not None:
             return self.fused(tokens, positions, mask, cache, states, bucketed, keep)
-        kept = {"logits_to_keep": keep} if keep and self.takes_logits_to_keep else {}
+        kept = {} if keep is None else {"logits_to_keep": keep}  # given only to models that take it
         out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                          **{self.cache_keyword: cache}, **kept)
-        logits = out.logits if keep is None else out.logits[:, -keep:]  # already so where the model kept them
-        return (logits, self.taken_states()) if states else logits
+        return (out.logits, self.taken_states()) if states else out.logits
 
     def _to_first_rows(self, sequences: list[StaticSequence]) -> None:
         """Swap rows so that the sequences hold rows 0 .. len - 1, moving only those outside them
@@ -490,8 +493,8 @@ def window_read(window: int | None, reads: int) -> int:
 
 def first_in_window(positions: list[int], window: int) -> int:
     """The first cell a sliding layer may see from queries at `positions`: the window of the first position
-    starts there, and every cell's position is at most its index."""
-    return max(0, min(positions) - window + 1)
+    starts there, and every cell's position is at most its index (no queries: 0)."""
+    return max(0, min(positions, default=0) - window + 1)
 
 
 def _bucket(count: int) -> int:
@@ -699,7 +702,7 @@ class SlotCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [rows, heads, n, head dim], written at cells slots[r, j] of row r
-        in place (`fused.write_cells`); returns the layer's rows, their first `reads` cells."""
+        in place (`fused.write_cells`); returns the cells the layer reads of its rows (`fused.read_cells`)."""
         keys, values, row_index, slots, reads, columns = self.cells(layer_idx)
         write_cells(keys, row_index, slots, key_states)
         write_cells(values, row_index, slots, value_states)
