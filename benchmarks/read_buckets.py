@@ -40,14 +40,20 @@ def step_ms(decoder, prompt: list[int], new: int) -> tuple[float, list[int]]:
     return (result.stats.total_seconds - result.stats.prefill_seconds) * 1e3 / steps, result.tokens
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def pool_arguments(doc: str, contexts: str, new: int) -> argparse.ArgumentParser:
+    """The options a benchmark of the pool's contexts takes (this one's and `window_reads.py`'s)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--model", help="a transformers checkpoint or GGUF file (default: Gemma 3 270M)")
-    parser.add_argument("--contexts", default="1024,4096,16384,32768", help="cells per row, comma-separated")
-    parser.add_argument("--new", type=int, default=48, help="tokens generated per run")
-    parser.add_argument("--repeats", type=int, default=4, help="the prompt: a 9-token sentence this many times")
+    parser.add_argument("--contexts", default=contexts, help="cells per row, comma-separated")
+    parser.add_argument("--new", type=int, default=new, help="tokens generated per run")
     parser.add_argument("--runs", type=int, default=3, help="runs per way and context, interleaved")
     parser.add_argument("--threads", type=int, default=1)
+    return parser
+
+
+def main() -> None:
+    parser = pool_arguments(__doc__, "1024,4096,16384,32768", new=48)
+    parser.add_argument("--repeats", type=int, default=4, help="the prompt: a 9-token sentence this many times")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = args.model or gemma_path()

