@@ -118,7 +118,7 @@ class StaticHFModel(HFModel):
 
     def _sliding_layers(self, count: int) -> list[bool]:
         """Which of the `count` layers attend within the sliding window (`layer_masks` gives them their own mask).
-        None where the layer types do not name each cache layer (layers sharing caches): they read the bucket."""
+        None of them where the layer types do not name each cache layer (layers sharing caches): all read the bucket."""
         types = getattr(self.model.config, "layer_types", None) or ["sliding_attention"] * count
         if self.sliding_window is None or len(types) != count:
             return [False] * count
