@@ -419,6 +419,7 @@ class Eagle3Sequence(SequenceEntries):
     def __init__(self, owner: Eagle3Model):
         super().__init__(owner)
         config = owner.net.config
+        # entry i's key and value at row i, for the cache_len entries; rows past them are room (`_store`)
         self.keys = torch.zeros(0, config.kv_heads, config.head_dim, dtype=owner.net.dtype, device=owner.torch_device)
         self.values = torch.zeros_like(self.keys)
         self.outputs: list[torch.Tensor | None] = []  # [hidden] before the final norm, per entry
@@ -509,14 +510,15 @@ class Eagle3Sequence(SequenceEntries):
         low = min(entries)  # the rows of entries low .. cache_len - 1, then the wave's
         allowed = tree.ancestry(self._parents, self._trunk, low, self.cache_len - low)[[e - low for e in entries]]
         allowed = (allowed & torch.tensor(self.attendable)[None]).to(self.keys.device)
-        logits, outputs = net.outputs(queries, residual, self.keys, self.values, allowed)
+        n = self.cache_len
+        logits, outputs = net.outputs(queries, residual, self.keys[:n], self.values[:n], allowed)
         for entry, output in zip(entries, outputs):
             self.outputs[entry] = output
         return list(logits)
 
     def _store(self, entries: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
-        grow = self.cache_len - len(self.keys)
-        if grow > 0:
+        if self.cache_len > len(self.keys):  # the room doubles: growing by the new rows alone copied all at each level
+            grow = max(self.cache_len, 2 * len(self.keys)) - len(self.keys)
             pad = self.keys.new_zeros(grow, *self.keys.shape[1:])
             self.keys, self.values = torch.cat([self.keys, pad]), torch.cat([self.values, pad])
         (index,) = self._on_device(entries)
