@@ -686,11 +686,11 @@ def leviathan(alpha: float, draft_cost: float, verify: dict) -> dict:
     return {"speedup": round(best[0], 2), "gamma": best[1]}
 
 
-def verify_costs(model: StaticHFModel, buckets=BUCKETS) -> dict:
-    """A forward of k tokens (each bucket) after 199 cached, against one token."""
+def verify_costs(model: StaticHFModel, buckets=BUCKETS, cached: int = 199) -> dict:
+    """A forward of k tokens (each bucket) after `cached` cells, against one token."""
     sequence = model.sequence()
     try:
-        sequence.forward(list(range(1, 200)))
+        sequence.forward(list(range(1, cached + 1)))
         times = {}
         for k in buckets:
             samples = []
@@ -700,7 +700,7 @@ def verify_costs(model: StaticHFModel, buckets=BUCKETS) -> dict:
                 sequence.forward(list(range(1, k + 1)), on_device=True)
                 synchronize(DEVICE)
                 samples.append(time.perf_counter() - started)
-                sequence.truncate(199)
+                sequence.truncate(cached)
             times[k] = statistics.median(samples)
         return {k: round(t / times[1], 3) for k, t in times.items()} | {"t(1) ms": round(times[1] * 1e3, 3)}
     finally:
@@ -771,21 +771,8 @@ def windowed_reads(pool: StaticHFModel) -> dict:
     for windowed in (True, False):
         pool.window_reads = windowed
         way = "window" if windowed else "read bucket"
-        sequence = pool.sequence()
-        try:
-            sequence.forward(list(range(1, 900)))
-            logits.append(sequence.forward([5]))
-            times = []
-            for _ in range(5):
-                sequence.truncate(899)
-                synchronize(DEVICE)
-                started = time.perf_counter()
-                sequence.forward([5], on_device=True)
-                synchronize(DEVICE)
-                times.append(time.perf_counter() - started)
-        finally:
-            sequence.release()
-        row[f"sliding layers read their {way}: t(1) ms after 900 cells"] = round(statistics.median(times) * 1e3, 3)
+        row[f"sliding layers read their {way}: t(1) ms after 900 cells"] = verify_costs(pool, (1,), 899)["t(1) ms"]
+        logits.append(step_logits(pool, 899))
     pool.window_reads = True
     row["cells a sliding layer read (the shapes run)"] = max(shape[3] for shape in pool.compile_seconds)
     row["window against read bucket: largest logit difference / logits' std"] = float(
@@ -840,11 +827,11 @@ def eight_b_context(until: float) -> dict:
     return results
 
 
-def step_logits(model: StaticHFModel) -> torch.Tensor:
-    """A step's logits after 199 cells."""
+def step_logits(model: StaticHFModel, cached: int = 199) -> torch.Tensor:
+    """A step's logits after `cached` cells."""
     sequence = model.sequence()
     try:
-        sequence.forward(list(range(1, 200)))
+        sequence.forward(list(range(1, cached + 1)))
         return sequence.forward([5])
     finally:
         sequence.release()

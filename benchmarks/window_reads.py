@@ -31,6 +31,7 @@ os.environ.setdefault("SPECDEC_FUSED", "on")  # the fused forward on the CPU too
 import torch  # noqa: E402
 
 import specdec  # noqa: E402
+from specdec.engine import PREFILL_CHUNK  # noqa: E402
 from specdec.profiling import cpu_name  # noqa: E402
 from specdec.runtime.static import window_read  # noqa: E402
 
@@ -39,15 +40,14 @@ from read_buckets import gemma_path, pool_arguments, step_ms  # noqa: E402
 
 WAYS = {"bucket": False, "window": True}  # what the sliding layers read: every cell of the read bucket, or their window
 SENTENCE = "The history of the printing press begins in"
-CHUNK = 128  # prompt tokens per prefill forward, as the engine feeds them (`engine.PREFILL_CHUNK`)
 
 
 def prefilled(model, prompt: list[int]) -> tuple[object, float]:
     """A sequence holding the prompt, fed in chunks as the engine feeds it, and the seconds it took."""
     sequence = model.sequence()
     started = time.perf_counter()
-    for start in range(0, len(prompt), CHUNK):
-        sequence.forward(prompt[start: start + CHUNK], last=1)
+    for start in range(0, len(prompt), PREFILL_CHUNK):
+        sequence.forward(prompt[start: start + PREFILL_CHUNK], last=1)
     return sequence, time.perf_counter() - started
 
 

@@ -127,8 +127,8 @@ class StaticHFModel(HFModel):
     def _window_cells(self, placed, reads: int) -> int:
         """The cells each sliding layer reads in a forward over `placed` reading `reads` cells a row (`window_read`),
         or 0 (it reads them too) where some row's window and new cells do not fit (a large tree, a long chunk)."""
-        cells = window_read(self.sliding_window, reads) if self.window_reads else 0
         window = self.sliding_window
+        cells = window_read(window, reads) if self.window_reads and any(self.pool.sliding) else 0
         fits = cells and all(feed.sequence.cache_len + len(tokens) - first_in_window(positions, window) <= cells
                              for feed, tokens, positions, _ in placed)
         return cells if fits else 0
@@ -556,7 +556,7 @@ class _Pool:
             # written in place inside the compiled forward: Inductor's CUDA graphs keep their addresses
             for tensor in (*keys, *values, self.positions):
                 torch._dynamo.mark_static_address(tensor)
-            self._caches[key] = SlotCache(keys, values, reads, [window if sliding else 0 for sliding in self.sliding])
+            self._caches[key] = SlotCache(keys, values, reads, window, self.sliding)
         return self._caches[key]
 
     def tensors(self):
@@ -691,10 +691,13 @@ class SlotCache(Cache):
     first `reads`, or a sliding layer's window (`columns` [rows, window], set before each forward where
     `window`); the mask hides the rest."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], reads: int, windows: list[int]):
-        """windows: per layer, the cells of its window it reads (0: the first `reads`)."""
-        super().__init__(layers=[SlotLayer(k, v, window or reads) for k, v, window in zip(keys, values, windows)])
-        self.reads, self.window, self.windowed = reads, max(windows, default=0), [window > 0 for window in windows]
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], reads: int, window: int,
+                 sliding: list[bool]):
+        """window: the cells of its window each `sliding` layer reads (0: the first `reads`, as the others)."""
+        windowed = [bool(window) and slides for slides in sliding]
+        super().__init__(layers=[SlotLayer(k, v, window if reads_window else reads)
+                                 for k, v, reads_window in zip(keys, values, windowed)])
+        self.reads, self.window, self.windowed = reads, window, windowed
         self.slots: torch.Tensor | None = None
         self.columns: torch.Tensor | None = None
         # [rows, 1] beside slots [rows, n]
