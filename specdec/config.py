@@ -48,7 +48,7 @@ class RuntimeConfig:
     and forwards run per shape, `runtime.static`: "graphs" on a GPU, "inductor" on the CPU), "off"
     (growing caches, eager kernels), or how the pool's forwards run: "graphs" (CUDA graphs captured
     by hand), "inductor" (torch.compile's kernels, CUDA graphs on a GPU), "aot_eager" (traced by
-    torch.compile, run eagerly), "static" (the pool, nothing compiled).
+    torch.compile, run eagerly), "static" (the pool, nothing compiled nor padded: each forward as it comes).
     llama.cpp: gpu_layers (layers offloaded where the build has a GPU backend; -1 = all), tokenizer
     (a Hugging Face tokenizer directory to use instead of the file's own), output_layer ("auto",
     "specdec" or "llama.cpp": who computes the logits from the final norm's rows on the CPU,

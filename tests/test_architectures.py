@@ -303,11 +303,13 @@ def test_the_self_check_refuses_a_mask_that_attention_ignores(arch_dirs, monkeyp
     assert load(arch_dirs["llama"], attn_implementation="sdpa").tree_refusal() is None
 
 
+@pytest.mark.parametrize("way", ["graphs", "static"])
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_static_slots_decode_as_the_eager_path(arch, implementation, arch_dirs):
+def test_static_slots_decode_as_the_eager_path(arch, implementation, way, arch_dirs):
     """The static pool (`specdec.runtime.static`, the GPU default) on every architecture and attention
-    implementation: plain decoding and every drafter give the eager path's plain greedy tokens; a
+    implementation, its forwards padded to the compiled shapes (graphs: as a GPU runs them, uncaptured on the
+    CPU) and as they come (static): plain decoding and every drafter give the eager path's plain greedy tokens; a
     model it cannot take is refused by name when asked for."""
     from specdec.runtime.static import StaticHFModel, static_refusal
 
@@ -315,9 +317,9 @@ def test_static_slots_decode_as_the_eager_path(arch, implementation, arch_dirs):
     refusal = static_refusal(eager.model.config)
     if refusal is not None:
         with pytest.raises(specdec.SpecDecError, match=rf"no static cache for this model \({re.escape(refusal)}\)"):
-            load(arch_dirs[arch], compile="static", attn_implementation=implementation)
+            load(arch_dirs[arch], compile=way, attn_implementation=implementation)
         return
-    static = load(arch_dirs[arch], compile="static", attn_implementation=implementation)
+    static = load(arch_dirs[arch], compile=way, attn_implementation=implementation)
     assert isinstance(static, StaticHFModel)
     plain = specdec.SpeculativeDecoder(eager).generate(PROMPT, max_new_tokens=NEW, temperature=0).tokens
     assert specdec.SpeculativeDecoder(static).generate(PROMPT, max_new_tokens=NEW, temperature=0).tokens == plain

@@ -29,10 +29,13 @@ def saved(tmp_path_factory) -> dict[str, str]:
     return dirs
 
 
-def pool(directory: str, fused: bool | None, attn_implementation: str | None = None) -> StaticHFModel:
-    """The model's static pool in float64, with its default attention (sdpa; Gemma 2's eager)."""
+def pool(directory: str, fused: bool | None, attn_implementation: str | None = None,
+         backend: str = "graphs") -> StaticHFModel:
+    """The model's static pool in float64, with its default attention (sdpa; Gemma 2's eager): its forwards
+    padded to the compiled shapes, as a GPU runs them (the CPU's graphs capture nothing), or as they come
+    (backend "static")."""
     eager = specdec.load_model(directory, device="cpu", dtype="float64", attn_implementation=attn_implementation)
-    return StaticHFModel(eager.model, eager.tokenizer, directory, backend="static", fused=fused)
+    return StaticHFModel(eager.model, eager.tokenizer, directory, backend=backend, fused=fused)
 
 
 def test_the_families_it_covers_are_in_the_matrix():
@@ -48,15 +51,17 @@ STEPS = [
 ]
 
 
-@pytest.mark.parametrize("attention", ["products", "sdpa"])
+@pytest.mark.parametrize("attention", ["products", "sdpa", "unpadded"])
 @pytest.mark.parametrize("arch", COVERED)
 def test_each_step_equals_transformers_forward_on_the_pool(arch, attention, saved):
     """Prefill, a tree, compaction of its path, truncation, a fork and a chain: the same logits and
     the same cached keys and values (Mistral's sliding window, Qwen 2's biases, Qwen 3's head norms,
     Gemma's norms and gelu, Gemma 2 and 3's sandwich norms, Gemma 2's capped scores in eager attention,
     local and global layers with their own rotations; grouped key heads in every one). sdpa: every forward
-    as a prefill chunk past the largest bucket computes it."""
-    fused, reference = pool(saved[arch], fused=True), pool(saved[arch], fused=False)
+    as a prefill chunk past the largest bucket computes it; unpadded: on a pool that compiles nothing, whose
+    forwards run as they come."""
+    backend = "static" if attention == "unpadded" else "graphs"
+    fused, reference = pool(saved[arch], fused=True, backend=backend), pool(saved[arch], fused=False, backend=backend)
     assert fused.fused is not None and reference.fused is None
     if attention == "sdpa":
         fused.fused.kernels["bucketed"] = fused.fused.kernels["other"]
@@ -141,11 +146,12 @@ def test_states_of_a_prefill_past_the_largest_bucket(tmp_path):
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("backend", ["graphs", "static"])
 @pytest.mark.parametrize("arch", COVERED)
-def test_every_drafter_writes_plain_decodings_greedy_text(arch, saved):
+def test_every_drafter_writes_plain_decodings_greedy_text(arch, backend, saved):
     eager = specdec.load_model(saved[arch], device="cpu", dtype="float64")
     plain = specdec.SpeculativeDecoder(eager).generate(PROMPT, max_new_tokens=40, temperature=0).tokens
-    fused = pool(saved[arch], fused=True)
+    fused = pool(saved[arch], fused=True, backend=backend)
     near = specdec.load_model(saved[f"{arch}-near"], device="cpu", dtype="float64")
     drafters = {"plain": None, "chain": specdec.ModelDrafter(near), "prompt lookup": specdec.PromptLookupDrafter(),
                 "tree": specdec.ModelDrafter(near, tree=specdec.TreeShape(nodes=8, width=2)),

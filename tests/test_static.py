@@ -2,9 +2,10 @@
 path's cache step for step, every drafter's greedy output equals plain decoding's, sampled chains
 and trees keep the target's distribution, and an iteration reads the device once.
 
-CUDA graphs exist only on a GPU; here the same code runs with its forwards uncompiled ("static"),
-through the graphs' own input buffers without a graph ("graphs" on the CPU), or traced by
-torch.compile without code generation ("aot_eager"), which is what a graph would capture.
+CUDA graphs exist only on a GPU; here the same code runs through the graphs' own input buffers without a
+graph ("graphs" on the CPU: padded to the compiled shapes, as a GPU runs it; most tests), or traced by
+torch.compile without code generation ("aot_eager"), which is what a graph would capture. "static" (nothing
+compiled) runs each forward as it comes, unpadded: `WAYS` checks it beside "graphs".
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from tiny import save_tiny_model
 
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]  # repeats, so prompt lookup has something to find
 NEW = 40
+WAYS = ["graphs", "static"]  # padded to compiled shapes (as a GPU runs them), and as they come
 
 
-def static64(directory: str, compile: str = "static") -> StaticHFModel:
+def static64(directory: str, compile: str = "graphs") -> StaticHFModel:
     return load_model(directory, device="cpu", dtype="float64", compile=compile)
 
 
@@ -39,10 +41,11 @@ def static_llama(model_dirs):
     return static64(model_dirs["llama"])
 
 
-def test_cache_steps_match_the_eager_cache(model_dirs, load64, static_llama):
+@pytest.mark.parametrize("way", WAYS)
+def test_cache_steps_match_the_eager_cache(model_dirs, load64, way):
     """Prefill, a tree, compaction of its path, truncation, a fork and a chain: the same logits and
     the same cached keys on both paths."""
-    eager, static = load64(model_dirs["llama"]).sequence(), static_llama.sequence()
+    eager, static = load64(model_dirs["llama"]).sequence(), static64(model_dirs["llama"], way).sequence()
     steps = [
         lambda s: s.forward(PROMPT),
         lambda s: s.forward([5, 6, 7, 8, 9], parents=[9, 9, 10, 12, 10]),
@@ -125,14 +128,15 @@ def test_a_sequence_dropped_unreleased_gives_its_row_back(model_dirs):
     assert target.sequence().row == row
 
 
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 @pytest.mark.parametrize("kind", ["chain", "tree", "plain"])
-def test_rows_of_a_batch_decode_as_if_alone(arch, kind, model_dirs, load64):
+def test_rows_of_a_batch_decode_as_if_alone(arch, kind, way, model_dirs, load64):
     """The server's continuous batching over static rows: five requests joining at different steps,
     greedy and sampled; each row's tokens equal its generation alone (float64)."""
     from test_batching import PROMPTS, drafters, run_batch
 
-    target = static64(model_dirs[arch])
+    target = static64(model_dirs[arch], way)
     decoder = specdec.SpeculativeDecoder(target, drafters(load64(model_dirs[f"{arch}-near"]))[kind](), gamma=3)
     requests = [dict(prompt=prompt, max_new_tokens=12 + 3 * i, temperature=0.0 if i % 2 else 1.0, top_k=5 * (i % 3), seed=i)
                 for i, prompt in enumerate(PROMPTS)]
@@ -141,9 +145,10 @@ def test_rows_of_a_batch_decode_as_if_alone(arch, kind, model_dirs, load64):
         assert result.tokens == decoder.generate(**request).tokens
 
 
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_drafter_equals_plain_greedy(arch, model_dirs, load64):
-    target = static64(model_dirs[arch])
+def test_every_drafter_equals_plain_greedy(arch, way, model_dirs, load64):
+    target = static64(model_dirs[arch], way)
     want = reference_greedy(load64(model_dirs[arch]), PROMPT, NEW)
     near = specdec.ModelDrafter(load64(model_dirs[f"{arch}-near"]))
     drafters = {
@@ -363,6 +368,33 @@ def test_a_chunk_past_the_largest_bucket_computes_the_logits_it_gives_only(tmp_p
     assert widths == [1, 15, 100, 2]
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("backend, shapes", [
+    ("static", [(3, 10, 7), (1, 5, 5)]),  # as they come: rows, tokens, the output product's tokens
+    ("graphs", [(4, 16, 16), (1, 16, 16)]),  # padded to the compiled shapes (a batch bucket of 4, a token bucket of 16)
+])
+def test_a_pool_that_compiles_nothing_pads_nothing(model_dirs, load64, fused, backend, shapes):
+    """On a pool that compiles nothing (static) a forward runs as it comes, as a prefill chunk past the largest
+    bucket does: a batch of 3 rows of 10, 7 and 4 entries wanting their last logits runs 3 rows of 10 and the
+    output product from the first token a row wants (the 4-entry row's 4th: 7 of 10), a tree verify of 5 entries
+    runs 5 tokens, not its bucket's 16. Each gives the eager cache's logits."""
+    eager = load64(model_dirs["llama"])
+    prompts, tree = [PROMPT, PROMPT[:7], PROMPT[3:7]], dict(tokens=[5, 6, 7, 8, 9], parents=[9, 9, 10, 12, 10])
+    references = [eager.sequence() for _ in prompts]
+    want = [reference.forward(prompt, last=1) for reference, prompt in zip(references, prompts)]
+    want_tree = references[0].forward(**tree)
+    pool = StaticHFModel(eager.model, eager.tokenizer, "llama", backend=backend, fused=fused)
+    seen = []  # (rows, tokens) each forward embedded, then the tokens its output product ran over (the pool's only)
+    pool.model.model.embed_tokens.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0].shape))
+    pool.model.lm_head.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0].shape[1]))
+    sequences = [pool.sequence() for _ in prompts]
+    got = pool.forward_batch([Feed(s, prompt, last=1) for s, prompt in zip(sequences, prompts)])
+    for mine, logits in zip(got, want):
+        torch.testing.assert_close(mine, logits, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(sequences[0].forward(**tree), want_tree, rtol=1e-10, atol=1e-10)
+    assert [(*seen[i], seen[i + 1]) for i in range(0, len(seen), 2)] == shapes
+
+
 def test_a_released_sequence_is_refused(model_dirs):
     model = static64(model_dirs["llama"])
     sequence = model.sequence()
@@ -375,10 +407,11 @@ def test_a_released_sequence_is_refused(model_dirs):
             use()
 
 
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("tree", [None, 6])
-def test_sampled_chains_and_trees_are_lossless(static_llama, load64, model_dirs, tree):
+def test_sampled_chains_and_trees_are_lossless(load64, model_dirs, tree, way):
     near = specdec.ModelDrafter(load64(model_dirs["llama-near"]), tree=specdec.TreeShape(nodes=tree) if tree else None)
-    decoder = specdec.SpeculativeDecoder(static_llama, near, gamma=3)
+    decoder = specdec.SpeculativeDecoder(static64(model_dirs["llama"], way), near, gamma=3)
     report = check_lossless(decoder, [PROMPT], samples=400, length=2, seed=5, alpha=1e-3, progress=False, temperature=1.0)
     assert report.passed, format_report(report)
     assert 0 < report.accepted < report.drafted
@@ -412,8 +445,9 @@ def test_an_iteration_reads_the_device_once(static_llama, load64, model_dirs, mo
     argmax, sampled verification their distribution, once per iteration, whatever was drafted."""
     results = StaticHFModel._results
 
-    def resident_results(self, placed, logits):
-        return [row.as_subclass(Resident) if feed.on_device else row for (feed, *_), row in zip(placed, results(self, placed, logits))]
+    def resident_results(self, placed, logits, skipped=0):
+        return [row.as_subclass(Resident) if feed.on_device else row
+                for (feed, *_), row in zip(placed, results(self, placed, logits, skipped))]
 
     monkeypatch.setattr(StaticHFModel, "_results", resident_results)
     for drafter, gamma in ((None, "auto"), (specdec.ModelDrafter(load64(model_dirs["llama-near"])), 3), (specdec.PromptLookupDrafter(), 4)):

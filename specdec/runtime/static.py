@@ -11,7 +11,8 @@ one-token step then costs several times what reading the weights does. Here inst
   one view per batch bucket, so the graphs captured over it keep their addresses. New entries are
   padded to a token bucket (`BUCKETS`), rows to a batch bucket (`BATCHES`), the cells attention reads to a
   read bucket (`read_buckets`: powers of two up to the row; what the batch's rows hold, not the whole row),
-  and each (batch, tokens, cells read) shape is compiled once: `torch.compile`, CUDA graphs on a GPU.
+  and each (batch, tokens, cells read) shape is compiled once: `torch.compile`, CUDA graphs on a GPU (on the
+  static backend nothing is compiled, and nothing padded).
   A sliding-window layer (Gemma 2 and 3's local layers, Mistral's) reads its window alone where the read
   bucket is long (`window_read`: a gather of each row's last window + `WINDOW_SLACK` cells).
   Forwards of more new entries (a prefill chunk) run eagerly on the same pool;
@@ -63,7 +64,8 @@ WINDOW_SLACK = 128
 KEPT_ROWS = 4
 # graphs: each shape captured by hand as a CUDA graph (`_Graphs`; on the CPU the same buffers, replayed
 # eagerly); inductor: torch.compile's generated kernels, CUDA graphs on a GPU ("reduce-overhead");
-# aot_eager: traced by torch.compile, run eagerly (tests); static: the pool alone, nothing compiled
+# aot_eager: traced by torch.compile, run eagerly (tests); static: the pool alone, nothing compiled nor padded (each
+# forward as it comes, as a prefill chunk runs everywhere: `pads`)
 COMPILE_BACKENDS = ("graphs", "inductor", "aot_eager", "static")
 
 
@@ -107,8 +109,9 @@ class StaticHFModel(HFModel):
         if fused and refusal:
             raise SpecDecError(f"{path}: no fused forward ({refusal})")
         self.unfused_because = _why_unfused(fused, refusal, self.on_gpu)
-        # Inductor's kernels for its elementwise steps on a GPU; as written elsewhere (what the tests check)
-        self.fused = None if self.unfused_because else FusedForward(model, compiled=self.on_gpu)
+        # Inductor's kernels for its elementwise steps on a GPU (static: nothing compiled); as written elsewhere
+        # (what the tests check)
+        self.fused = None if self.unfused_because else FusedForward(model, compiled=self.on_gpu and self.pads)
 
     @property
     def states_kind(self) -> tuple[int, ...] | str | None:
@@ -158,6 +161,13 @@ class StaticHFModel(HFModel):
                 f"{forward})")
 
     @property
+    def pads(self) -> bool:
+        """Whether a forward of up to the largest bucket's tokens and batch is padded to a compiled shape: on every
+        backend but static, whose forwards run as they come (padding would be work for nothing: a verify of 9
+        tokens computed 16, and Gemma's 262k-wide output product for each)."""
+        return self.compile_backend != "static"
+
+    @property
     def compiles(self) -> bool:
         """Whether a shape's first forward compiles (Inductor, a trace) or captures (a CUDA graph) something."""
         return self.compile_backend in ("inductor", "aot_eager") or (self.compile_backend == "graphs" and self.on_gpu)
@@ -203,8 +213,10 @@ class StaticHFModel(HFModel):
         if any(feed.sequence.released for feed in feeds):
             raise ValueError("a released sequence cannot be fed: its row may be another's now")
         placed = [(feed, *feed.sequence.place(feed.tokens, feed.parents)) for feed in feeds]
-        tokens_bucket = _bucket(max(len(tokens) for _, tokens, _, _ in placed))  # beyond the largest: unpadded
-        compiled = tokens_bucket in BUCKETS and len(feeds) <= BATCHES[-1]  # a shape (rows, tokens, tree words)
+        longest = max(len(tokens) for _, tokens, _, _ in placed)
+        # a compiled shape (rows, tokens, cells read, window read), padded to it; else a forward as it comes
+        compiled = self.pads and longest <= BUCKETS[-1] and len(feeds) <= BATCHES[-1]
+        tokens_bucket = _bucket(longest) if compiled else longest
         rows = next(b for b in BATCHES if b >= len(feeds)) if compiled else len(feeds)
         if rows > self.pool.rows:
             self._grow(rows)
@@ -224,13 +236,17 @@ class StaticHFModel(HFModel):
                 base.synchronize(self.torch_device)
                 self.compile_seconds[compiled_shape] = time.perf_counter() - began
             return self._results(placed, out)
-        # a forward as it comes (a prefill chunk) computes the output product for the tokens its feeds want only:
-        # a prompt's chunk wants its last (Gemma's 262k-wide product for 128 tokens cost more than its layers); a
-        # model without transformers' logits_to_keep computes every token's
+        # a forward as it comes (a prefill chunk; on a pool that compiles nothing, every forward) computes the
+        # output product for the tokens its feeds want only: a prompt's chunk wants its last (Gemma's 262k-wide
+        # product for 128 tokens cost more than its layers); a model without transformers' logits_to_keep
+        # computes every token's
         skipped = min(len(tokens) - _wanted(feed, len(tokens)) for feed, tokens, _, _ in placed)
         if self.fused is None and not self.takes_logits_to_keep:
             skipped = 0
-        out = self.step_forward(*self._uploaded(inputs, shape), cache, self.states_kind, bucketed=False,
+        # a step's few queries on a pool that pads nothing take a step's kernels (a padded pool's would compile
+        # them for this shape)
+        bucketed = not self.pads and longest <= BUCKETS[-1]
+        out = self.step_forward(*self._uploaded(inputs, shape), cache, self.states_kind, bucketed=bucketed,
                                 keep=tokens_bucket - skipped if skipped else None)
         return self._results(placed, out, skipped)
 
@@ -269,12 +285,10 @@ class StaticHFModel(HFModel):
         if self.compile_backend == "graphs":
             return _Graphs(self.step_forward, self._upload,
                            capture_on=self.torch_device if self.torch_device.type == "cuda" else None)
-        step = self.step_forward
-        if self.compile_backend != "static":
-            allow_compiled_shapes()  # every model's every shape is an entry of `step_forward`'s code
-            inductor = self.compile_backend == "inductor"
-            mode = "reduce-overhead" if inductor and self.torch_device.type == "cuda" else None
-            step = torch.compile(step, mode=mode, dynamic=False, backend=self.compile_backend)
+        allow_compiled_shapes()  # every model's every shape is an entry of `step_forward`'s code
+        inductor = self.compile_backend == "inductor"
+        mode = "reduce-overhead" if inductor and self.torch_device.type == "cuda" else None
+        step = torch.compile(self.step_forward, mode=mode, dynamic=False, backend=self.compile_backend)
         return lambda inputs, shape, cache, states: step(*self._uploaded(inputs, shape), cache, states)
 
     def _uploaded(self, inputs: torch.Tensor, shape: tuple[int, int, int]) -> tuple[torch.Tensor, ...]:
@@ -294,8 +308,8 @@ class StaticHFModel(HFModel):
     def _forward_logits(self, tokens, positions, mask, cache, states=None, bucketed: bool = True,
                         keep: int | None = None):
         """The logits [rows, tokens, vocab] (of the last `keep` tokens where given); with states (their kind,
-        `states_kind`), (logits, the states [rows, tokens, width]). bucketed: a compiled shape (else a prefill
-        chunk, run as it comes)."""
+        `states_kind`), (logits, the states [rows, tokens, width]). bucketed: a step's few queries (a compiled
+        shape, or one as it comes on a pool that pads nothing), else a prefill chunk's many."""
         if self.fused is not None:
             return self.fused(tokens, positions, mask, cache, states, bucketed, keep)
         kept = {} if keep is None else {"logits_to_keep": keep}  # given only to models that take it
