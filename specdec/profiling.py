@@ -1,5 +1,5 @@
 """Measuring what a forward costs on this machine (`specdec.costs.Profile`): once per model,
-backend, threads and device, kept on disk.
+backend, threads, device and way of running it (`model_identity`), kept on disk.
 
 t(k) is timed as decoding pays it: each timed forward follows an untimed one of the same size, so
 llama.cpp reuses its graph as in steady decoding (timed alone after another size, a one-token
@@ -213,7 +213,8 @@ def cache_key(target: CausalLM, draft: CausalLM | None) -> str:
 
 
 def model_identity(model: CausalLM) -> dict:
-    """What makes a model's costs what they are: its files, backend, threads, device, dtype and output layer."""
+    """What makes a model's costs what they are: its files, backend, threads, device, dtype, output layer, and how
+    it runs them as it says (`describe`: its attention implementation, a static pool's forward)."""
     path = Path(model.path)
     files = ([path] if path.is_file()
              else sorted(p for p in path.glob("*") if p.suffix in (".json", ".safetensors", ".bin", ".gguf")))
@@ -221,7 +222,7 @@ def model_identity(model: CausalLM) -> dict:
     return {"path": str(path.resolve()), "files": stamps, "backend": model.backend, "dtype": model.dtype,
             "device": str(model.device), "threads": model.threads or torch.get_num_threads(),
             "compiled": model.compile_backend, "context": model.max_length,  # a static pool's rows and read buckets
-            "output_layer": model.output_layer}
+            "output_layer": model.output_layer, "runs": model.describe()}
 
 
 def _plain_step(target: CausalLM) -> float:

@@ -21,6 +21,7 @@ from specdec.drafters import AutoDrafter, ModelDrafter, PromptLookupDrafter
 from specdec.drafters.base import DraftRequest
 from specdec.policy import BatchDepth, Budget, CostAwareDepth, CostAwarePolicy, confidence_bin, expected_tokens
 from specdec.params import SamplingParams
+from specdec.runtime.static import StaticHFModel
 from test_tree_exact import DRAFTER_PROMPT, PRUNED_COLUMNS, PrunedTableLM, TableLM, proposal_deviation
 from test_verify_exact import Conditional, enumerator  # noqa: F401 (enumerator: a fixture)
 
@@ -399,6 +400,12 @@ def test_profile_is_measured_once_and_cached(model_dirs, tmp_path, monkeypatch):
     assert not calls and again.target == first.target  # from the cache
     other = profiling.cache_key(specdec.load_model(model_dirs["qwen2"], device="cpu"), None)
     assert other != profiling.cache_key(target, draft) != profiling.cache_key(target, None)
+    # the same files run another way: another attention, a static pool with and without the fused forward
+    eager_attention = specdec.load_model(model_dirs["llama"], device="cpu", attn_implementation="eager")
+    pools = [StaticHFModel(target.model, target.tokenizer, target.path, backend="static", fused=fused)
+             for fused in (False, True)]
+    keys = {profiling.cache_key(model, None) for model in (target, eager_attention, *pools)}
+    assert len(keys) == 4
 
 
 def test_waiting_for_a_core_is_measured(tmp_path):
