@@ -492,7 +492,8 @@ def step_kernels(static: StaticHFModel, label: str, steps: int = 8) -> dict:
 
 def fused_pool(model, tokenizer, backend: str, scope: str | None) -> StaticHFModel:
     """The 8B shape's pool: transformers' forward (scope None), or the fused one compiled at `scope`
-    (the same concatenated weights each time: `fused._concatenated`)."""
+    (the same concatenated weights each time: `fused._concatenated`). On the static backend (`step_kernels`) a
+    forward runs unpadded, so each new shape of a step compiles its kernels there: one-token steps only."""
     from specdec.runtime.fused import FusedForward
 
     static = StaticHFModel(model, tokenizer, "8B-shaped", context=1024, backend=backend, fused=scope is not None)

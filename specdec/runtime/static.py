@@ -214,10 +214,10 @@ class StaticHFModel(HFModel):
             raise ValueError("a released sequence cannot be fed: its row may be another's now")
         placed = [(feed, *feed.sequence.place(feed.tokens, feed.parents)) for feed in feeds]
         longest = max(len(tokens) for _, tokens, _, _ in placed)
-        # a compiled shape (rows, tokens, cells read, window read), padded to it; else a forward as it comes
-        compiled = self.pads and longest <= BUCKETS[-1] and len(feeds) <= BATCHES[-1]
-        tokens_bucket = _bucket(longest) if compiled else longest
-        rows = next(b for b in BATCHES if b >= len(feeds)) if compiled else len(feeds)
+        # padded to a compiled shape (rows, tokens, cells read, window read), run by `runner`; else as it comes
+        padded = self.pads and longest <= BUCKETS[-1] and len(feeds) <= BATCHES[-1]
+        tokens_bucket = _bucket(longest) if padded else longest
+        rows = next(b for b in BATCHES if b >= len(feeds)) if padded else len(feeds)
         if rows > self.pool.rows:
             self._grow(rows)
         self._to_first_rows([feed.sequence for feed in feeds])
@@ -228,7 +228,7 @@ class StaticHFModel(HFModel):
         cache = self.pool.cache(rows, reads, self._window_cells(placed, reads))
         inputs, shape = _Step.of(self, by_row, rows, tokens_bucket, cache)
         began = time.perf_counter()
-        if compiled:
+        if padded:
             compiled_shape = (rows, tokens_bucket, cache.reads, cache.window)
             first = compiled_shape not in self.compile_seconds
             out = self.runner()(inputs, shape, cache, self.states_kind)
@@ -282,6 +282,8 @@ class StaticHFModel(HFModel):
         return self._runner
 
     def _compiled(self):
+        if not self.pads:
+            raise ValueError("a static pool compiles nothing: its forwards run as they come, with no runner")
         if self.compile_backend == "graphs":
             return _Graphs(self.step_forward, self._upload,
                            capture_on=self.torch_device if self.torch_device.type == "cuda" else None)
