@@ -177,6 +177,11 @@ class Feed:
     on_device: bool = False  # the logits may stay on the model's device; only for a model with `device_logits`
 
 
+def wanted_count(last: int | None, n: int) -> int:
+    """How many of n new tokens' logits a forward asked for `last` of them gives: its last ones (None: all)."""
+    return n if last is None else min(last, n)
+
+
 def forward_each(feeds: Seq[Feed]) -> list[torch.Tensor]:
     """`forward_batch` one sequence at a time: the reference, and what a model without batching does."""
     check_distinct(feeds)

@@ -458,7 +458,7 @@ class Eagle3Sequence(SequenceEntries):
         for wave in self._waves(start, n):
             for entry, row in zip(wave, self._compute(wave)):
                 logits[entry - start] = row
-        count = n if last is None else min(last, n)
+        count = base.wanted_count(last, n)
         return base.to_host(torch.stack(logits[n - count:])) if count else torch.zeros(0, len(self.owner.columns))
 
     def _waves(self, start: int, n: int) -> list[list[int]]:

@@ -225,7 +225,7 @@ class HeadModel:
             sequence.commit(tokens, positions, all_parents)
             sequence.guesses += [None] * len(tokens)
             n = len(tokens)
-            count = n if feed.last is None else min(feed.last, n)
+            count = base.wanted_count(feed.last, n)
             wanted.append((sequence, list(range(start + n - count, start + n))))
         logits = self._compute([(sequence, entry) for sequence, entries in wanted for entry in entries])
         return [self._rows([logits[id(sequence), entry] for entry in entries]) for sequence, entries in wanted]

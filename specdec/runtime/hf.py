@@ -245,7 +245,7 @@ class HFModel(base.CheckedTrees):
                 else:
                     sequence._cache.update(keys, values, index)
             sequence.commit(row_tokens, row_positions, all_parents)
-            wanted = n if feed.last is None else min(feed.last, n)
+            wanted = base.wanted_count(feed.last, n)
             results.append(self.logits_out(out.logits[r, n - wanted : n]))
             sequence.states = None if states is None else host_float(states[r, self.state_rows(n, wanted)])
         return results

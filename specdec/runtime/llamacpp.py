@@ -339,7 +339,7 @@ class LlamaCppModel(base.CheckedTrees):
                 new, new_positions, new_ids = feed.sequence.place(feed.tokens, feed.parents)
                 started.append(feed.sequence)
                 n = len(new)
-                wanted = n if feed.last is None else min(feed.last, n)
+                wanted = base.wanted_count(feed.last, n)
                 tokens += new
                 positions += new_positions
                 ids += new_ids

@@ -240,7 +240,7 @@ class StaticHFModel(HFModel):
         # output product for the tokens its feeds want only: a prompt's chunk wants its last (Gemma's 262k-wide
         # product for 128 tokens cost more than its layers); a model without transformers' logits_to_keep
         # computes every token's
-        skipped = min(len(tokens) - _wanted(feed, len(tokens)) for feed, tokens, _, _ in placed)
+        skipped = min(len(tokens) - base.wanted_count(feed.last, len(tokens)) for feed, tokens, _, _ in placed)
         if self.fused is None and not self.takes_logits_to_keep:
             skipped = 0
         # a step's few queries on a pool that pads nothing take a step's kernels (a padded pool's would compile
@@ -259,7 +259,7 @@ class StaticHFModel(HFModel):
         wanted, kept = [], []  # per feed: [rows, vocab], [rows, width] or None
         for feed, tokens, positions, all_parents in placed:
             n, row = len(tokens), feed.sequence.row
-            count = _wanted(feed, n)
+            count = base.wanted_count(feed.last, n)
             wanted.append(as_float(logits[row, n - count - skipped: n - skipped, : self.vocab_size]))
             kept.append(None if states is None else as_float(states[row, self.state_rows(n, count, skipped)]))
             feed.sequence.commit(tokens, positions, all_parents)
@@ -473,11 +473,6 @@ class _Step:
         columns = cache.columns  # [rows, window], below `reads`
         window = padded(allowed.gather(2, columns[:, None, :].expand(rows, bucket, -1)))
         return owner.layer_masks(*full, positions, sliding=(window, owner.pool.positions[:rows].gather(1, columns)))
-
-
-def _wanted(feed: base.Feed, n: int) -> int:
-    """How many of a feed's n new tokens' logits it wants (its last ones)."""
-    return n if feed.last is None else min(feed.last, n)
 
 
 def _words(bitset: int, words: int) -> list[int]:
